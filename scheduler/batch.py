@@ -1,0 +1,49 @@
+"""The batch the scheduler hands to the engine for one step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.request import Request
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """``num_tokens`` tokens of ``request`` starting at position ``start`` are computed this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def needs_sample(self) -> bool:
+        """True when this chunk reaches the last known token: its logits give the next token."""
+        return self.end == self.request.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.all_token_ids[self.start : self.end]
+
+
+@dataclass
+class ScheduledBatch:
+    requests: list[ScheduledRequest] = field(default_factory=list)
+    # (src, dst) block copies the engine performs before this step's forward (copy-on-write forks).
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # ids of requests preempted while building this batch (their blocks are already freed).
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.requests)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
