@@ -1,0 +1,18 @@
+"""A snapshot of the engine's state, read by /metrics and /health."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_requests_running: int
+    num_requests_waiting: int
+    kv_cache_usage: float  # fraction of blocks in use by running requests, 0..1
+    num_blocks: int
+    block_size: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache, total
+    prefix_cache_hits: int  # of which found, total
+    num_preemptions: int  # total
+    is_running: bool
