@@ -1,0 +1,198 @@
+"""The Python API: ``Engine.from_pretrained(...)``, ``generate_batch``, ``init_continuous_batching``."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from engine.generation.config import GenerationConfig
+from engine.generation.sampler import Sampler
+from engine.kv_cache import KVCache
+from engine.manager import ContinuousBatchingManager
+from engine.model_loader import LoadedModel, load_model
+from engine.outputs import GenerationOutput
+from engine.runner import ModelRunner
+from kvcache.sizing import bytes_per_block, num_blocks_for_budget
+from scheduler import make_scheduler
+from scheduler.config import SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.85
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """How big the KV cache is and how the scheduler fills it."""
+
+    scheduler: str = "fifo"
+    max_batch_tokens: int = 2048
+    max_num_seqs: int = 64
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+    safety_margin: float = 0.2
+
+
+class Engine:
+    """A loaded model with its KV cache; hands out one continuous-batching manager."""
+
+    def __init__(self, loaded: LoadedModel, options: CacheOptions, model_name: str) -> None:
+        self.loaded = loaded
+        self.options = options
+        self.model_name = model_name
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model = loaded.model
+        param = next(self.model.parameters())
+        self.device: torch.device = param.device
+        self.dtype: torch.dtype = param.dtype
+        self.generation_defaults = GenerationConfig.from_model_defaults(loaded.generation_defaults)
+        limit = loaded.config.max_position_embeddings
+        self.max_model_len = min(limit, options.max_model_len) if options.max_model_len else limit
+        self.block_size = options.block_size
+        self.num_blocks = self._num_blocks()
+        self.kv_cache = KVCache(
+            num_layers=loaded.config.num_hidden_layers,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            num_kv_heads=loaded.config.num_key_value_heads,
+            head_dim=loaded.config.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self._manager: ContinuousBatchingManager | None = None
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str = "default",
+        device: str = "auto",
+        dtype: str = "auto",
+        load_format: str = "auto",
+        served_model_name: str | None = None,
+        **cache_and_scheduler_options: Any,
+    ) -> Engine:
+        """Load ``model`` ("default", a HF folder, a .gguf file, or a dummy preset with
+        ``load_format="dummy"``) and size its KV cache. Options: see ``CacheOptions``."""
+        options = CacheOptions(**{k: v for k, v in cache_and_scheduler_options.items() if v is not None})
+        loaded = load_model(model, load_format=load_format, dtype=dtype, device=device)
+        name = served_model_name or _default_model_name(model, loaded)
+        return cls(loaded, options, name)
+
+    # ------------------------------------------------------------------ KV cache sizing
+    def _num_blocks(self) -> int:
+        o = self.options
+        if o.num_blocks is not None:
+            return o.num_blocks
+        cfg = self.model_config
+        per_block = bytes_per_block(
+            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, o.block_size, self.dtype.itemsize
+        )
+        if o.kv_cache_memory is not None:
+            budget = o.kv_cache_memory
+        elif self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            budget = int(free * o.gpu_memory_utilization)
+        else:
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
+        num = num_blocks_for_budget(budget, per_block)
+        # NOTE: more blocks than every sequence at full context can use is memory for nothing.
+        cap = o.max_num_seqs * -(-self.max_model_len // o.block_size)
+        return min(num, cap)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    # ------------------------------------------------------------------ continuous batching
+    def init_continuous_batching(self, max_queue: int = 1024, **overrides: Any) -> ContinuousBatchingManager:
+        """A manager over this engine's model and cache (not started). ``overrides`` may change the
+        scheduler's options (``scheduler``, ``max_batch_tokens``, ``max_num_seqs``, ...)."""
+        o = self.options
+        opts = {**o.__dict__, **{k: v for k, v in overrides.items() if v is not None}}
+        sched_config = SchedulerConfig(
+            max_batch_tokens=opts["max_batch_tokens"],
+            max_num_seqs=opts["max_num_seqs"],
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            safety_margin=opts["safety_margin"],
+            enable_prefix_caching=opts["enable_prefix_caching"],
+            max_model_len=self.max_model_len,
+        )
+        scheduler = make_scheduler(opts["scheduler"], sched_config)
+        runner = ModelRunner(self.model, self.kv_cache, self.block_size, self.device)
+        sampler = Sampler(self.model_config.vocab_size, self.device)
+        eos = tuple(self.tokenizer.eos_token_ids) or tuple(self.model_config.eos_token_ids)
+        self._manager = ContinuousBatchingManager(
+            scheduler=scheduler,
+            runner=runner,
+            sampler=sampler,
+            tokenizer=self.tokenizer,
+            generation_defaults=self.generation_defaults,
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            eos_token_ids=eos,
+            max_queue=max_queue,
+        )
+        return self._manager
+
+    def generate_batch(
+        self,
+        inputs: list[list[int]],
+        generation_config: GenerationConfig | None = None,
+        progress_bar: bool = True,
+        record_timestamps: bool = False,
+        **generation_kwargs: Any,
+    ) -> dict[str, GenerationOutput]:
+        """Generate for every prompt with continuous batching; returns request id -> final output
+        (for ``num_return_sequences`` > 1, ids ``{id}`` for sample 0 and ``{id}/{i}`` for the others)."""
+        config = generation_config or self.generation_defaults
+        if generation_kwargs:
+            config = config.merged(**generation_kwargs)
+        manager = self.init_continuous_batching(max_queue=max(1024, len(inputs) + 1))
+        manager.start()
+        results: dict[str, GenerationOutput] = {}
+        expected = len(inputs) * config.num_return_sequences
+        num_tokens = 0
+        start = time.perf_counter()
+        try:
+            for i, ids in enumerate(inputs):
+                manager.add_request(
+                    ids, request_id=f"batch_req_{i}", generation_config=config, record_timestamps=record_timestamps
+                )
+            bar = tqdm(total=len(inputs), desc="generate_batch", unit="req", file=sys.stderr, disable=not progress_bar)
+            with bar:
+                while len(results) < expected:
+                    out = manager.get_result(timeout=1.0)
+                    if out is None:
+                        if not manager.is_running():
+                            raise RuntimeError("the engine loop stopped before every request finished")
+                        continue
+                    if not out.is_finished:
+                        continue
+                    key = out.request_id if out.index == 0 else f"{out.request_id}/{out.index}"
+                    results[key] = out
+                    num_tokens += len(out.generated_ids)
+                    if out.index == 0:
+                        bar.update(1)
+                    bar.set_postfix(tok_s=f"{num_tokens / max(time.perf_counter() - start, 1e-9):.1f}")
+        finally:
+            manager.stop(block=True, timeout=30)
+        return results
+
+
+def _default_model_name(model: str, loaded: LoadedModel) -> str:
+    if model == "default":
+        return "SmolLM2-135M-Instruct"
+    return str(getattr(loaded.source, "name", model))

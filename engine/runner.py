@@ -1,0 +1,39 @@
+"""Turns a ScheduledBatch into the model's inputs and runs one batched forward."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.inputs import BatchInputs
+from engine.kv_cache import KVCache
+from scheduler.batch import ScheduledBatch
+
+
+class ModelRunner:
+    """Owns the model and its KV cache tensors; called only from the engine thread."""
+
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, block_size: int, device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.device = device
+
+    def prepare(self, batch: ScheduledBatch) -> BatchInputs:
+        return BatchInputs.build(
+            token_ids=[s.token_ids for s in batch.requests],
+            starts=[s.start for s in batch.requests],
+            block_tables=[s.request.block_ids for s in batch.requests],
+            logits_rows=[s.needs_sample for s in batch.requests],
+            block_size=self.block_size,
+            device=self.device,
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Logits ``[num_sampled, vocab]`` (float32), one row per scheduled request whose chunk reaches its
+        last known token, in batch order."""
+        if batch.blocks_to_copy:
+            self.kv_cache.copy_blocks(batch.blocks_to_copy)
+        inputs = self.prepare(batch)
+        logits = self.model(inputs, self.kv_cache)  # [num_sampled, vocab]
+        return logits.float()

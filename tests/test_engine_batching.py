@@ -1,0 +1,209 @@
+"""The continuous-batching engine end to end on the real default model (CPU, fp32, greedy): batching,
+chunked prefill, prefix caching and preemption never change what a request generates."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from engine.engine import Engine
+from engine.errors import ContextLengthExceededError, EngineDeadError, InvalidRequestError
+from engine.outputs import RequestStatus
+from scheduler.errors import RequestTooLargeError
+from scheduler.request import FinishReason
+
+SHARED = (
+    "You are a helpful assistant. Answer briefly and precisely, and never make up facts you do not know. "
+)
+TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    SHARED + "What is the boiling point of water?",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    SHARED + "Name three primary colours.",
+    "1, 2, 3, 4, 5,",
+    "Translate to French: good morning, my friend.",
+    SHARED + "Why is the sky blue? Explain it to a child in two sentences, please.",
+    "import numpy as np\nx = np.arange(10)\nprint(",
+    "The quick brown fox",
+    SHARED + "Write a haiku about autumn leaves.",
+    "Q: What is 12 times 12?\nA:",
+    "Dear Sir or Madam, I am writing to",
+    SHARED + "List the planets of the solar system in order from the sun, separated by commas:",
+    "In 1969, the first humans",
+    "<html><body><h1>",
+]
+MAX_NEW = [24, 8, 16, 20, 12, 24, 10, 18, 16, 6, 22, 12, 14, 24, 9, 15]
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine.from_pretrained("default", device="cpu", dtype="float32", num_blocks=512)
+
+
+@pytest.fixture(scope="module")
+def prompts(engine: Engine) -> list[list[int]]:
+    return [engine.tokenizer.encode(t) for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def reference(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt alone, greedy."""
+    out = []
+    for ids, n in zip(prompts, MAX_NEW, strict=True):
+        res = engine.generate_batch([ids], progress_bar=False, max_new_tokens=n, do_sample=False)
+        out.append(res["batch_req_0"].generated_ids)
+    return out
+
+
+def run_concurrently(engine: Engine, prompts: list[list[int]], **options: object) -> tuple[list[list[int]], object]:
+    manager = engine.init_continuous_batching(**options)
+    manager.start()
+    try:
+        ids = [
+            manager.add_request(p, max_new_tokens=n, do_sample=False)
+            for p, n in zip(prompts, MAX_NEW, strict=True)
+        ]
+        results: dict[str, list[int]] = {}
+        deadline = time.monotonic() + 120
+        while len(results) < len(ids) and time.monotonic() < deadline:
+            out = manager.get_result(timeout=1.0)
+            if out is not None and out.is_finished:
+                assert out.status is RequestStatus.FINISHED, out.error
+                results[out.request_id] = out.generated_ids
+        assert len(results) == len(ids), "not every request finished in time"
+        manager.check_integrity()
+        scheduler = manager.scheduler
+        return [results[i] for i in ids], scheduler
+    finally:
+        manager.stop(timeout=30)
+
+
+@pytest.mark.parametrize("policy", ["fifo", "prefill_first"])
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_concurrent_equals_one_at_a_time(engine, prompts, reference, policy, prefix_caching):
+    got, scheduler = run_concurrently(
+        engine, prompts, scheduler=policy, enable_prefix_caching=prefix_caching, max_batch_tokens=64
+    )
+    assert got == reference
+    if prefix_caching:
+        assert scheduler.prefix_cache_hits > 0  # the shared system prefix was reused
+
+
+def test_preemption_keeps_outputs(engine, prompts, reference):
+    # 16 requests with at most ~60 tokens each need ~64 blocks of 16 at once; give the scheduler far fewer.
+    small = Engine(engine.loaded, engine.options.__class__(num_blocks=24, max_batch_tokens=64), "small")
+    got, scheduler = run_concurrently(small, prompts, safety_margin=0.0)
+    assert scheduler.num_preemptions > 0
+    assert got == reference
+
+
+def test_generate_batch_progress_and_outputs(engine, prompts, reference, capsys):
+    res = engine.generate_batch(prompts[:4], max_new_tokens=8, do_sample=False, record_timestamps=True)
+    err = capsys.readouterr().err
+    assert "generate_batch" in err and "tok_s" in err
+    for i in range(4):
+        out = res[f"batch_req_{i}"]
+        assert out.generated_ids == reference[i][:8]
+        assert out.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+        assert out.timestamps is not None and len(out.timestamps) == len(out.generated_ids)
+        assert out.prompt_ids == prompts[i]
+
+
+def test_cancel_frees_blocks_and_reports(engine, prompts):
+    manager = engine.init_continuous_batching()
+    manager.start()
+    try:
+        rid = manager.add_request(prompts[3], max_new_tokens=200, do_sample=False, streaming=True)
+        first = manager.get_result(timeout=30)
+        assert first is not None and first.status is RequestStatus.RUNNING
+        manager.cancel_request(rid)
+        final = None
+        for out in manager.request_id_iter(rid, timeout=30):
+            final = out
+        assert final is not None and final.status is RequestStatus.CANCELLED
+        assert final.finish_reason is FinishReason.ABORT
+        assert len(final.generated_ids) < 200
+        deadline = time.monotonic() + 10
+        while manager.stats().num_requests_running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert manager.stats().kv_cache_usage == 0.0
+    finally:
+        manager.stop(timeout=30)
+    manager.check_integrity()
+
+
+def test_forward_failure_fails_only_that_step(engine, prompts, reference):
+    manager = engine.init_continuous_batching()
+    fired = threading.Event()
+
+    def boom(batch):
+        if not fired.is_set():
+            fired.set()
+            raise RuntimeError("injected fault")
+
+    manager.fault_hook = boom
+    manager.start()
+    try:
+        a = manager.add_request(prompts[0], max_new_tokens=4, do_sample=False)
+        out = manager.get_result(timeout=30)
+        assert out is not None and out.request_id == a
+        assert out.status is RequestStatus.FAILED and "injected fault" in (out.error or "")
+        assert manager.is_running()
+        b = manager.add_request(prompts[1], max_new_tokens=MAX_NEW[1], do_sample=False)
+        out = manager.get_result(timeout=30)
+        assert out is not None and out.request_id == b and out.status is RequestStatus.FINISHED
+        assert out.generated_ids == reference[1]
+    finally:
+        manager.stop(timeout=30)
+    manager.check_integrity()
+
+
+def test_bad_requests_refused_at_add(engine, prompts):
+    manager = engine.init_continuous_batching()
+    manager.start()
+    try:
+        with pytest.raises(ContextLengthExceededError, match="maximum context length"):
+            manager.add_request([1] * (engine.max_model_len - 2), max_new_tokens=10)
+        with pytest.raises(RequestTooLargeError, match="never fit"):
+            manager.add_request([1] * 4000, max_new_tokens=4500)
+        with pytest.raises(InvalidRequestError, match="vocabulary"):
+            manager.add_request([engine.model_config.vocab_size + 5], max_new_tokens=2)
+        with pytest.raises(InvalidRequestError, match="empty"):
+            manager.add_request([], max_new_tokens=2)
+    finally:
+        manager.stop(timeout=30)
+
+
+def test_stopped_loop_fails_new_requests_at_once(engine, prompts):
+    manager = engine.init_continuous_batching()
+    manager.start()
+    manager.stop(timeout=30)
+    assert not manager.is_running()
+    with pytest.raises(EngineDeadError):
+        manager.add_request(prompts[0], max_new_tokens=2)
+
+
+def test_async_stream_matches_reference(engine, prompts, reference):
+    manager = engine.init_continuous_batching()
+    manager.start()
+
+    async def one(i: int) -> list[int]:
+        handle = manager.submit(prompts[i], engine.generation_defaults.merged(max_new_tokens=MAX_NEW[i], do_sample=False))
+        ids: list[int] = []
+        async for out in handle:
+            ids.extend(out.delta_ids)
+            assert out.generated_ids == ids
+        return ids
+
+    async def main() -> list[list[int]]:
+        return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(6))), timeout=120)
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        manager.stop(timeout=30)
+    assert got == reference[:6]
