@@ -132,8 +132,8 @@ class Engine:
         )
         scheduler = make_scheduler(opts["scheduler"], sched_config)
         runner = ModelRunner(self.model, self.kv_cache, self.block_size, self.device)
-        sampler = Sampler(self.model_config.vocab_size, self.device)
         eos = tuple(self.tokenizer.eos_token_ids) or tuple(self.model_config.eos_token_ids)
+        sampler = Sampler(self.model_config.vocab_size, self.device, eos_token_ids=eos)
         self._manager = ContinuousBatchingManager(
             scheduler=scheduler,
             runner=runner,

@@ -17,9 +17,9 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -29,10 +29,11 @@ from engine.errors import (
     InvalidRequestError,
     QueueFullError,
 )
-from engine.generation.config import GenerationConfig
+from engine.generation.config import DEFAULT_MAX_NEW_TOKENS, GenerationConfig
 from engine.generation.request_state import RequestGenerationState
 from engine.generation.sampler import SampledToken, Sampler, SamplingRow
-from engine.outputs import GenerationOutput, RequestStatus, TokenLogprob
+from engine.outputs import GenerationOutput, RequestStatus
+from engine.request_handle import AsyncSink, RequestHandle, Sink, SyncSink
 from engine.runner import ModelRunner
 from engine.stats import EngineStats
 from scheduler.base import Scheduler
@@ -42,38 +43,6 @@ from scheduler.request import FinishReason, Request
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_NEW_TOKENS = 256
-
-
-class _Sink(Protocol):
-    def put(self, out: GenerationOutput) -> None: ...
-
-
-class _AsyncSink:
-    """Hands outputs to an asyncio queue owned by the event loop that submitted the request."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.queue: asyncio.Queue[GenerationOutput] = asyncio.Queue()
-
-    def put(self, out: GenerationOutput) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
-        except RuntimeError:  # NOTE: the loop is closed: nobody is listening any more.
-            pass
-
-
-class _SyncSink:
-    """Hands outputs to a per-request queue and announces the request id on the manager's ready queue."""
-
-    def __init__(self, request_id: str, ready: queue.Queue[str]) -> None:
-        self.request_id = request_id
-        self.ready = ready
-        self.queue: queue.Queue[GenerationOutput] = queue.Queue()
-
-    def put(self, out: GenerationOutput) -> None:
-        self.queue.put(out)
-        self.ready.put(self.request_id)
 
 
 @dataclass(eq=False)
@@ -84,7 +53,7 @@ class _Group:
     prompt_ids: list[int]
     config: GenerationConfig
     max_new_tokens: int
-    sink: _Sink
+    sink: Sink
     streaming: bool
     record_timestamps: bool
     arrival_time: float = field(default_factory=time.monotonic)
@@ -105,10 +74,7 @@ class _Sequence:
     index: int
     gen: RequestGenerationState
     request: Request | None = None
-    logprobs: list[TokenLogprob] | None = None
     timestamps: list[float] = field(default_factory=list)
-    output_ids: list[int] = field(default_factory=list)
-    text: str = ""  # text so far, cut before a matched stop string
     pending_text: str = ""  # text not yet published
     pending_reason: FinishReason | None = None  # a forking parent's finish, applied after its forks
     sent_ids: int = 0  # generated ids already published
@@ -118,40 +84,6 @@ class _Sequence:
     @property
     def scheduler_id(self) -> str:
         return f"{self.group.request_id}#{self.index}"
-
-
-class RequestHandle:
-    """The asyncio face of one request: ``async for out in handle`` yields its outputs (all samples,
-    interleaved, ``out.index`` telling which) and ends when every sample has finished. Leaving the loop
-    early, or cancelling the task that iterates, cancels the request."""
-
-    def __init__(self, manager: ContinuousBatchingManager, request_id: str, n: int, sink: _AsyncSink) -> None:
-        self.manager = manager
-        self.request_id = request_id
-        self.n = n
-        self._sink = sink
-        self._remaining = n
-
-    def __aiter__(self) -> AsyncIterator[GenerationOutput]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[GenerationOutput]:
-        try:
-            while self._remaining:
-                out = await self._sink.queue.get()
-                if out.is_finished:
-                    self._remaining -= 1
-                yield out
-        finally:
-            if self._remaining:
-                self.cancel()
-
-    @property
-    def finished(self) -> bool:
-        return self._remaining == 0
-
-    def cancel(self) -> None:
-        self.manager.cancel_request(self.request_id)
 
 
 class ContinuousBatchingManager:
@@ -186,7 +118,7 @@ class ContinuousBatchingManager:
         self._num_inbox_adds = 0  # groups submitted but not yet drained by the engine thread
         self._groups: dict[str, _Group] = {}  # unfinished groups, engine thread only
         self._ready: queue.Queue[str] = queue.Queue()
-        self._sync_sinks: dict[str, _SyncSink] = {}
+        self._sync_sinks: dict[str, SyncSink] = {}
         self._groups_n: dict[str, int] = {}  # request id -> n, readable from any thread
         self._step_observers: list[Callable[[int], None]] = []
         self._stats = self._snapshot(running=False)
@@ -226,7 +158,7 @@ class ContinuousBatchingManager:
         record_timestamps: bool = True,
     ) -> RequestHandle:
         """Admit a request from a running asyncio loop; its outputs stream through the returned handle."""
-        sink = _AsyncSink(asyncio.get_running_loop())
+        sink = AsyncSink(asyncio.get_running_loop())
         group = self._new_group(prompt_ids, generation_config, request_id, sink, True, record_timestamps)
         self._enqueue(group)
         return RequestHandle(self, group.request_id, group.n, sink)
@@ -250,7 +182,7 @@ class ContinuousBatchingManager:
         if overrides:
             config = config.merged(**overrides)
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
-        sink = _SyncSink(rid, self._ready)
+        sink = SyncSink(rid, self._ready)
         group = self._new_group(input_ids, config, rid, sink, streaming, record_timestamps)
         self._sync_sinks[rid] = sink
         self._enqueue(group)
@@ -324,7 +256,7 @@ class ContinuousBatchingManager:
         prompt_ids: list[int],
         config: GenerationConfig | None,
         request_id: str | None,
-        sink: _Sink,
+        sink: Sink,
         streaming: bool,
         record_timestamps: bool,
     ) -> _Group:
@@ -428,14 +360,7 @@ class ContinuousBatchingManager:
                 seqs += self._children(seq.group)
             start = len(rows)
             for child in seqs:
-                rows.append(
-                    SamplingRow(
-                        config=child.group.config,
-                        prompt_ids=child.group.prompt_ids,
-                        output_ids=s.request.output_ids,
-                        rng=child.gen.rng,
-                    )
-                )
+                rows.append(child.gen.sampling_row())
                 row_logits.append(li)
             spans.append((start, len(rows)))
             li += 1
@@ -453,10 +378,7 @@ class ContinuousBatchingManager:
         children = group.sequences[1:]
         if not children:
             for i in range(1, group.n):
-                gen = RequestGenerationState(
-                    group.config, group.prompt_ids, self.tokenizer, self.eos_token_ids, sample_index=i
-                )
-                children.append(_Sequence(group, i, gen, logprobs=[] if group.config.output_logprobs else None))
+                children.append(_Sequence(group, i, self._generation_state(group, i)))
             group.sequences.extend(children)
         return children
 
@@ -500,14 +422,8 @@ class ContinuousBatchingManager:
         if tok.error is not None:
             raise RuntimeError(tok.error)
         result = seq.gen.on_token(tok.token_id, tok.logprob, now)
-        seq.output_ids.append(tok.token_id)
-        seq.text = result.text
         seq.pending_text += result.delta_text
         seq.timestamps.append(now)
-        if seq.logprobs is not None and tok.logprob is not None:
-            seq.logprobs.append(tok.logprob)
-        if len(seq.output_ids) >= seq.group.max_new_tokens and result.finish_reason is None:
-            return FinishReason.LENGTH
         return result.finish_reason
 
     def _fork(self, parent: _Sequence, children: list[tuple[_Sequence, SampledToken]], now: float) -> None:
@@ -554,8 +470,7 @@ class ContinuousBatchingManager:
                     evict(item)
 
     def _admit(self, group: _Group) -> None:
-        gen = RequestGenerationState(group.config, group.prompt_ids, self.tokenizer, self.eos_token_ids)
-        seq = _Sequence(group, 0, gen, logprobs=[] if group.config.output_logprobs else None)
+        seq = _Sequence(group, 0, self._generation_state(group, 0))
         group.sequences.insert(0, seq)
         req = Request(
             request_id=seq.scheduler_id,
@@ -584,10 +499,7 @@ class ContinuousBatchingManager:
             self._publish(seq, status=RequestStatus.CANCELLED, finish_reason=FinishReason.ABORT)
         # samples never forked (cancelled before the prompt finished) still owe their final output
         for i in range(len(group.sequences), group.n):
-            gen = RequestGenerationState(
-                group.config, group.prompt_ids, self.tokenizer, self.eos_token_ids, sample_index=i
-            )
-            seq = _Sequence(group, i, gen, finished=True)
+            seq = _Sequence(group, i, self._generation_state(group, i), finished=True)
             group.sequences.append(seq)
             self._publish(seq, status=RequestStatus.CANCELLED, finish_reason=FinishReason.ABORT)
 
@@ -617,8 +529,7 @@ class ContinuousBatchingManager:
                 with self._lock:
                     self._num_inbox_adds -= 1
                 self._groups[item.request_id] = item
-                gen = RequestGenerationState(item.config, item.prompt_ids, self.tokenizer, self.eos_token_ids)
-                item.sequences.insert(0, _Sequence(item, 0, gen))
+                item.sequences.insert(0, _Sequence(item, 0, self._generation_state(item, 0)))
         for group in list(self._groups.values()):
             for seq in list(group.sequences):
                 try:
@@ -641,11 +552,14 @@ class ContinuousBatchingManager:
         if status is None:
             status = RequestStatus.FINISHED if seq.finished else RequestStatus.RUNNING
         done = status is not RequestStatus.RUNNING
+        if done and reason is not None:  # NOTE: releases text held back for a possible stop string
+            seq.pending_text += seq.gen.finish(reason).delta_text
         if not done and not group.streaming:
             return
-        ids = list(seq.output_ids)
+        ids = list(seq.gen.output_ids)
         delta_ids = ids[seq.sent_ids :]
-        delta_lp = seq.logprobs[seq.sent_logprobs :] if seq.logprobs is not None else None
+        logprobs = seq.gen.logprobs if group.config.output_logprobs else None
+        delta_lp = logprobs[seq.sent_logprobs :] if logprobs is not None else None
         out = GenerationOutput(
             request_id=group.request_id,
             prompt_ids=group.prompt_ids,
@@ -654,10 +568,10 @@ class ContinuousBatchingManager:
             finish_reason=reason if done else None,
             error=error,
             index=seq.index,
-            text=seq.text,
+            text=seq.gen.text,
             delta_text=seq.pending_text,
             delta_ids=delta_ids,
-            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            logprobs=list(logprobs) if logprobs is not None else None,
             delta_logprobs=delta_lp,
             timestamps=list(seq.timestamps) if group.record_timestamps else None,
             arrival_time=group.arrival_time,
@@ -669,13 +583,24 @@ class ContinuousBatchingManager:
         )
         seq.sent_ids = len(ids)
         seq.pending_text = ""
-        seq.sent_logprobs = len(seq.logprobs) if seq.logprobs is not None else 0
+        seq.sent_logprobs = len(logprobs) if logprobs is not None else 0
         if done:
             group.num_finished += 1
             if group.num_finished >= group.n:
                 self._groups.pop(group.request_id, None)
                 self._groups_n.pop(group.request_id, None)
         group.sink.put(out)
+
+    def _generation_state(self, group: _Group, index: int) -> RequestGenerationState:
+        return RequestGenerationState(
+            group.config,
+            group.prompt_ids,
+            self.tokenizer,
+            self.eos_token_ids,
+            sample_index=index,
+            max_new_tokens=group.max_new_tokens,
+            start_time=group.arrival_time,
+        )
 
     def _snapshot(self, running: bool) -> EngineStats:
         s = self.scheduler

@@ -1,0 +1,212 @@
+"""Offline throughput: cbserve's ``generate_batch`` against transformers' continuous batching and padded
+static ``generate`` on the same weights, the same prompts and the same output lengths, in one run.
+
+    python -m bench.offline --num-prompts 64 --min-prompt 16 --max-prompt 512 --min-new 64 --max-new 256
+
+Every system generates exactly the requested number of tokens for every prompt (EOS ignored), greedy, so
+the output token counts are equal and the tokens/s compare like for like. transformers is a test-only
+dependency: install the project's ``test`` extra to run the peers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass
+class RunResult:
+    system: str
+    num_prompts: int
+    prompt_tokens: int
+    output_tokens: int
+    seconds: float
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def make_workload(
+    vocab_size: int, num_prompts: int, prompt_range: tuple[int, int], new_range: tuple[int, int], seed: int
+) -> list[tuple[list[int], int]]:
+    """Random token prompts (ids 100..vocab-1, clear of the special tokens) with random output lengths."""
+    rng = random.Random(seed)
+    work = []
+    for _ in range(num_prompts):
+        n = rng.randint(*prompt_range)
+        prompt = [rng.randrange(100, vocab_size) for _ in range(n)]
+        work.append((prompt, rng.randint(*new_range)))
+    return work
+
+
+def run_cbserve(work: list[tuple[list[int], int]], threads: int, **options: Any) -> RunResult:
+    from engine.engine import Engine
+
+    torch.set_num_threads(threads)
+    engine = Engine.from_pretrained("default", device="cpu", dtype="float32", **options)
+    # warm-up: one short request, so that lazy initialisation is not timed
+    engine.generate_batch([work[0][0][:16]], progress_bar=False, max_new_tokens=4, do_sample=False)
+    manager = engine.init_continuous_batching(max_queue=len(work) + 1)
+    manager.start()
+    start = time.perf_counter()
+    for i, (prompt, n) in enumerate(work):
+        manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n, do_sample=False, ignore_eos=True)
+    total = 0
+    done = 0
+    while done < len(work):
+        out = manager.get_result(timeout=5.0)
+        if out is None:
+            if not manager.is_running():
+                raise RuntimeError("cbserve's engine stopped")
+            continue
+        if out.is_finished:
+            done += 1
+            total += len(out.generated_ids)
+    seconds = time.perf_counter() - start
+    manager.stop()
+    return RunResult("cbserve generate_batch", len(work), sum(len(p) for p, _ in work), total, seconds)
+
+
+def _hf_model(threads: int) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    from engine.loader.source import resolve_model
+
+    torch.set_num_threads(threads)
+    path = Path(resolve_model("default").path)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+def run_hf_continuous(work: list[tuple[list[int], int]], threads: int) -> RunResult:
+    from transformers import GenerationConfig
+
+    model = _hf_model(threads)
+    config = GenerationConfig(do_sample=False, max_new_tokens=max(n for _, n in work), eos_token_id=-1)
+    manager = model.init_continuous_batching(generation_config=config)
+    manager.start()
+    try:
+        start = time.perf_counter()
+        for i, (prompt, n) in enumerate(work):
+            manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
+        total = 0
+        done = 0
+        while done < len(work):
+            out = manager.get_result(timeout=5.0)
+            if out is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching stopped")
+                continue
+            if out.is_finished():
+                done += 1
+                total += len(out.generated_tokens)
+        seconds = time.perf_counter() - start
+    finally:
+        manager.stop(block=True, timeout=30)
+    return RunResult("transformers generate_batch (CB)", len(work), sum(len(p) for p, _ in work), total, seconds)
+
+
+def run_hf_static(work: list[tuple[list[int], int]], threads: int, batch_size: int) -> RunResult:
+    """Padded static batches (left padding), each batch runs to its longest requested length; only the
+    requested tokens count as output."""
+    model = _hf_model(threads)
+    total = 0
+    start = time.perf_counter()
+    for b in range(0, len(work), batch_size):
+        chunk = work[b : b + batch_size]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.zeros((len(chunk), width), dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for i, (p, _) in enumerate(chunk):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        longest = max(n for _, n in chunk)
+        with torch.inference_mode():
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                pad_token_id=0,
+            )
+        total += sum(n for _, n in chunk)
+    seconds = time.perf_counter() - start
+    return RunResult(f"transformers generate (static, batch {batch_size})", len(work), 0, total, seconds)
+
+
+def _commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--min-prompt", type=int, default=16)
+    ap.add_argument("--max-prompt", type=int, default=512)
+    ap.add_argument("--min-new", type=int, default=64)
+    ap.add_argument("--max-new", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-batch-tokens", type=int, default=512)
+    ap.add_argument("--static-batch-size", type=int, default=16)
+    ap.add_argument(
+        "--systems", default="cbserve,hf-cb,hf-static", help="comma-separated: cbserve, hf-cb, hf-static"
+    )
+    ap.add_argument("--save-result", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    from engine.model_loader import load_tokenizer
+
+    vocab = load_tokenizer("default").vocab_size
+    work = make_workload(
+        vocab, args.num_prompts, (args.min_prompt, args.max_prompt), (args.min_new, args.max_new), args.seed
+    )
+    results: list[RunResult] = []
+    for system in args.systems.split(","):
+        if system == "cbserve":
+            r = run_cbserve(work, args.threads, max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens)
+        elif system == "hf-cb":
+            r = run_hf_continuous(work, args.threads)
+        elif system == "hf-static":
+            r = run_hf_static(work, args.threads, args.static_batch_size)
+        else:
+            ap.error(f"unknown system {system!r}")
+        results.append(r)
+        print(f"{r.system:45s} {r.output_tokens:7d} tokens  {r.seconds:8.1f} s  {r.output_tokens_per_s:8.1f} tok/s", flush=True)
+
+    base = results[0]
+    print(f"\nworkload: {args.num_prompts} prompts, {args.min_prompt}-{args.max_prompt} prompt tokens, "
+          f"{args.min_new}-{args.max_new} new tokens, greedy, fp32, {args.threads} threads")
+    for r in results[1:]:
+        print(f"{base.system} / {r.system}: {base.output_tokens_per_s / r.output_tokens_per_s:.2f}x")
+    if args.save_result:
+        doc = {
+            "commit": _commit(),
+            "machine": f"{platform.machine()} {platform.processor()} {torch.get_num_threads()} threads",
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "args": vars(args) | {"save_result": str(args.save_result)},
+            "results": [asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in results],
+        }
+        args.save_result.write_text(json.dumps(doc, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,109 @@
+"""The engine's one call per step: processed logits -> one token per row (+ logprobs).
+
+Greedy rows (``do_sample`` off or temperature 0) take the argmax of their processed logits. Sampled rows
+draw by inverse CDF: one uniform ``u`` from the row's ``RequestRNG`` (a pure function of seed, sample
+index and token index), then the first token whose cumulative probability (vocabulary order, float64)
+exceeds ``u``. Nothing depends on the other rows of the batch, so a seeded request is reproducible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.generation.logprobs import compute_logprobs
+from engine.generation.processors import apply_logits_processors
+from engine.generation.rng import RequestRNG
+from engine.generation.rows import SampledToken, SamplingRow
+from engine.outputs import TokenLogprob
+
+__all__ = ["SampledToken", "Sampler", "SamplingRow"]
+
+
+class Sampler:
+    """``sample(logits [R, V] float32, rows) -> list[SampledToken]``, one per row, in order.
+
+    ``eos_token_ids``: the model's EOS ids, used by min_new_tokens masking and bad_words filtering for
+    rows that name none (``SamplingRow.eos_token_ids`` or ``config.eos_token_id``).
+    """
+
+    def __init__(
+        self, vocab_size: int, device: torch.device | str = "cpu", eos_token_ids: Sequence[int] = ()
+    ) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [{len(rows)}, vocab], got {tuple(logits.shape)}")
+        if not rows:
+            return []
+        # NOTE: the model may pad its vocabulary past the tokenizer's; those columns can never be chosen.
+        logits = logits[:, : self.vocab_size].float().clone()  # [R, V]
+        errors: list[str | None] = [None] * len(rows)
+        # NOTE: one reduction instead of an elementwise pass: a NaN or inf anywhere makes the row's sum
+        # non-finite, and finite logits (|x| < 1e30) cannot overflow a float32 sum over a vocabulary.
+        bad = (~torch.isfinite(logits.sum(dim=1))).tolist()
+        if any(bad):
+            for i, is_bad in enumerate(bad):
+                if is_bad:
+                    errors[i] = "the model produced NaN or infinite logits for this sequence"
+            # neutral values keep a broken row from producing warnings or NaNs in shared ops
+            logits[torch.tensor(bad, device=logits.device)] = 0.0
+
+        apply_logits_processors(logits, rows, self.eos_token_ids)
+
+        dead = (~torch.isfinite(logits.max(dim=1).values)).tolist()  # every token masked
+        for i, is_dead in enumerate(dead):
+            if is_dead and errors[i] is None:
+                errors[i] = "every token was masked by the generation options (nothing can be sampled)"
+
+        tokens = [-1] * len(rows)
+        greedy = [i for i, r in enumerate(rows) if r.config.is_greedy and errors[i] is None]
+        sampled = [i for i, r in enumerate(rows) if not r.config.is_greedy and errors[i] is None]
+        if greedy:
+            g = torch.tensor(greedy, dtype=torch.int64, device=logits.device)
+            for i, t in zip(greedy, logits.index_select(0, g).argmax(dim=-1).tolist(), strict=True):
+                tokens[i] = int(t)
+        if sampled:
+            for i, t in zip(sampled, self._sample_rows(logits, rows, sampled), strict=True):
+                tokens[i] = t
+
+        want = [i for i, r in enumerate(rows) if r.config.output_logprobs and errors[i] is None]
+        logprobs: dict[int, TokenLogprob] = {}
+        if want:
+            w = torch.tensor(want, dtype=torch.int64, device=logits.device)
+            lps = compute_logprobs(
+                logits.index_select(0, w),
+                [tokens[i] for i in want],
+                [rows[i].config.top_logprobs for i in want],
+            )
+            logprobs = dict(zip(want, lps, strict=True))
+        return [
+            SampledToken(token_id=-1, error=errors[i])
+            if errors[i] is not None
+            else SampledToken(token_id=tokens[i], logprob=logprobs.get(i))
+            for i in range(len(rows))
+        ]
+
+    def _sample_rows(self, logits: torch.Tensor, rows: Sequence[SamplingRow], idx: list[int]) -> list[int]:
+        """Inverse-CDF draws for rows ``idx`` with their own uniforms."""
+        uniforms: list[float] = []
+        for i in idx:
+            row = rows[i]
+            rng = row.rng if row.rng is not None else RequestRNG(row.config.seed)
+            uniforms.append(rng.uniform(row.num_output_tokens))
+        sel = torch.tensor(idx, dtype=torch.int64, device=logits.device)
+        probs = torch.softmax(logits.index_select(0, sel), dim=-1)  # [S, V]
+        cdf = probs.double().cumsum(dim=-1)  # [S, V]
+        u = torch.tensor(uniforms, dtype=torch.float64, device=logits.device).unsqueeze(1)  # [S, 1]
+        # first index with cdf > u * total: a token of zero probability never gets picked (right=True)
+        total = cdf[:, -1:]  # [S, 1], ~1
+        # NOTE: u * total can round up to total; stay strictly below it so the draw lands on a real token.
+        target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+        chosen = torch.searchsorted(cdf, target, right=True).clamp_(max=logits.shape[1] - 1)  # [S, 1]
+        return [int(t) for t in chosen.squeeze(1).tolist()]
