@@ -18,7 +18,7 @@ from engine.manager import ContinuousBatchingManager
 from engine.model_loader import LoadedModel, load_model
 from engine.outputs import GenerationOutput
 from engine.runner import ModelRunner
-from kvcache.sizing import bytes_per_block, num_blocks_for_budget
+from kvcache.sizing import num_blocks_for_budget
 from scheduler import make_scheduler
 from scheduler.config import SchedulerConfig
 
@@ -96,9 +96,6 @@ class Engine:
         if o.num_blocks is not None:
             return o.num_blocks
         cfg = self.model_config
-        per_block = bytes_per_block(
-            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, o.block_size, self.dtype.itemsize
-        )
         if o.kv_cache_memory is not None:
             budget = o.kv_cache_memory
         elif self.device.type == "cuda":
@@ -106,7 +103,9 @@ class Engine:
             budget = int(free * o.gpu_memory_utilization)
         else:
             budget = DEFAULT_CPU_KV_CACHE_BYTES
-        num = num_blocks_for_budget(budget, per_block)
+        num = num_blocks_for_budget(
+            budget, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, o.block_size, self.dtype.itemsize
+        )
         # NOTE: more blocks than every sequence at full context can use is memory for nothing.
         cap = o.max_num_seqs * -(-self.max_model_len // o.block_size)
         return min(num, cap)
