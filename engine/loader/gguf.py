@@ -1,0 +1,142 @@
+"""Weights from a llama.cpp GGUF file, dequantized and renamed to Hugging Face parameter names.
+
+Two things differ from a Hugging Face checkpoint besides quantization:
+- names: ``blk.3.attn_q.weight`` is ``model.layers.3.self_attn.q_proj.weight``;
+- llama.cpp's converter PERMUTES the rows of Llama's q/k projections into its own rotary layout (pairs
+  of adjacent dimensions rotate together there, halves rotate together in Hugging Face). We un-permute
+  them so the model code sees Hugging Face's layout. Qwen2/Qwen3 are converted without that permutation.
+
+Shapes: GGUF lists dimensions fastest-first (``ne``: ``[in_features, out_features]``); the reader's numpy
+arrays are already row-major ``[out_features, in_features]``, which is the Hugging Face order.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from engine.config import ModelConfig
+from engine.loader.errors import ModelLoadError
+
+_MISSING: Any = object()
+
+# Types stored as plain floats: no dequantization, just a dtype conversion.
+_FLOAT_TYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# Architectures whose q/k rows llama.cpp's converter permuted (LlamaModel and its subclasses).
+_PERMUTED_ARCHITECTURES = ("llama", "mistral")
+
+
+def open_gguf(path: str | Path) -> GGUFReader:
+    """Open (memory-map) a GGUF file; a missing, truncated or corrupt file raises ``ModelLoadError``."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file {path} does not exist")
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # NOTE: the reader fails with ValueError/IndexError/struct errors on bad bytes.
+        raise ModelLoadError(f"GGUF file {path} is truncated or corrupt: {type(e).__name__}: {e}") from e
+    file_size = path.stat().st_size
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > file_size:
+            raise ModelLoadError(
+                f"GGUF file {path} is truncated: tensor {t.name} needs bytes up to {end} but the file has "
+                f"{file_size} bytes"
+            )
+    return reader
+
+
+def gguf_field(reader: GGUFReader, key: str, default: Any = _MISSING) -> Any:
+    """The value of metadata ``key`` (str, int, float, bool or list), or ``default`` when absent."""
+    f = reader.fields.get(key)
+    if f is None:
+        if default is _MISSING:
+            raise KeyError(f"GGUF metadata key {key!r} is missing")
+        return default
+    return f.contents()
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """The Hugging Face parameter name of GGUF tensor ``name``, or ``None`` when it has none."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _BLOCK_RE.match(name)
+    if m is None or m.group(2) not in _BLOCK_NAMES:
+        return None
+    layer, kind, param = m.groups()
+    return f"model.layers.{layer}.{_BLOCK_NAMES[kind]}.{param}"
+
+
+def reverse_permute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's rotary permutation of a q or k projection (weight ``[heads*head_dim, in]`` or bias).
+
+    llama.cpp wrote ``w.view(heads, 2, head_dim/2, ...).transpose(1, 2)``; this is its inverse."""
+    half = w.shape[0] // num_heads // 2
+    # [num_heads, head_dim/2, 2, *rest] -> [num_heads, 2, head_dim/2, *rest]
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def dequantize_tensor(reader_tensor: Any, where: str) -> torch.Tensor:
+    """One GGUF tensor as a float tensor (float32, or float16 when stored so) in Hugging Face shape."""
+    qtype = GGMLQuantizationType(int(reader_tensor.tensor_type))
+    shape = tuple(int(n) for n in reversed(reader_tensor.shape.tolist()))  # ne order -> row-major
+    try:
+        if qtype in _FLOAT_TYPES:
+            array = np.array(reader_tensor.data, dtype=_FLOAT_TYPES[qtype], copy=True)
+        else:
+            array = dequantize(reader_tensor.data, qtype)
+    except NotImplementedError as e:
+        raise ModelLoadError(
+            f"{where}: tensor {reader_tensor.name} uses GGML type {qtype.name}, which cannot be dequantized"
+        ) from e
+    except Exception as e:
+        raise ModelLoadError(f"{where}: tensor {reader_tensor.name} ({qtype.name}) is corrupt: {e}") from e
+    return torch.from_numpy(np.ascontiguousarray(array).reshape(shape))
+
+
+def iter_gguf_weights(
+    reader: GGUFReader,
+    config: ModelConfig,
+    dtype: torch.dtype = torch.float32,
+    where: str = "GGUF file",
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` for every weight, one tensor dequantized at a time, cast to ``dtype``.
+
+    Unknown tensors raise ``ModelLoadError``: silently skipping one would leave a parameter random."""
+    permute = config.architecture in _PERMUTED_ARCHITECTURES
+    for t in reader.tensors:
+        hf_name = gguf_to_hf_name(t.name)
+        if hf_name is None:
+            raise ModelLoadError(f"{where}: tensor {t.name!r} has no Hugging Face equivalent in cbserve")
+        w = dequantize_tensor(t, where)
+        if permute and (".attn_q." in t.name or ".attn_k." in t.name):
+            heads = config.num_attention_heads if ".attn_q." in t.name else config.num_key_value_heads
+            w = reverse_permute_qk(w, heads)
+        yield hf_name, w.to(dtype)
