@@ -1,0 +1,218 @@
+"""The Llama family as one decoder-only transformer: Llama 2/3 (llama3 RoPE scaling), SmolLM, TinyLlama,
+Mistral (sliding window), Qwen2 (q/k/v biases), Qwen3 (per-head RMSNorm of q and k before the rotation).
+
+    h = embed(ids)
+    for each layer:  h = h + attn(rms_norm(h));  h = h + mlp(rms_norm(h))
+    logits = lm_head(rms_norm(h[logits_indices]))
+
+The forward takes ONE flattened ragged batch (``BatchInputs``): prefill chunks and decode tokens of many
+sequences, concatenated. Attention reads and writes the paged ``KVCache`` (engine/attention/paged.py).
+For speed on CPU (overhead-bound at small batch) q/k/v and gate/up are fused into one matmul each at load
+time, q and k are rotated in one op, and the attention's batch metadata is built once per forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.paged import PagedAttentionMetadata, paged_attention
+from engine.config import ModelConfig
+from engine.inputs import BatchInputs
+from engine.kv_cache import KVCache
+from engine.loader.errors import ModelLoadError
+from engine.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, empty_param
+
+
+class WeightMismatchError(ModelLoadError, ValueError):
+    """The checkpoint's tensors do not match the model: one is missing, unexpected or mis-shaped."""
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        hidden = config.hidden_size
+        # Rows of qkv_proj: [0, q_size) q, then k, then v (filled from q_proj/k_proj/v_proj).
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, config.attention_bias, dtype, device)
+        # NOTE: Qwen2's flag only adds q/k/v biases; Llama's and Qwen3's attention_bias also biases o_proj.
+        o_bias = config.attention_bias and config.architecture != "qwen2"
+        self.o_proj = Linear(self.q_size, hidden, o_bias, dtype, device)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        rotary: RotaryEmbedding,
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+        sin: torch.Tensor,  # [num_tokens, 1, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: PagedAttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, -1)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)  # [num_tokens, heads + kv_heads, head_dim]
+        qk = rotary.rotate(qk, cos, sin)  # [num_tokens, heads + kv_heads, head_dim]
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [num_tokens, heads, head_dim]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))  # [num_tokens, hidden]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(config, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype, device)
+
+    def forward(
+        self,
+        h: torch.Tensor,  # [num_tokens, hidden]
+        rotary: RotaryEmbedding,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: PagedAttentionMetadata,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rotary, cos, sin, k_cache, v_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))  # [num_tokens, hidden]
+
+
+class LlamaModel(nn.Module):
+    """The decoder stack without the output head (named as in HF checkpoints: ``model.*``)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.embed_tokens = empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward(inputs, kv_cache) -> logits [num_logits, vocab]`` (fp32) over one ragged batch."""
+
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    ) -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.model = LlamaModel(config, dtype, device)
+        self.lm_head = (
+            self.model.embed_tokens
+            if config.tie_word_embeddings
+            else empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        )
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, dtype, device
+        )
+
+    @torch.inference_mode()
+    def forward(self, inputs: BatchInputs, kv_cache: KVCache) -> torch.Tensor:
+        """Compute the batch's new tokens, writing their K/V into ``inputs.slot_mapping`` slots, and return
+        fp32 logits ``[len(inputs.logits_indices), vocab_size]`` for the ``logits_indices`` rows only."""
+        meta = PagedAttentionMetadata.build(
+            inputs, self.config.num_queries_per_kv, self.dtype, self.config.sliding_window
+        )
+        cos, sin = self.rotary.cos_sin(inputs.positions)  # 2 x [num_tokens, 1, head_dim]
+        h = F.embedding(inputs.input_ids, self.model.embed_tokens)  # [num_tokens, hidden]
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, self.rotary, cos, sin, kv_cache.k_caches[i], kv_cache.v_caches[i], meta)
+        h = self.model.norm(h[inputs.logits_indices])  # [num_logits, hidden]
+        return F.linear(h, self.lm_head).float()  # [num_logits, vocab]
+
+    # ------------------------------------------------------------------ weights
+    def _weight_slots(self) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """HF tensor name -> (our parameter, first row, end row) it fills."""
+        cfg = self.config
+        slots: dict[str, tuple[torch.Tensor, int, int]] = {}
+
+        def whole(name: str, param: torch.Tensor) -> None:
+            slots[name] = (param, 0, param.shape[0])
+
+        whole("model.embed_tokens.weight", self.model.embed_tokens)
+        whole("model.norm.weight", self.model.norm.weight)
+        if not cfg.tie_word_embeddings:
+            whole("lm_head.weight", self.lm_head)
+        for i, module in enumerate(self.model.layers):
+            layer = cast(DecoderLayer, module)
+            p = f"model.layers.{i}."
+            attn = layer.self_attn
+            q, kv = attn.q_size, attn.kv_size
+            qkv_rows = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
+            for proj, (start, end) in qkv_rows.items():
+                slots[f"{p}self_attn.{proj}_proj.weight"] = (attn.qkv_proj.weight, start, end)
+                if attn.qkv_proj.bias is not None:
+                    slots[f"{p}self_attn.{proj}_proj.bias"] = (attn.qkv_proj.bias, start, end)
+            whole(f"{p}self_attn.o_proj.weight", attn.o_proj.weight)
+            if attn.o_proj.bias is not None:
+                whole(f"{p}self_attn.o_proj.bias", attn.o_proj.bias)
+            if attn.q_norm is not None and attn.k_norm is not None:
+                whole(f"{p}self_attn.q_norm.weight", attn.q_norm.weight)
+                whole(f"{p}self_attn.k_norm.weight", attn.k_norm.weight)
+            inter = layer.mlp.intermediate_size
+            slots[f"{p}mlp.gate_proj.weight"] = (layer.mlp.gate_up_proj.weight, 0, inter)
+            slots[f"{p}mlp.up_proj.weight"] = (layer.mlp.gate_up_proj.weight, inter, 2 * inter)
+            whole(f"{p}mlp.down_proj.weight", layer.mlp.down_proj.weight)
+            whole(f"{p}input_layernorm.weight", layer.input_layernorm.weight)
+            whole(f"{p}post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
+        return slots
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the model (converting to its dtype and device), filling the fused
+        qkv / gate_up matrices from their parts. Raises ``WeightMismatchError`` naming the tensor on a
+        missing, unexpected, duplicated or mis-shaped one. Rotary ``inv_freq`` buffers are ignored (rebuilt
+        from the config), as is ``lm_head.weight`` when the embeddings are tied."""
+        slots = self._weight_slots()
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                if tuple(tensor.shape) != tuple(self.lm_head.shape):
+                    raise WeightMismatchError(
+                        f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(self.lm_head.shape)}"
+                    )
+                continue
+            if name not in slots:
+                raise WeightMismatchError(
+                    f"unexpected tensor {name!r} for a {self.config.architecture} model with "
+                    f"{self.config.num_hidden_layers} layers"
+                )
+            if name in loaded:
+                raise WeightMismatchError(f"tensor {name!r} appears twice in the checkpoint")
+            param, start, end = slots[name]
+            target = param.data[start:end]
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise WeightMismatchError(
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(slots) - loaded)
+        if missing:
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise WeightMismatchError(f"missing tensors in the checkpoint: {', '.join(missing[:5])}{more}")
