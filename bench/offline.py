@@ -114,7 +114,9 @@ def run_hf_continuous(work: list[tuple[list[int], int]], threads: int) -> RunRes
         seconds = time.perf_counter() - start
     finally:
         manager.stop(block=True, timeout=30)
-    return RunResult("transformers generate_batch (CB)", len(work), sum(len(p) for p, _ in work), total, seconds)
+    return RunResult(
+        "transformers generate_batch (CB)", len(work), sum(len(p) for p, _ in work), total, seconds
+    )
 
 
 def run_hf_static(work: list[tuple[list[int], int]], threads: int, batch_size: int) -> RunResult:
@@ -180,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     results: list[RunResult] = []
     for system in args.systems.split(","):
         if system == "cbserve":
-            r = run_cbserve(work, args.threads, max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens)
+            r = run_cbserve(
+                work, args.threads, max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens
+            )
         elif system == "hf-cb":
             r = run_hf_continuous(work, args.threads)
         elif system == "hf-static":
@@ -188,11 +192,16 @@ def main(argv: list[str] | None = None) -> int:
         else:
             ap.error(f"unknown system {system!r}")
         results.append(r)
-        print(f"{r.system:45s} {r.output_tokens:7d} tokens  {r.seconds:8.1f} s  {r.output_tokens_per_s:8.1f} tok/s", flush=True)
+        print(
+            f"{r.system:45s} {r.output_tokens:7d} tokens  {r.seconds:8.1f} s  {r.output_tokens_per_s:8.1f} tok/s",
+            flush=True,
+        )
 
     base = results[0]
-    print(f"\nworkload: {args.num_prompts} prompts, {args.min_prompt}-{args.max_prompt} prompt tokens, "
-          f"{args.min_new}-{args.max_new} new tokens, greedy, fp32, {args.threads} threads")
+    print(
+        f"\nworkload: {args.num_prompts} prompts, {args.min_prompt}-{args.max_prompt} prompt tokens, "
+        f"{args.min_new}-{args.max_new} new tokens, greedy, fp32, {args.threads} threads"
+    )
     for r in results[1:]:
         print(f"{base.system} / {r.system}: {base.output_tokens_per_s / r.output_tokens_per_s:.2f}x")
     if args.save_result:

@@ -52,6 +52,8 @@ class Engine:
         self.options = options
         self.model_name = model_name
         self.model_config = loaded.config
+        if loaded.tokenizer is None:
+            raise ValueError(f"model {model_name!r} has no tokenizer: cbserve needs one to serve text")
         self.tokenizer = loaded.tokenizer
         self.model = loaded.model
         param = next(self.model.parameters())
@@ -104,7 +106,12 @@ class Engine:
         else:
             budget = DEFAULT_CPU_KV_CACHE_BYTES
         num = num_blocks_for_budget(
-            budget, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, o.block_size, self.dtype.itemsize
+            budget,
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            o.block_size,
+            self.dtype.itemsize,
         )
         # NOTE: more blocks than every sequence at full context can use is memory for nothing.
         cap = o.max_num_seqs * -(-self.max_model_len // o.block_size)
@@ -168,9 +175,18 @@ class Engine:
         try:
             for i, ids in enumerate(inputs):
                 manager.add_request(
-                    ids, request_id=f"batch_req_{i}", generation_config=config, record_timestamps=record_timestamps
+                    ids,
+                    request_id=f"batch_req_{i}",
+                    generation_config=config,
+                    record_timestamps=record_timestamps,
                 )
-            bar = tqdm(total=len(inputs), desc="generate_batch", unit="req", file=sys.stderr, disable=not progress_bar)
+            bar = tqdm(
+                total=len(inputs),
+                desc="generate_batch",
+                unit="req",
+                file=sys.stderr,
+                disable=not progress_bar,
+            )
             with bar:
                 while len(results) < expected:
                     out = manager.get_result(timeout=1.0)

@@ -44,7 +44,6 @@ from scheduler.request import FinishReason, Request
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass(eq=False)
 class _Group:
     """One submitted request: ``n`` samples of one prompt."""
@@ -278,13 +277,18 @@ class ContinuousBatchingManager:
             max_new = min(DEFAULT_MAX_NEW_TOKENS, max(room, 0))
         if len(prompt_ids) + max(max_new, 1) > self.max_model_len:
             raise ContextLengthExceededError(len(prompt_ids), max_new, self.max_model_len)
-        needed = math.ceil((len(prompt_ids) + max_new) / self.scheduler.block_size)
+        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        total = len(prompt_ids) + max_new
+        needed = math.ceil(total / self.scheduler.block_size)
         if needed > self.scheduler.num_blocks:
             raise RequestTooLargeError(
-                f"the request needs {needed} KV blocks ({len(prompt_ids)} prompt + {max_new} new tokens) but "
-                f"the cache has only {self.scheduler.num_blocks}: it can never fit"
+                rid,
+                total,
+                needed,
+                self.scheduler.num_blocks,
+                f"{len(prompt_ids)} prompt tokens + {max_new} new tokens need {needed} KV blocks but the cache "
+                f"holds only {self.scheduler.num_blocks}",
             )
-        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
         group = _Group(rid, prompt_ids, config, max_new, sink, streaming, record_timestamps)
         return group
 
@@ -517,7 +521,9 @@ class ContinuousBatchingManager:
             for child in self._children(group):
                 if not child.finished:
                     child.finished = True
-                    self._publish(child, status=RequestStatus.FAILED, finish_reason=FinishReason.ERROR, error=error)
+                    self._publish(
+                        child, status=RequestStatus.FAILED, finish_reason=FinishReason.ERROR, error=error
+                    )
 
     def _fail_everything(self, error: str) -> None:
         while True:  # requests still in the inbox
@@ -536,7 +542,9 @@ class ContinuousBatchingManager:
                     self._fail_sequence(seq, error)
                 except Exception:  # NOTE: the scheduler may be broken too; the client must still hear.
                     seq.finished = True
-                    self._publish(seq, status=RequestStatus.FAILED, finish_reason=FinishReason.ERROR, error=error)
+                    self._publish(
+                        seq, status=RequestStatus.FAILED, finish_reason=FinishReason.ERROR, error=error
+                    )
 
     # ------------------------------------------------------------------ publishing (engine thread)
     def _publish(

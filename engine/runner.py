@@ -12,7 +12,9 @@ from scheduler.batch import ScheduledBatch
 class ModelRunner:
     """Owns the model and its KV cache tensors; called only from the engine thread."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self, model: torch.nn.Module, kv_cache: KVCache, block_size: int, device: torch.device
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size

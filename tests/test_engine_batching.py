@@ -54,17 +54,21 @@ def reference(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
     """Each prompt alone, greedy."""
     out = []
     for ids, n in zip(prompts, MAX_NEW, strict=True):
-        res = engine.generate_batch([ids], progress_bar=False, max_new_tokens=n, do_sample=False)
+        res = engine.generate_batch(
+            [ids], progress_bar=False, max_new_tokens=n, do_sample=False, ignore_eos=True
+        )
         out.append(res["batch_req_0"].generated_ids)
     return out
 
 
-def run_concurrently(engine: Engine, prompts: list[list[int]], **options: object) -> tuple[list[list[int]], object]:
+def run_concurrently(
+    engine: Engine, prompts: list[list[int]], **options: object
+) -> tuple[list[list[int]], object]:
     manager = engine.init_continuous_batching(**options)
     manager.start()
     try:
         ids = [
-            manager.add_request(p, max_new_tokens=n, do_sample=False)
+            manager.add_request(p, max_new_tokens=n, do_sample=False, ignore_eos=True)
             for p, n in zip(prompts, MAX_NEW, strict=True)
         ]
         results: dict[str, list[int]] = {}
@@ -95,14 +99,16 @@ def test_concurrent_equals_one_at_a_time(engine, prompts, reference, policy, pre
 
 def test_preemption_keeps_outputs(engine, prompts, reference):
     # 16 requests with at most ~60 tokens each need ~64 blocks of 16 at once; give the scheduler far fewer.
-    small = Engine(engine.loaded, engine.options.__class__(num_blocks=24, max_batch_tokens=64), "small")
+    small = Engine(engine.loaded, engine.options.__class__(num_blocks=16, max_batch_tokens=64), "small")
     got, scheduler = run_concurrently(small, prompts, safety_margin=0.0)
     assert scheduler.num_preemptions > 0
     assert got == reference
 
 
 def test_generate_batch_progress_and_outputs(engine, prompts, reference, capsys):
-    res = engine.generate_batch(prompts[:4], max_new_tokens=8, do_sample=False, record_timestamps=True)
+    res = engine.generate_batch(
+        prompts[:4], max_new_tokens=8, do_sample=False, ignore_eos=True, record_timestamps=True
+    )
     err = capsys.readouterr().err
     assert "generate_batch" in err and "tok_s" in err
     for i in range(4):
@@ -148,12 +154,12 @@ def test_forward_failure_fails_only_that_step(engine, prompts, reference):
     manager.fault_hook = boom
     manager.start()
     try:
-        a = manager.add_request(prompts[0], max_new_tokens=4, do_sample=False)
+        a = manager.add_request(prompts[0], max_new_tokens=4, do_sample=False, ignore_eos=True)
         out = manager.get_result(timeout=30)
         assert out is not None and out.request_id == a
         assert out.status is RequestStatus.FAILED and "injected fault" in (out.error or "")
         assert manager.is_running()
-        b = manager.add_request(prompts[1], max_new_tokens=MAX_NEW[1], do_sample=False)
+        b = manager.add_request(prompts[1], max_new_tokens=MAX_NEW[1], do_sample=False, ignore_eos=True)
         out = manager.get_result(timeout=30)
         assert out is not None and out.request_id == b and out.status is RequestStatus.FINISHED
         assert out.generated_ids == reference[1]
@@ -168,12 +174,21 @@ def test_bad_requests_refused_at_add(engine, prompts):
     try:
         with pytest.raises(ContextLengthExceededError, match="maximum context length"):
             manager.add_request([1] * (engine.max_model_len - 2), max_new_tokens=10)
-        with pytest.raises(RequestTooLargeError, match="never fit"):
-            manager.add_request([1] * 4000, max_new_tokens=4500)
         with pytest.raises(InvalidRequestError, match="vocabulary"):
             manager.add_request([engine.model_config.vocab_size + 5], max_new_tokens=2)
         with pytest.raises(InvalidRequestError, match="empty"):
             manager.add_request([], max_new_tokens=2)
+    finally:
+        manager.stop(timeout=30)
+
+
+def test_request_larger_than_cache_refused(engine):
+    small = Engine(engine.loaded, engine.options.__class__(num_blocks=16), "small")
+    manager = small.init_continuous_batching()
+    manager.start()
+    try:  # 16 blocks of 16 tokens hold 256 tokens; this request needs 300
+        with pytest.raises(RequestTooLargeError, match="never fit"):
+            manager.add_request([1] * 200, max_new_tokens=100)
     finally:
         manager.stop(timeout=30)
 
@@ -192,7 +207,10 @@ def test_async_stream_matches_reference(engine, prompts, reference):
     manager.start()
 
     async def one(i: int) -> list[int]:
-        handle = manager.submit(prompts[i], engine.generation_defaults.merged(max_new_tokens=MAX_NEW[i], do_sample=False))
+        handle = manager.submit(
+            prompts[i],
+            engine.generation_defaults.merged(max_new_tokens=MAX_NEW[i], do_sample=False, ignore_eos=True),
+        )
         ids: list[int] = []
         async for out in handle:
             ids.extend(out.delta_ids)
