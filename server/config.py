@@ -1,0 +1,50 @@
+"""The HTTP server's own settings (the engine's are ``Engine.from_pretrained``'s arguments)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # 16 MiB: far above any prompt that fits a context window
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+DEFAULT_MAX_QUEUE = 256
+
+
+class ServerConfigError(ValueError):
+    """An invalid server setting."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """``served_model_name`` is the only value ``model`` may take in requests (or omit it).
+    ``api_key`` None disables authentication. ``cors_origins`` empty disables CORS."""
+
+    served_model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    cors_origins: tuple[str, ...] = field(default_factory=tuple)
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    max_queue: int = DEFAULT_MAX_QUEUE
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.served_model_name, str) or not self.served_model_name.strip():
+            raise ServerConfigError(
+                f"served_model_name must be a non-empty string, got {self.served_model_name!r}"
+            )
+        if self.api_key is not None and not self.api_key:
+            raise ServerConfigError("api_key must be a non-empty string or None (no authentication)")
+        if (
+            isinstance(self.max_body_bytes, bool)
+            or not isinstance(self.max_body_bytes, int)
+            or self.max_body_bytes < 1
+        ):
+            raise ServerConfigError(f"max_body_bytes must be a positive integer, got {self.max_body_bytes!r}")
+        if not isinstance(self.shutdown_timeout, (int, float)) or self.shutdown_timeout < 0:
+            raise ServerConfigError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout!r}")
+        if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 1:
+            raise ServerConfigError(f"max_queue must be a positive integer, got {self.max_queue!r}")
+        if not isinstance(self.cors_origins, tuple) or not all(
+            isinstance(o, str) and o for o in self.cors_origins
+        ):
+            raise ServerConfigError(
+                f"cors_origins must be a tuple of non-empty strings, got {self.cors_origins!r}"
+            )

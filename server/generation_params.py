@@ -1,0 +1,113 @@
+"""OpenAI request fields -> the engine's ``GenerationConfig`` (the model's defaults, overridden by what
+the request sets), and the ``max_tokens`` default.
+
+Rules (vLLM's):
+- an unset field keeps the model's ``generation_config.json`` default;
+- ``temperature`` 0 is greedy; any other given temperature samples (``do_sample = temperature > 0``);
+- ``top_k`` -1 or 0 disables top-k;
+- ``max_tokens`` unset: 16 for /v1/completions (OpenAI's documented default), and for chat the model's
+  ``max_new_tokens`` default, else ``DEFAULT_CHAT_MAX_TOKENS``; both capped by the room left in the
+  context window and in the KV cache, so a default never makes a request fail.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.errors import ContextLengthExceededError
+from engine.generation.config import GenerationConfig
+from server.errors import APIError
+from server.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+DEFAULT_CHAT_MAX_TOKENS = 1024
+
+
+def requested_max_tokens(req: SamplingRequest) -> int | None:
+    """The completion length the request asks for, if any (chat: ``max_completion_tokens`` first)."""
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        return req.max_completion_tokens
+    return req.max_tokens
+
+
+def resolve_max_tokens(
+    req: SamplingRequest,
+    prompt_len: int,
+    max_model_len: int,
+    kv_capacity_tokens: int,
+    defaults: GenerationConfig,
+) -> int:
+    """``max_new_tokens`` for one prompt; raises ``ContextLengthExceededError`` when the prompt plus the
+    asked-for tokens do not fit the context window."""
+    asked = requested_max_tokens(req)
+    if asked is None:
+        if isinstance(req, CompletionRequest):
+            wanted = DEFAULT_COMPLETION_MAX_TOKENS
+        else:
+            wanted = defaults.max_new_tokens or DEFAULT_CHAT_MAX_TOKENS
+        room = min(max_model_len, kv_capacity_tokens) - prompt_len
+        # NOTE: at least 1, so that a prompt filling the whole window still gets the clear error below.
+        max_new = max(1, min(wanted, room))
+    else:
+        max_new = asked
+    if prompt_len + max_new > max_model_len:
+        raise ContextLengthExceededError(prompt_len, max_new, max_model_len)
+    return max_new
+
+
+def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
+    if not raw:
+        return None
+    out: dict[int, float] = {}
+    for key, bias in raw.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise APIError(
+                400,
+                f"logit_bias keys must be token ids (integers as strings), got {key!r}",
+                param="logit_bias",
+            ) from None
+        out[token] = bias
+    return out
+
+
+def _stop_strings(stop: str | list[str] | None) -> list[str] | None:
+    if stop is None:
+        return None
+    values = [stop] if isinstance(stop, str) else list(stop)
+    return values or None
+
+
+def build_generation_config(
+    req: SamplingRequest,
+    defaults: GenerationConfig,
+    max_new_tokens: int,
+    output_logprobs: bool,
+    top_logprobs: int,
+) -> GenerationConfig:
+    """The validated config for one prompt of ``req`` (raises ``GenerationConfigError`` / ``APIError``)."""
+    overrides: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "min_new_tokens": req.min_tokens,
+        "num_return_sequences": req.n,
+        "top_p": req.top_p,
+        "min_p": req.min_p,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+        "logit_bias": _logit_bias(req.logit_bias),
+        "stop_strings": _stop_strings(req.stop),
+        "stop_token_ids": list(req.stop_token_ids) if req.stop_token_ids else None,
+        "seed": req.seed,
+        "ignore_eos": req.ignore_eos,
+        "skip_special_tokens": req.skip_special_tokens,
+        "output_logprobs": output_logprobs,
+        "top_logprobs": top_logprobs if output_logprobs else 0,
+    }
+    if req.top_k is not None:
+        overrides["top_k"] = max(req.top_k, 0)
+    if req.temperature is not None:
+        overrides["temperature"] = float(req.temperature)
+        overrides["do_sample"] = req.temperature > 0
+    return defaults.merged(**overrides)

@@ -1,0 +1,90 @@
+"""Request prompts -> token ids: the completions ``prompt`` forms and chat ``messages`` through the
+model's chat template. Every prompt is checked here (not empty, ids inside the vocabulary) so that a bad
+one is a 400 before anything is submitted."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from server.errors import APIError
+from server.schemas import ChatMessage
+
+
+def _check_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
+    if not ids:
+        raise APIError(
+            400, f"'{param}' is empty: at least one token is needed", param=param, code="invalid_value"
+        )
+    for t in ids:
+        if t < 0 or t >= vocab_size:
+            raise APIError(
+                400,
+                f"token id {t} is outside the vocabulary [0, {vocab_size})",
+                param=param,
+                code="invalid_value",
+            )
+    return ids
+
+
+def completion_prompts(
+    prompt: str | list[str] | list[int] | list[list[int]], tokenizer: Any, vocab_size: int
+) -> list[list[int]]:
+    """Token ids of every prompt of a completions request (a string, strings, ids, or id lists)."""
+    if isinstance(prompt, str):
+        items: list[str | list[int]] = [prompt]
+    elif not prompt:
+        raise APIError(400, "'prompt' is an empty list", param="prompt", code="invalid_value")
+    elif all(isinstance(p, int) for p in prompt):
+        items = [[p for p in prompt if isinstance(p, int)]]
+    else:
+        items = [p for p in prompt if isinstance(p, (str, list))]
+    out: list[list[int]] = []
+    for item in items:
+        ids = tokenizer.encode(item, add_special_tokens=True) if isinstance(item, str) else list(item)
+        out.append(_check_ids(ids, vocab_size, "prompt"))
+    return out
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them: ``content`` a string (text parts joined by newlines,
+    as vLLM joins them). Non-text parts are refused: this server runs text-only models."""
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            texts: list[str] = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise APIError(
+                        400,
+                        f"messages[{i}]: content part of type {part.type!r} is not supported (text only)",
+                        param="messages",
+                        code="invalid_value",
+                    )
+                texts.append(part.text)
+            content = "\n".join(texts)
+        d: dict[str, Any] = {"role": message.role, "content": content if content is not None else ""}
+        if message.name is not None:
+            d["name"] = message.name
+        out.append(d)
+    return out
+
+
+def chat_prompt(
+    messages: list[ChatMessage], tokenizer: Any, vocab_size: int, add_generation_prompt: bool
+) -> list[int]:
+    """The token ids of ``messages`` rendered by the model's chat template."""
+    try:
+        rendered = tokenizer.apply_chat_template(
+            message_dicts(messages), add_generation_prompt=add_generation_prompt, tokenize=True
+        )
+    except APIError:
+        raise
+    except ValueError as exc:  # ChatTemplateError (a ValueError): no template, or it rejected the messages
+        raise APIError(400, str(exc), param="messages", code="invalid_value") from exc
+    if isinstance(rendered, str):
+        # NOTE: the template text already holds its special tokens; do not add them twice.
+        ids = tokenizer.encode(rendered, add_special_tokens=False)
+    else:
+        ids = list(rendered)
+    return _check_ids(ids, vocab_size, "messages")

@@ -1,0 +1,173 @@
+"""POST /v1/chat/completions: the messages through the model's chat template, then generation.
+
+Streams as OpenAI does: per choice a first chunk with ``{"role": "assistant", "content": ""}``, then
+content deltas, then a chunk with an empty delta and the ``finish_reason``; with
+``stream_options.include_usage`` a last chunk with ``choices: []`` and the usage; then ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+
+from server.engine_client import ClientDisconnected, collect_final_outputs, output_error
+from server.errors import APIError
+from server.lifecycle import ServerState
+from server.logprobs_format import TokenStrings, chat_logprobs
+from server.prompts import chat_prompt
+from server.schemas import (
+    ERROR_RESPONSES,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+)
+from server.serving_common import (
+    Admitted,
+    admit,
+    check_model,
+    finish_reason,
+    log_unknown_fields,
+    server_state,
+    usage,
+)
+from server.sse import DONE_EVENT, EventStreamResponse, sse_event
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter()
+
+
+def _num_top(body: ChatCompletionRequest) -> int:
+    if body.top_logprobs is not None and body.top_logprobs > 0 and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
+    return body.top_logprobs or 0
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES)
+async def create_chat_completion(
+    body: ChatCompletionRequest, request: Request
+) -> ChatCompletionResponse | Response:
+    state = server_state(request)
+    check_model(body.model, state)
+    log_unknown_fields(body, "chat")
+    num_top = _num_top(body)
+    engine = state.engine
+    prompt = chat_prompt(
+        body.messages, state.tokenizer, engine.model_config.vocab_size, body.add_generation_prompt
+    )
+    admitted = admit(
+        state, request, body, [prompt], body.logprobs, num_top, id_prefix="chatcmpl", prompt_param="messages"
+    )
+    if body.stream:
+        active = state.acquire()
+
+        def on_close() -> None:
+            admitted.submission.cancel()
+            active.release()
+
+        return EventStreamResponse(_stream(state, body, admitted, num_top), on_close)
+    with state.track():
+        try:
+            finals = await collect_final_outputs(admitted.submission, request, state.metrics.observe_finished)
+        except ClientDisconnected:
+            logger.info("client disconnected; request %s cancelled", admitted.response_id)
+            return Response(status_code=499)
+    return _response(state, body, admitted, num_top, finals)
+
+
+def _response(
+    state: ServerState, body: ChatCompletionRequest, admitted: Admitted, num_top: int, finals: dict[Any, Any]
+) -> ChatCompletionResponse:
+    strings = TokenStrings(state.tokenizer)
+    running = state.manager is not None and state.manager.is_running()
+    choices: list[ChatChoice] = []
+    num_completion_tokens = 0
+    for j in range(body.n):
+        out = finals[(0, j)]
+        error = output_error(out, running)
+        if error is not None:
+            raise error
+        num_completion_tokens += len(out.generated_ids)
+        logprobs = (
+            ChatLogprobs(content=chat_logprobs(out.logprobs or [], strings, num_top))
+            if body.logprobs
+            else None
+        )
+        choices.append(
+            ChatChoice(
+                index=j,
+                message=ChatResponseMessage(content=out.text),
+                logprobs=logprobs,
+                finish_reason=finish_reason(out),  # type: ignore[arg-type]
+            )
+        )
+    return ChatCompletionResponse(
+        id=admitted.response_id,
+        created=admitted.created,
+        model=admitted.model,
+        choices=choices,
+        usage=usage(admitted.submission.num_prompt_tokens, num_completion_tokens),
+    )
+
+
+async def _stream(
+    state: ServerState, body: ChatCompletionRequest, admitted: Admitted, num_top: int
+) -> AsyncIterator[bytes]:
+    strings = TokenStrings(state.tokenizer)
+    include_usage = body.include_usage
+
+    def chunk(choices: list[dict[str, Any]], usage_info: dict[str, Any] | None = None) -> bytes:
+        payload: dict[str, Any] = {
+            "id": admitted.response_id,
+            "object": "chat.completion.chunk",
+            "created": admitted.created,
+            "model": admitted.model,
+            "choices": choices,
+        }
+        if include_usage:
+            payload["usage"] = usage_info
+        return sse_event(payload)
+
+    def choice(
+        index: int, delta: dict[str, Any], logprobs: Any = None, reason: str | None = None
+    ) -> dict[str, Any]:
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+
+    num_completion_tokens = 0
+    try:
+        for j in range(body.n):
+            yield chunk([choice(j, {"role": "assistant", "content": ""})])
+        async for _, out in admitted.submission.outputs():
+            state.metrics.observe_finished(out)
+            error = output_error(out, state.manager is not None and state.manager.is_running())
+            if error is not None:
+                yield sse_event(error.body())
+                yield DONE_EVENT
+                return
+            logprobs = None
+            if body.logprobs and out.delta_logprobs:
+                entries = chat_logprobs(out.delta_logprobs, strings, num_top)
+                logprobs = {"content": [e.model_dump() for e in entries]}
+            if out.delta_text or logprobs is not None:
+                yield chunk([choice(out.index, {"content": out.delta_text}, logprobs)])
+            if out.is_finished:
+                num_completion_tokens += len(out.generated_ids)
+                yield chunk([choice(out.index, {}, None, finish_reason(out))])
+        if include_usage:
+            info = usage(admitted.submission.num_prompt_tokens, num_completion_tokens)
+            yield chunk([], info.model_dump())
+        yield DONE_EVENT
+    except APIError as exc:
+        yield sse_event(exc.body())
+        yield DONE_EVENT
+    except Exception as exc:  # NOTE: the status line is sent already: the error must travel in the stream.
+        logger.exception("chat stream %s failed", admitted.response_id)
+        yield sse_event(
+            APIError(500, f"internal server error: {type(exc).__name__}", code="internal_error").body()
+        )
+        yield DONE_EVENT

@@ -1,0 +1,115 @@
+"""What the generation routes (completions, chat) share: the server state, the model-name check, unknown
+field logging, the steps from a parsed request to submitted engine requests, finish reasons and usage."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from engine.errors import ContextLengthExceededError
+from engine.generation.config import GenerationConfig, GenerationConfigError
+from engine.outputs import GenerationOutput
+from scheduler.request import FinishReason
+from server.engine_client import Submission, submit_prompts
+from server.errors import APIError, api_error_from_engine
+from server.generation_params import build_generation_config, resolve_max_tokens
+from server.lifecycle import ServerState
+from server.request_id import request_id_of
+from server.schemas import SamplingRequest, UsageInfo
+
+logger = logging.getLogger(__name__)
+
+_unknown_fields_seen: set[str] = set()
+_engine_ids = itertools.count()
+
+
+def server_state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.server
+    return state
+
+
+def check_model(requested: str | None, state: ServerState) -> None:
+    """``model`` must be omitted or name the served model (404 otherwise, as OpenAI answers)."""
+    if requested is not None and requested != state.config.served_model_name:
+        raise APIError(
+            404,
+            f"the model '{requested}' does not exist; this server serves '{state.config.served_model_name}'",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def log_unknown_fields(body: SamplingRequest | object, route: str) -> None:
+    """Unknown request fields are ignored; each field name is logged once per process (not per request,
+    which would flood the log with one client's habits)."""
+    extra = getattr(body, "model_extra", None) or {}
+    for name in extra:
+        key = f"{route}:{name}"
+        if key not in _unknown_fields_seen:
+            _unknown_fields_seen.add(key)
+            logger.warning("%s: ignoring unknown request field %r (logged once)", route, name)
+
+
+def finish_reason(out: GenerationOutput) -> str:
+    """OpenAI's ``finish_reason`` of a finished sample: ``length`` or ``stop``."""
+    return "length" if out.finish_reason is FinishReason.LENGTH else "stop"
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=num_prompt_tokens,
+        completion_tokens=num_completion_tokens,
+        total_tokens=num_prompt_tokens + num_completion_tokens,
+    )
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A request whose prompts are submitted to the engine."""
+
+    submission: Submission
+    response_id: str
+    created: int
+    model: str
+
+
+def admit(
+    state: ServerState,
+    request: Request,
+    body: SamplingRequest,
+    prompts: list[list[int]],
+    output_logprobs: bool,
+    top_logprobs: int,
+    id_prefix: str,
+    prompt_param: str,
+) -> Admitted:
+    """Resolve every prompt's config (all checked before any is submitted), then submit them all."""
+    manager = state.running_manager()
+    engine = state.engine
+    try:
+        configs: list[GenerationConfig] = []
+        for prompt in prompts:
+            max_new = resolve_max_tokens(
+                body,
+                len(prompt),
+                engine.max_model_len,
+                engine.num_blocks * engine.block_size,
+                engine.generation_defaults,
+            )
+            configs.append(
+                build_generation_config(
+                    body, engine.generation_defaults, max_new, output_logprobs, top_logprobs
+                )
+            )
+    except (ContextLengthExceededError, GenerationConfigError) as exc:
+        error = api_error_from_engine(exc, prompt_param)
+        assert error is not None  # NOTE: both types are mapped; narrows for mypy.
+        raise error from exc
+    rid = request_id_of(request.scope)
+    # NOTE: a client may reuse its X-Request-Id; the engine's ids must stay unique, hence the counter.
+    submission = submit_prompts(manager, prompts, configs, f"{rid}-{next(_engine_ids)}", prompt_param)
+    return Admitted(submission, f"{id_prefix}-{rid}", int(time.time()), state.config.served_model_name)

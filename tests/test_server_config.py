@@ -1,0 +1,32 @@
+"""ServerConfig validates itself with clear errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from server.config import ServerConfig, ServerConfigError
+
+
+def test_valid_config() -> None:
+    config = ServerConfig(served_model_name="m", api_key="k", cors_origins=("http://a",), max_body_bytes=10)
+    assert config.max_queue > 0 and config.shutdown_timeout >= 0
+
+
+@pytest.mark.parametrize(
+    ("fields", "word"),
+    [
+        ({"served_model_name": " "}, "served_model_name"),
+        ({"api_key": ""}, "api_key"),
+        ({"max_body_bytes": 0}, "max_body_bytes"),
+        ({"max_body_bytes": True}, "max_body_bytes"),
+        ({"shutdown_timeout": -1}, "shutdown_timeout"),
+        ({"max_queue": 0}, "max_queue"),
+        ({"cors_origins": ["http://a"]}, "cors_origins"),
+        ({"cors_origins": ("",)}, "cors_origins"),
+    ],
+)
+def test_invalid_values_raise(fields: dict[str, Any], word: str) -> None:
+    with pytest.raises(ServerConfigError, match=word):
+        ServerConfig(**{"served_model_name": "m", **fields})
