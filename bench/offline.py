@@ -84,7 +84,10 @@ def _hf_model(threads: int) -> Any:
     from engine.loader.source import resolve_model
 
     torch.set_num_threads(threads)
-    path = Path(resolve_model("default").path)
+    source = resolve_model("default")
+    if source.path is None:
+        raise RuntimeError("the default model has no file")
+    path = source.path
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     return model.eval()
 

@@ -208,6 +208,4 @@ class Engine:
 
 
 def _default_model_name(model: str, loaded: LoadedModel) -> str:
-    if model == "default":
-        return "SmolLM2-135M-Instruct"
-    return str(getattr(loaded.source, "name", model))
+    return loaded.source.name or model
