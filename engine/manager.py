@@ -118,12 +118,14 @@ class ContinuousBatchingManager:
         self._groups: dict[str, _Group] = {}  # unfinished groups, engine thread only
         self._ready: queue.Queue[str] = queue.Queue()
         self._sync_sinks: dict[str, SyncSink] = {}
-        self._groups_n: dict[str, int] = {}  # request id -> n, readable from any thread
         self._step_observers: list[Callable[[int], None]] = []
+        self._finish_observers: list[Callable[[GenerationOutput], None]] = []
         self._stats = self._snapshot(running=False)
         self.num_steps = 0
-        # Test-only fault injection: called with the batch before each forward (may raise).
+        # Test-only fault injection: called with the batch before each forward (may raise), and with the
+        # batch and its logits after it (may return changed logits, e.g. a NaN row).
         self.fault_hook: Callable[[ScheduledBatch], None] | None = None
+        self.logits_hook: Callable[[ScheduledBatch, torch.Tensor], torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -181,7 +183,7 @@ class ContinuousBatchingManager:
         if overrides:
             config = config.merged(**overrides)
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
-        sink = SyncSink(rid, self._ready)
+        sink = SyncSink(rid, self._ready, config.num_return_sequences)
         group = self._new_group(input_ids, config, rid, sink, streaming, record_timestamps)
         self._sync_sinks[rid] = sink
         self._enqueue(group)
@@ -213,8 +215,7 @@ class ContinuousBatchingManager:
                 out = sink.queue.get_nowait()
             except queue.Empty:  # NOTE: already consumed through request_id_iter.
                 continue
-            if out.is_finished and sink.queue.empty():
-                self._sync_sinks.pop(rid, None)
+            self._consumed(sink, out)
             return out
 
     def request_id_iter(self, request_id: str, timeout: float | None = None) -> Iterator[GenerationOutput]:
@@ -222,20 +223,28 @@ class ContinuousBatchingManager:
         sink = self._sync_sinks.get(request_id)
         if sink is None:
             raise KeyError(f"unknown request id {request_id!r}")
-        remaining = self._groups_n.get(request_id, 1)
-        while remaining:
+        while sink.unread_finals:
             try:
                 out = sink.queue.get(timeout=timeout)
             except queue.Empty:
                 return
-            if out.is_finished:
-                remaining -= 1
+            self._consumed(sink, out)
             yield out
-        self._sync_sinks.pop(request_id, None)
+
+    def _consumed(self, sink: SyncSink, out: GenerationOutput) -> None:
+        if out.is_finished:
+            sink.unread_finals -= 1
+            if sink.unread_finals == 0:
+                self._sync_sinks.pop(sink.request_id, None)
 
     def add_step_observer(self, fn: Callable[[int], None]) -> None:
         """``fn(num_tokens)`` is called from the engine thread after every step."""
         self._step_observers.append(fn)
+
+    def add_finish_observer(self, fn: Callable[[GenerationOutput], None]) -> None:
+        """``fn(output)`` is called from the engine thread with every sample's final output (finished,
+        cancelled or failed), whether or not anybody reads it."""
+        self._finish_observers.append(fn)
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> EngineStats:
@@ -298,7 +307,6 @@ class ContinuousBatchingManager:
             if waiting >= self.max_queue:
                 raise QueueFullError(f"the waiting queue is full ({self.max_queue} requests); retry later")
             self._num_inbox_adds += 1
-        self._groups_n[group.request_id] = group.n
         self._inbox.put(("add", group))
         self._wakeup.set()
 
@@ -336,6 +344,8 @@ class ContinuousBatchingManager:
             if self.fault_hook is not None:
                 self.fault_hook(batch)
             logits = self.runner.forward(batch)
+            if self.logits_hook is not None:
+                logits = self.logits_hook(batch, logits)
             sampled = self._sample(batch, logits)
         except Exception as exc:
             logger.exception("forward failed; failing the %d requests of this step", len(batch))
@@ -593,10 +603,14 @@ class ContinuousBatchingManager:
         seq.pending_text = ""
         seq.sent_logprobs = len(logprobs) if logprobs is not None else 0
         if done:
+            for fn in self._finish_observers:
+                try:
+                    fn(out)
+                except Exception:  # NOTE: an observer's bug must not take the engine down.
+                    logger.exception("finish observer failed")
             group.num_finished += 1
             if group.num_finished >= group.n:
                 self._groups.pop(group.request_id, None)
-                self._groups_n.pop(group.request_id, None)
         group.sink.put(out)
 
     def _generation_state(self, group: _Group, index: int) -> RequestGenerationState:

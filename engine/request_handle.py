@@ -36,10 +36,11 @@ class AsyncSink:
 class SyncSink:
     """Hands outputs to a per-request queue and announces the request id on the manager's ready queue."""
 
-    def __init__(self, request_id: str, ready: queue.Queue[str]) -> None:
+    def __init__(self, request_id: str, ready: queue.Queue[str], n: int = 1) -> None:
         self.request_id = request_id
         self.ready = ready
         self.queue: queue.Queue[GenerationOutput] = queue.Queue()
+        self.unread_finals = n  # final outputs not yet read: the sink is dropped when it reaches 0
 
     def put(self, out: GenerationOutput) -> None:
         self.queue.put(out)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from fastapi import Request
@@ -122,7 +122,6 @@ def output_error(out: GenerationOutput, engine_running: bool) -> APIError | None
 async def collect_final_outputs(
     submission: Submission,
     request: Request,
-    on_output: Callable[[GenerationOutput], None],
 ) -> dict[tuple[int, int], GenerationOutput]:
     """Wait for every sample's final output, keyed ``(prompt index, sample index)``. Watches the
     connection meanwhile: a client that leaves cancels its requests (raises ``ClientDisconnected``)."""
@@ -130,7 +129,6 @@ async def collect_final_outputs(
 
     async def consume() -> None:
         async for i, out in submission.outputs():
-            on_output(out)
             if out.is_finished:
                 finals[(i, out.index)] = out
 

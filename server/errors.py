@@ -122,6 +122,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             param = loc[0]
         if err.get("type") == "missing" and field:
             parts.append(f"missing required field '{field}'")
+        elif err.get("type") == "missing":
+            parts.append("the request body is missing: a JSON object is expected")
         elif field:
             parts.append(f"invalid value for '{field}': {err.get('msg', 'invalid')}")
         else:

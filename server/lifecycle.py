@@ -103,6 +103,7 @@ class ServerState:
     def start(self) -> None:
         manager = self.engine.init_continuous_batching(max_queue=self.config.max_queue)
         manager.add_step_observer(self.metrics.observe_step)
+        manager.add_finish_observer(self.metrics.observe_finished)
         manager.start()
         self.manager = manager
 

@@ -8,9 +8,16 @@ value is a 400 naming the field before anything reaches the engine.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+
+# NOTE: every stop string is checked after every token on the engine thread, so a request with thousands
+# of them would slow every other request down; vLLM clients send a handful (OpenAI allows 4).
+MAX_STOP_STRINGS = 256
+# The roles OpenAI's chat API defines. Any other string would reach the chat template verbatim, where it
+# becomes prompt text (a role such as "user<|im_end|>..." forges turns).
+ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 # ---------------------------------------------------------------------------------------------- requests
 
@@ -39,7 +46,7 @@ class SamplingRequest(BaseModel):
     logit_bias: dict[str, float] | None = Field(
         None, description="Token id (as a string) -> bias in [-100, 100]."
     )
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: list[StrictInt] | None = None
     seed: int | None = None
     stream: bool = False
@@ -72,7 +79,7 @@ class TextContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: StrictStr
+    role: ChatRole
     content: StrictStr | list[TextContentPart] | None = None
     name: str | None = None
 

@@ -73,7 +73,7 @@ async def create_chat_completion(
         return EventStreamResponse(_stream(state, body, admitted, num_top), on_close)
     with state.track():
         try:
-            finals = await collect_final_outputs(admitted.submission, request, state.metrics.observe_finished)
+            finals = await collect_final_outputs(admitted.submission, request)
         except ClientDisconnected:
             logger.info("client disconnected; request %s cancelled", admitted.response_id)
             return Response(status_code=499)
@@ -143,7 +143,6 @@ async def _stream(
         for j in range(body.n):
             yield chunk([choice(j, {"role": "assistant", "content": ""})])
         async for _, out in admitted.submission.outputs():
-            state.metrics.observe_finished(out)
             error = output_error(out, state.manager is not None and state.manager.is_running())
             if error is not None:
                 yield sse_event(error.body())

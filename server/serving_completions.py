@@ -78,7 +78,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Comple
         return EventStreamResponse(_stream(state, body, admitted, echoes), on_close)
     with state.track():
         try:
-            finals = await collect_final_outputs(admitted.submission, request, state.metrics.observe_finished)
+            finals = await collect_final_outputs(admitted.submission, request)
         except ClientDisconnected:
             logger.info("client disconnected; request %s cancelled", admitted.response_id)
             return Response(status_code=499)
@@ -157,7 +157,6 @@ async def _stream(
                     lp = prompt_logprobs(prompt, strings)[0] if body.logprobs is not None else None
                     yield chunk(i * n + j, echoes[i], lp, None)
         async for i, out in admitted.submission.outputs():
-            state.metrics.observe_finished(out)
             error = output_error(out, state.manager is not None and state.manager.is_running())
             if error is not None:
                 yield sse_event(error.body())
