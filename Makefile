@@ -32,7 +32,7 @@ typecheck: install
 	$(BIN)/mypy
 
 unit: install
-	$(BIN)/python -m pytest -q -x -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -x tests
 
 test: lint typecheck unit
 
