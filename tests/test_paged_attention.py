@@ -4,8 +4,6 @@ blocks, mixed prefill / decode / chunk-continuation batches, GQA, sliding window
 from __future__ import annotations
 
 import random
-import time
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -140,38 +138,3 @@ def test_block_table_columns_beyond_the_longest_sequence_are_ignored() -> None:
     meta = PagedAttentionMetadata.build(inputs, 1, torch.float32)
     assert meta.block_tables.tolist() == [[5]]
     assert meta.attn_bias.shape == (1, 1, 3, 4)
-
-
-def test_batched_decode_is_not_slower_than_separate_calls() -> None:
-    """One call for 32 decoding sequences beats 32 calls of one (the point of batching them)."""
-    heads, kv_heads, head_dim, block_size, ctx = 9, 3, 64, 16, 100
-    num_seqs = 32
-    pages = -(-(ctx + 1) // block_size)
-    k_cache = torch.randn(num_seqs * pages, block_size, kv_heads, head_dim)
-    v_cache = torch.randn_like(k_cache)
-    tables = [list(range(i * pages, (i + 1) * pages)) for i in range(num_seqs)]
-    q = torch.randn(num_seqs, heads, head_dim)
-    kv = torch.randn(num_seqs, kv_heads, head_dim)
-    batch = BatchInputs.build([[0]] * num_seqs, [ctx] * num_seqs, tables, [True] * num_seqs, block_size)
-    singles = [BatchInputs.build([[0]], [ctx], [t], [True], block_size) for t in tables]
-
-    def batched() -> None:
-        meta = PagedAttentionMetadata.build(batch, heads // kv_heads, torch.float32)
-        paged_attention(q, kv, kv, k_cache, v_cache, meta, 0.125)
-
-    def separate() -> None:
-        for i, inp in enumerate(singles):
-            meta = PagedAttentionMetadata.build(inp, heads // kv_heads, torch.float32)
-            paged_attention(q[i : i + 1], kv[i : i + 1], kv[i : i + 1], k_cache, v_cache, meta, 0.125)
-
-    def best_of(fn: Callable[[], None], repeats: int = 5) -> float:
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    batched()  # warm up
-    separate()
-    assert best_of(batched) < best_of(separate)
