@@ -479,9 +479,9 @@ class ContinuousBatchingManager:
             elif kind == "cancel":
                 self._cancel(item)
             elif kind == "evict":
-                evict = getattr(self.scheduler, "evict_request_from_cache", None)
-                if evict is not None:
-                    evict(item)
+                i = 0  # the scheduler knows each sample as "{id}#{index}"
+                while self.scheduler.evict_request_from_cache(f"{item}#{i}") is not None:
+                    i += 1
 
     def _admit(self, group: _Group) -> None:
         seq = _Sequence(group, 0, self._generation_state(group, 0))

@@ -246,6 +246,17 @@ class BlockPool:
                 evicted.append(block_id)
         return evicted
 
+    def evict_hashes(self, block_hashes: Iterable[int]) -> list[int]:
+        """Drop these hashes from the prefix cache where their block is unreferenced (blocks in use stay
+        cached: a running request shares them). Returns the ids of the blocks whose hash was dropped."""
+        evicted: list[int] = []
+        for h in block_hashes:
+            block_id = self._hash_to_block.get(h)
+            if block_id is not None and self._ref_counts[block_id] == 0:
+                self._drop_hash(block_id)
+                evicted.append(block_id)
+        return evicted
+
     # ---- invariants -----------------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Raise ``IntegrityError`` when ref counts, free queue and hash map disagree."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Mapping, Sequence
 
 from kvcache.block_pool import BlockPool, IntegrityError
@@ -36,6 +36,7 @@ from scheduler.errors import RequestTooLargeError
 from scheduler.request import FinishReason, Request, RequestStatus
 
 _ADMITTED = (RequestStatus.PREFILLING, RequestStatus.DECODING)
+MAX_REMEMBERED_FINISHED = 4096  # finished requests whose cached blocks can still be evicted by id
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -63,6 +64,8 @@ class Scheduler(ABC):
         # Copy-on-write of forks: child id -> (src, dst). The child holds one extra reference on ``src``
         # until the copy is handed to the engine, so ``src`` cannot be reused before it is copied.
         self._pending_copies: dict[str, tuple[int, int]] = {}
+        # The registered hash chains of recently finished requests, for ``evict_request_from_cache``.
+        self._finished_hashes: OrderedDict[str, list[int]] = OrderedDict()
         self.num_preemptions = 0
 
     # ---- the policy -----------------------------------------------------------------------------------
@@ -299,17 +302,32 @@ class Scheduler(ABC):
         return None if req is None else self._finish_known(req, reason)
 
     def _finish_known(self, req: Request, reason: FinishReason) -> Request:
+        hashes = self._block_hashes.pop(req.request_id, [])
+        registered = self._num_registered.get(req.request_id, 0)
         if req.status is RequestStatus.WAITING:
             self._waiting.remove(req)
         else:
             self._running.remove(req)
             self._release_blocks(req)
         del self._requests[req.request_id]
-        self._block_hashes.pop(req.request_id, None)
         self._num_registered.pop(req.request_id, None)
+        if self.pool.enable_prefix_caching:
+            self._finished_hashes[req.request_id] = hashes[:registered]
+            while len(self._finished_hashes) > MAX_REMEMBERED_FINISHED:
+                self._finished_hashes.popitem(last=False)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         return req
+
+    def evict_request_from_cache(self, request_id: str) -> int | None:
+        """Drop a finished request's blocks from the prefix cache (those no running request shares).
+        Returns how many were dropped; None when the request is not among the recently finished."""
+        hashes = self._finished_hashes.pop(request_id, None)
+        if hashes is None:
+            return None
+        # NOTE: only the blocks whose hash still maps to a free block go; a block since reused holds
+        # another hash and is left alone.
+        return len(self.pool.evict_hashes(hashes))
 
     def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
         """Preempt by recompute: free the blocks, back to the front of the waiting queue, output kept."""

@@ -197,3 +197,17 @@ def test_sizing() -> None:
         bytes_per_block(30, 3, 0, 16, 2)
     with pytest.raises(ValueError, match="budget_bytes"):
         num_blocks_for_budget(-1, 30, 3, 64, 16, 2)
+
+
+def test_evict_hashes_drops_only_unreferenced_cached_blocks() -> None:
+    pool = BlockPool(num_blocks=4, block_size=2)
+    tokens = [1, 2, 3, 4, 5]
+    blocks = pool.allocate(3)
+    pool.cache_full_blocks(tokens, blocks)  # two full blocks: [1, 2] and [3, 4]
+    hashes = [pool.block_hash(b) for b in blocks[:2]]
+    assert None not in hashes
+    pool.free([blocks[1]])  # block 1 unreferenced (still cached), block 0 still in use
+    dropped = pool.evict_hashes([h for h in hashes if h is not None])
+    assert dropped == [blocks[1]]
+    assert pool.block_hash(blocks[0]) is not None and pool.block_hash(blocks[1]) is None
+    pool.check_integrity()

@@ -225,3 +225,30 @@ def test_async_stream_matches_reference(engine, prompts, reference):
     finally:
         manager.stop(timeout=30)
     assert got == reference[:6]
+
+
+def test_evict_request_from_cache_drops_its_blocks(engine, prompts):
+    prompt = prompts[13]  # long enough for several full blocks
+    manager = engine.init_continuous_batching()
+    manager.start()
+    try:
+        def run() -> int:
+            before = manager.scheduler.prefix_cache_hits
+            rid = manager.add_request(prompt, max_new_tokens=2, do_sample=False)
+            outs = list(manager.request_id_iter(rid, timeout=60))
+            assert outs and outs[-1].status is RequestStatus.FINISHED
+            deadline = time.monotonic() + 10
+            while manager.stats().num_requests_running and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return manager.scheduler.prefix_cache_hits - before
+
+        assert run() == 0  # cold
+        assert run() >= engine.block_size  # the finished request's blocks were reused
+        rid = manager.add_request(prompt, max_new_tokens=2, do_sample=False)
+        for _ in manager.request_id_iter(rid, timeout=60):
+            pass
+        manager.evict_request_from_cache(rid)
+        assert run() == 0  # identical blocks are shared, so evicting this request's drops them all
+    finally:
+        manager.stop(timeout=30)
+    manager.check_integrity()
