@@ -1,0 +1,166 @@
+"""Disconnect storm: clients that hang up at random points (before the response starts, after a few events,
+mid-stream; completions and chat; n = 1 and 2) must leave nothing behind: every KV block free again
+(``cbserve:kv_cache_usage_perc`` 0 and no request running, as /metrics reports it, within seconds), the
+scheduler's invariants intact (``check_integrity()``), no response counted in flight, and the next
+request served normally. The same for non-streaming clients that give up before their answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import httpx
+import pytest
+import server_fixtures
+from prometheus_client.parser import text_string_to_metric_families
+from server_fixtures import LiveServer, wait_until
+
+live_server = server_fixtures.live_server  # the session-scoped real server fixture
+
+NUM_STREAMS = 100
+CONCURRENCY = 16
+MAX_TOKENS = 24
+STORM_TIMEOUT_S = 240.0
+IDLE_TIMEOUT_S = 15.0  # generous: the machine is shared; an idle engine gets there in one step
+
+
+def scrape(base_url: str) -> dict[str, float]:
+    """``{sample name: value}`` of the engine gauges on /metrics, plus ``abort``: the cancelled samples."""
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if (
+                sample.name.startswith("cbserve:num_requests_")
+                or sample.name == "cbserve:kv_cache_usage_perc"
+            ):
+                values[sample.name] = sample.value
+            if sample.name == "cbserve:request_success_total" and sample.labels["finished_reason"] == "abort":
+                values["abort"] = sample.value
+    return values
+
+
+def metrics_idle(base_url: str) -> bool:
+    m = scrape(base_url)
+    return (
+        m.get("cbserve:kv_cache_usage_perc") == 0.0
+        and m.get("cbserve:num_requests_running") == 0.0
+        and m.get("cbserve:num_requests_waiting") == 0.0
+    )
+
+
+def assert_all_released(live_server: LiveServer) -> None:
+    manager = live_server.state.manager
+    assert manager is not None
+    assert wait_until(lambda: metrics_idle(live_server.base_url), IDLE_TIMEOUT_S), scrape(
+        live_server.base_url
+    )
+    assert live_server.wait_idle(timeout=IDLE_TIMEOUT_S), manager.stats()
+    manager.check_integrity()  # the loop is idle: the allocator's and scheduler's books must balance
+    assert wait_until(lambda: live_server.state.num_active == 0, IDLE_TIMEOUT_S), live_server.state.num_active
+
+
+def request_body(rng: random.Random, i: int) -> tuple[str, dict[str, Any]]:
+    n = 2 if i % 5 == 0 else 1
+    prompt = f"Story {i}: once upon a time" + " there was a dragon" * rng.randint(0, 12)
+    common = {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True, "n": n}
+    if i % 2:
+        return "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}], **common}
+    return "/v1/completions", {"prompt": prompt, **common}
+
+
+async def one_client(
+    client: httpx.AsyncClient, live_server: LiveServer, rng: random.Random, i: int, stats: dict[str, int]
+) -> None:
+    path, body = request_body(rng, i)
+    mode = rng.choice(["before-headers", "after-events", "after-events", "after-events"])
+    if mode == "before-headers":
+        # NOTE: cancelling the task closes the connection wherever the request is (maybe not yet answered).
+        task = asyncio.ensure_future(client.post(path, json=body, headers=live_server.headers))
+        await asyncio.sleep(rng.uniform(0.0, 0.3))
+        task.cancel()
+        try:
+            await task
+            stats["completed-early"] += 1
+        except asyncio.CancelledError:
+            stats["cut-before-headers"] += 1
+        return
+    cut_after = rng.randint(0, MAX_TOKENS // 2)
+    async with client.stream("POST", path, json=body, headers=live_server.headers) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        seen = 0
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            assert '"error"' not in line, line
+            if seen >= cut_after:
+                break
+            seen += 1
+    stats["cut-mid-stream" if seen else "cut-at-start"] += 1  # leaving the block closes the connection
+
+
+async def storm(live_server: LiveServer) -> dict[str, int]:
+    rng = random.Random(1234)
+    stats: dict[str, int] = {
+        k: 0 for k in ("cut-before-headers", "completed-early", "cut-at-start", "cut-mid-stream")
+    }
+    semaphore = asyncio.Semaphore(CONCURRENCY)
+    limits = httpx.Limits(max_connections=CONCURRENCY * 2, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=live_server.base_url, timeout=60, limits=limits) as client:
+
+        async def bounded(i: int) -> None:
+            async with semaphore:
+                await one_client(client, live_server, random.Random(rng.random()), i, stats)
+
+        await asyncio.wait_for(asyncio.gather(*(bounded(i) for i in range(NUM_STREAMS))), STORM_TIMEOUT_S)
+    return stats
+
+
+def test_disconnect_storm_frees_every_block(live_server: LiveServer) -> None:
+    assert live_server.wait_idle(timeout=30)
+    stats = asyncio.run(storm(live_server))
+    assert sum(stats.values()) == NUM_STREAMS, stats
+    assert stats["cut-mid-stream"] >= NUM_STREAMS // 3, stats  # the storm really cut streams mid-way
+    assert stats["cut-before-headers"] + stats["completed-early"] >= 5, stats
+    assert_all_released(live_server)
+    # The next request is served in full.
+    resp = httpx.post(
+        live_server.base_url + "/v1/completions",
+        json={"prompt": "After the storm", "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+        headers=live_server.headers,
+        timeout=60,
+    )
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 8
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_non_streaming_clients_that_leave(live_server: LiveServer, route: str) -> None:
+    """Several non-streaming requests (n = 2, and a two-prompt one) whose clients give up long before the
+    answer is ready: each is cancelled and its blocks freed."""
+    assert live_server.wait_idle(timeout=30)
+    long: dict[str, Any] = {"max_tokens": 300, "temperature": 0, "ignore_eos": True, "n": 2}
+    if route == "/v1/completions":
+        bodies: list[dict[str, Any]] = [
+            {"prompt": ["A tale of two cities", "A tale of three"], **long},
+            {"prompt": "Another tale", **long},
+        ]
+    else:
+        bodies = [{"messages": [{"role": "user", "content": f"Tell story {k}"}], **long} for k in range(2)]
+
+    async def leave_early() -> int:
+        async with httpx.AsyncClient(base_url=live_server.base_url, timeout=1.0) as client:
+            results = await asyncio.gather(
+                *(client.post(route, json=b, headers=live_server.headers) for b in bodies),
+                return_exceptions=True,
+            )
+        return sum(isinstance(r, httpx.ReadTimeout) for r in results)
+
+    aborted_before = scrape(live_server.base_url)["abort"]
+    assert asyncio.run(leave_early()) == len(bodies)
+    assert_all_released(live_server)
+    # Freed by the cancellation (every sample ends as an abort), not by running 300 tokens to the end.
+    num_samples = sum(len(b["prompt"]) if isinstance(b.get("prompt"), list) else 1 for b in bodies) * 2
+    assert scrape(live_server.base_url)["abort"] - aborted_before == num_samples
