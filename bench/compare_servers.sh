@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The serving comparison of docs/BENCHMARKS.md: cbserve against `transformers serve --continuous-batching`
+# and llama.cpp's server (llama-cpp-python) on the default model, CPU, the same random workload, at
+# several concurrencies, one server at a time on this machine.
+#
+#   bench/compare_servers.sh OUTDIR [SYSTEM ...]      SYSTEM: cbserve cbserve-bf16 transformers llamacpp
+#
+# Environment: CONCURRENCIES (default "1 8 16 32"), INPUT_LEN (128), OUTPUT_LEN (64), LLAMACPP_PYTHON
+# (the python that has llama-cpp-python[server]; default .venv/bin/python), TIMEOUT per run (900 s).
+# Then: .venv/bin/python -m bench.summarize OUTDIR/*.json
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT="${1:?usage: bench/compare_servers.sh OUTDIR [SYSTEM ...]}"; shift
+SYSTEMS=("${@:-cbserve transformers llamacpp}")
+# shellcheck disable=SC2206
+SYSTEMS=(${SYSTEMS[@]})
+PY=.venv/bin/python
+CONCURRENCIES="${CONCURRENCIES:-1 8 16 32}"
+INPUT_LEN="${INPUT_LEN:-128}"
+OUTPUT_LEN="${OUTPUT_LEN:-64}"
+TIMEOUT="${TIMEOUT:-900}"
+PORT=8010
+mkdir -p "$OUT"
+
+start() {  # start SYSTEM in the background on $PORT; sets PID and EXTRA
+    EXTRA=(--ignore-eos)
+    case "$1" in
+        cbserve) .venv/bin/cbserve serve --port "$PORT" --dtype float32 --max-num-seqs 64 --log-level warning & ;;
+        cbserve-bf16) .venv/bin/cbserve serve --port "$PORT" --dtype bfloat16 --max-num-seqs 64 --log-level warning & ;;
+        transformers)
+            bench/peers.sh transformers "$PORT" &
+            # transformers serve rejects ignore_eos; min_new_tokens gives the same fixed output length
+            EXTRA=(--extra-body "{\"generation_config\": \"{\\\"min_new_tokens\\\": $OUTPUT_LEN, \\\"do_sample\\\": false}\"}") ;;
+        llamacpp)
+            PYTHON="${LLAMACPP_PYTHON:-$PY}" bench/peers.sh llamacpp "$PORT" &
+            EXTRA=(--extra-body '{"logit_bias": {"2": -100}}') ;;  # EOS (id 2) never sampled: fixed lengths
+        *) echo "unknown system $1" >&2; exit 2 ;;
+    esac
+    PID=$!
+    for _ in $(seq 1 600); do
+        if curl -sf "http://127.0.0.1:$PORT/v1/models" >/dev/null 2>&1; then return 0; fi
+        sleep 1
+    done
+    echo "$1 did not start" >&2; exit 1
+}
+
+for system in "${SYSTEMS[@]}"; do
+    start "$system"
+    model=()
+    if [[ "$system" == transformers ]]; then
+        model=(--model "${HF_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/cbserve/SmolLM2-135M-Instruct-from-gguf}")
+    fi
+    for c in $CONCURRENCIES; do
+        n=$(( c * 2 > 8 ? c * 2 : 8 ))
+        $PY -m bench --base-url "http://127.0.0.1:$PORT" "${model[@]}" --dataset random \
+            --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN" --random-range-ratio 1.0 \
+            --num-prompts "$n" --max-concurrency "$c" --temperature 0 --timeout "$TIMEOUT" --disable-tqdm \
+            --label "$system c=$c" --save-result "$OUT/$system-c$c.json" "${EXTRA[@]}"
+    done
+    kill -TERM "$PID" 2>/dev/null || true
+    pkill -TERM -P "$PID" 2>/dev/null || true
+    wait "$PID" 2>/dev/null || true
+    sleep 2
+done
+$PY -m bench.summarize "$OUT"/*.json
