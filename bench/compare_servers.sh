@@ -33,7 +33,7 @@ start() {  # start SYSTEM in the background on $PORT; sets PID and EXTRA
             EXTRA=(--extra-body "{\"generation_config\": \"{\\\"min_new_tokens\\\": $OUTPUT_LEN, \\\"do_sample\\\": false}\"}") ;;
         llamacpp)
             PYTHON="${LLAMACPP_PYTHON:-$PY}" bench/peers.sh llamacpp "$PORT" &
-            EXTRA=(--extra-body '{"logit_bias": {"2": -100}}') ;;  # EOS (id 2) never sampled: fixed lengths
+            EXTRA=(--extra-body '{"logit_bias": {"0": -100, "2": -100}}') ;;  # EOS ids never sampled
         *) echo "unknown system $1" >&2; exit 2 ;;
     esac
     PID=$!
