@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from engine.cpu_allocator import keep_freed_memory
 from engine.generation.config import GenerationConfig
 from engine.generation.sampler import Sampler
 from engine.kv_cache import KVCache
@@ -88,6 +89,7 @@ class Engine:
         """Load ``model`` ("default", a HF folder, a .gguf file, or a dummy preset with
         ``load_format="dummy"``) and size its KV cache. Options: see ``CacheOptions``."""
         options = CacheOptions(**{k: v for k, v in cache_and_scheduler_options.items() if v is not None})
+        keep_freed_memory()
         loaded = load_model(model, load_format=load_format, dtype=dtype, device=device)
         name = served_model_name or _default_model_name(model, loaded)
         return cls(loaded, options, name)

@@ -11,7 +11,10 @@ import torch
 class BatchInputs:
     """Every tensor is on the model's device.
 
-    Sequences are concatenated: sequence ``i`` owns query rows
+    Sequences are concatenated, the ``num_decode_seqs`` decoding ones (one new token each) first, shortest
+    KV first, then the ones computing several tokens (prefill chunks): attention handles the parts apart, so
+    one long chunk does not pad every decode query, and decodes of similar lengths can share a padded
+    gather. Sequence ``i`` (in this order) owns query rows
     ``query_start_loc[i]:query_start_loc[i+1]``; its KV length after this step is ``seq_lens[i]``
     (cached context + new tokens); its pages are ``block_tables[i, :ceil(seq_lens[i]/block_size)]``.
     """
@@ -26,6 +29,10 @@ class BatchInputs:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    num_decode_seqs: int = 0  # the first sequences, one query token each
+    decode_seq_lens: tuple[int, ...] = ()  # their KV lengths (ascending), on the host
+    prefill_max_query_len: int = 0  # longest chunk among the other sequences
+    prefill_max_seq_len: int = 0  # longest KV length among the other sequences
 
     @property
     def num_tokens(self) -> int:
@@ -47,14 +54,21 @@ class BatchInputs:
     ) -> BatchInputs:
         """Build from Python lists: sequence ``i`` computes ``token_ids[i]`` at positions starting at
         ``starts[i]`` (the tokens before are already in its pages); ``logits_rows[i]`` asks for the
-        logits of its last new token."""
+        logits of its last new token. Logits rows come out in the order of the arguments."""
+        order = decode_first_order(token_ids, starts)
+        last_row: dict[int, int] = {}
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         qsl = [0]
         seq_lens: list[int] = []
-        logits_indices: list[int] = []
-        for ids, start, table, want in zip(token_ids, starts, block_tables, logits_rows, strict=True):
+        if not (len(token_ids) == len(starts) == len(block_tables) == len(logits_rows)):
+            raise ValueError(
+                "token_ids, starts, block_tables and logits_rows must have one entry per sequence"
+            )
+        num_decode = sum(len(x) == 1 for x in token_ids)
+        for i in order:
+            ids, start, table = token_ids[i], starts[i], block_tables[i]
             n = len(ids)
             input_ids.extend(ids)
             pos = range(start, start + n)
@@ -62,10 +76,10 @@ class BatchInputs:
             slots.extend(table[p // block_size] * block_size + p % block_size for p in pos)
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
-            if want:
-                logits_indices.append(qsl[-1] - 1)
+            last_row[i] = qsl[-1] - 1
+        logits_indices = [last_row[i] for i in range(len(token_ids)) if logits_rows[i]]
         max_blocks = max((len(t) for t in block_tables), default=0)
-        tables = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+        tables = [block_tables[i] + [0] * (max_blocks - len(block_tables[i])) for i in order]
 
         def t(x: list[int] | list[list[int]]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.int64, device=device)
@@ -81,4 +95,16 @@ class BatchInputs:
             max_query_len=max((len(x) for x in token_ids), default=0),
             max_seq_len=max(seq_lens, default=0),
             block_size=block_size,
+            num_decode_seqs=num_decode,
+            decode_seq_lens=tuple(seq_lens[:num_decode]),
+            prefill_max_query_len=max(
+                (qsl[j + 1] - qsl[j] for j in range(num_decode, len(seq_lens))), default=0
+            ),
+            prefill_max_seq_len=max(seq_lens[num_decode:], default=0),
         )
+
+
+def decode_first_order(token_ids: list[list[int]], starts: list[int]) -> list[int]:
+    """The order ``BatchInputs.build`` lays sequences out in: the decoding ones (one new token) first, by
+    ascending KV length, then the rest in the caller's order. Logits rows keep the caller's order."""
+    return sorted(range(len(token_ids)), key=lambda i: (0, starts[i]) if len(token_ids[i]) == 1 else (1, 0))

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from engine.attention.paged import PagedAttentionMetadata, paged_attention
-from engine.inputs import BatchInputs
+from engine.attention.paged import PagedAttentionMetadata, decode_groups, paged_attention
+from engine.inputs import BatchInputs, decode_first_order
 
 
 def dense_reference(
@@ -66,10 +66,20 @@ def run_case(
         full_v.append(v)
         new_q.append(torch.randn(new, heads, head_dim, generator=gen).to(dtype))
     inputs = BatchInputs.build(
-        [[0] * new for _, new in seqs], [ctx for ctx, _ in seqs], tables, [True] * len(seqs), block_size, device
+        [[0] * new for _, new in seqs],
+        [ctx for ctx, _ in seqs],
+        tables,
+        [True] * len(seqs),
+        block_size,
+        device,
     )
     meta = PagedAttentionMetadata.build(inputs, heads // kv_heads, dtype, sliding_window)
     scale = head_dim**-0.5
+    # The flat batch lays the decoding sequences out first; build the new tokens' q/k/v in that order.
+    order = decode_first_order([[0] * new for _, new in seqs], [ctx for ctx, _ in seqs])
+    seqs = [seqs[i] for i in order]
+    tables = [tables[i] for i in order]
+    full_k, full_v, new_q = ([x[i] for i in order] for x in (full_k, full_v, new_q))
     k_dev, v_dev = k_cache.to(device), v_cache.to(device)
     out = paged_attention(
         torch.cat(new_q).to(device),
@@ -136,5 +146,31 @@ def test_block_table_columns_beyond_the_longest_sequence_are_ignored() -> None:
     """Runners may pad block tables wider than needed; the metadata trims them to the pages in use."""
     inputs = BatchInputs.build([[1, 2, 3]], [0], [[5, 9, 9, 9]], [True], 4)
     meta = PagedAttentionMetadata.build(inputs, 1, torch.float32)
-    assert meta.block_tables.tolist() == [[5]]
-    assert meta.attn_bias.shape == (1, 1, 3, 4)
+    assert meta.prefill is not None and meta.decode == []
+    assert meta.prefill.block_tables.tolist() == [[5]]
+    assert meta.prefill.attn_bias.shape == (1, 1, 3, 4)
+
+
+def test_mixed_batch_pads_only_the_prefill_part() -> None:
+    """Decode sequences go first and unpadded; the prefill part is padded to its own longest chunk."""
+    inputs = BatchInputs.build(
+        [[1], [1, 2, 3], [4], [5, 6]], [7, 0, 2, 4], [[0, 1], [2], [3], [4, 5]], [True] * 4, 4
+    )
+    assert inputs.num_decode_seqs == 2
+    assert inputs.input_ids.tolist() == [4, 1, 1, 2, 3, 5, 6]  # decode tokens first, shortest KV first
+    assert inputs.logits_indices.tolist() == [1, 4, 0, 6]  # logits rows keep the caller's order
+    meta = PagedAttentionMetadata.build(inputs, 2, torch.float32)
+    assert len(meta.decode) == 1 and meta.decode[0].attn_bias.shape == (2, 1, 1, 8)
+    assert meta.prefill is not None and meta.prefill.attn_bias.shape == (2, 1, 2 * 3, 8)
+
+
+def test_decode_groups_cut_padding_between_short_and_long_sequences() -> None:
+    assert decode_groups((1, 2, 3), 16) == [(0, 3, 1)]  # similar lengths: one group
+    lens = tuple([10] * 16 + [2000] * 16)
+    assert decode_groups(lens, 16) == [(0, 16, 1), (16, 32, 125)]
+    assert decode_groups((), 16) == []
+
+
+def test_many_decode_lengths_match_the_reference() -> None:
+    rng = random.Random(7)
+    run_case([(rng.choice([0, 3, 40, 90]), 1) for _ in range(12)] + [(5, 9)], heads=4, kv_heads=2)
