@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-batch-tokens", type=int, default=512)
+    ap.add_argument("--max-batch-tokens", type=int, default=2048)
+    ap.add_argument("--kv-cache-memory", type=int, default=4 << 30, help="bytes (the 64 prompts need ~2.3 GB)")
     ap.add_argument("--static-batch-size", type=int, default=16)
     ap.add_argument(
         "--systems", default="cbserve,hf-cb,hf-static", help="comma-separated: cbserve, hf-cb, hf-static"
