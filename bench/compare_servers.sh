@@ -44,6 +44,8 @@ start() {  # start SYSTEM in the background on $PORT; sets PID and EXTRA
     echo "$1 did not start" >&2; exit 1
 }
 
+PID=""
+trap 'if [[ -n "$PID" ]]; then pkill -TERM -P "$PID" 2>/dev/null; kill -TERM "$PID" 2>/dev/null; fi' EXIT
 for system in "${SYSTEMS[@]}"; do
     start "$system"
     model=()
@@ -53,7 +55,7 @@ for system in "${SYSTEMS[@]}"; do
     for c in $CONCURRENCIES; do
         n=$(( c * 2 > 8 ? c * 2 : 8 ))
         $PY -m bench --base-url "http://127.0.0.1:$PORT" "${model[@]}" --dataset random \
-            --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN" --random-range-ratio 1.0 \
+            --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN" --random-range-ratio 0.0 \
             --num-prompts "$n" --max-concurrency "$c" --temperature 0 --timeout "$TIMEOUT" --disable-tqdm \
             --label "$system c=$c" --save-result "$OUT/$system-c$c.json" "${EXTRA[@]}"
     done

