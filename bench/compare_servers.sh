@@ -23,6 +23,9 @@ PORT=8010
 mkdir -p "$OUT"
 
 start() {  # start SYSTEM in the background on $PORT; sets PID and EXTRA
+    if curl -s -o /dev/null "http://127.0.0.1:$PORT/" 2>/dev/null; then
+        echo "port $PORT is taken: stop what listens there first" >&2; exit 1
+    fi
     EXTRA=(--ignore-eos)
     case "$1" in
         cbserve) .venv/bin/cbserve serve --port "$PORT" --dtype float32 --max-num-seqs 64 --log-level warning & ;;
@@ -38,7 +41,9 @@ start() {  # start SYSTEM in the background on $PORT; sets PID and EXTRA
     esac
     PID=$!
     for _ in $(seq 1 600); do
-        if curl -sf "http://127.0.0.1:$PORT/v1/models" >/dev/null 2>&1; then return 0; fi
+        # NOTE: any HTTP answer means it is up (transformers serve answers /v1/models with a 500 here)
+        code=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$PORT/v1/models" 2>/dev/null || true)
+        if [[ "$code" != 000 && -n "$code" ]]; then return 0; fi
         sleep 1
     done
     echo "$1 did not start" >&2; exit 1

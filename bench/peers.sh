@@ -78,11 +78,14 @@ PY
         PORT="${2:-8002}"
         GGUF="$(gguf_path)"
         # llama-cpp-python's server serves /v1/completions, /v1/chat/completions and /v1/models; the model
-        # id is --model_alias. It runs one sequence at a time (no continuous batching): compare it at
+        # id is --model_alias. It runs one sequence at a time (no continuous batching); by default a new
+        # request interrupts the running one (its client gets a 1-token answer), hence
+        # --interrupt_requests False, so that concurrent clients queue instead. Compare it at
         # --max-concurrency 1 too. llama.cpp's own `llama-server -m "$GGUF" --parallel 8 --cont-batching`
         # is the batching variant, where installed.
         exec "$PYTHON" -m llama_cpp.server --model "$GGUF" --model_alias smollm2-135m-instruct \
-            --host "$HOST" --port "$PORT" --n_ctx "$CTX" --n_threads "$THREADS" --n_threads_batch "$THREADS"
+            --host "$HOST" --port "$PORT" --n_ctx "$CTX" --n_threads "$THREADS" --n_threads_batch "$THREADS" \
+            --interrupt_requests False
         ;;
     install-llamacpp)
         # Builds llama.cpp from source for this CPU; takes 10+ minutes on 2 cores.
