@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -14,12 +15,13 @@ from engine.errors import ContextLengthExceededError
 from engine.generation.config import GenerationConfig, GenerationConfigError
 from engine.outputs import GenerationOutput
 from scheduler.request import FinishReason
-from server.engine_client import Submission, submit_prompts
+from server.engine_client import ClientDisconnected, Submission, collect_final_outputs, submit_prompts
 from server.errors import APIError, api_error_from_engine
 from server.generation_params import build_generation_config, resolve_max_tokens
 from server.lifecycle import ServerState
 from server.request_id import request_id_of
 from server.schemas import SamplingRequest, UsageInfo
+from server.sse import EventStreamResponse
 
 logger = logging.getLogger(__name__)
 
@@ -113,3 +115,29 @@ def admit(
     # NOTE: a client may reuse its X-Request-Id; the engine's ids must stay unique, hence the counter.
     submission = submit_prompts(manager, prompts, configs, f"{rid}-{next(_engine_ids)}", prompt_param)
     return Admitted(submission, f"{id_prefix}-{rid}", int(time.time()), state.config.served_model_name)
+
+
+def streaming_response(
+    state: ServerState, admitted: Admitted, events: AsyncIterator[bytes]
+) -> EventStreamResponse:
+    """An SSE response that counts as in flight (for draining) until it closes, and cancels the request's
+    engine work when the client goes away."""
+    active = state.acquire()
+
+    def on_close() -> None:
+        admitted.submission.cancel()
+        active.release()
+
+    return EventStreamResponse(events, on_close)
+
+
+async def final_outputs(
+    state: ServerState, request: Request, admitted: Admitted
+) -> dict[tuple[int, int], GenerationOutput] | None:
+    """Every sample's final output, or None when the client left (its requests are then cancelled)."""
+    with state.track():
+        try:
+            return await collect_final_outputs(admitted.submission, request)
+        except ClientDisconnected:
+            logger.info("client disconnected; request %s cancelled", admitted.response_id)
+            return None

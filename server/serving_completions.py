@@ -12,7 +12,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
-from server.engine_client import ClientDisconnected, collect_final_outputs, output_error
+from server.engine_client import output_error
 from server.errors import APIError
 from server.lifecycle import ServerState
 from server.logprobs_format import TokenStrings, completion_logprobs, concat, prompt_logprobs
@@ -28,12 +28,14 @@ from server.serving_common import (
     Admitted,
     admit,
     check_model,
+    final_outputs,
     finish_reason,
     log_unknown_fields,
     server_state,
+    streaming_response,
     usage,
 )
-from server.sse import DONE_EVENT, EventStreamResponse, sse_event
+from server.sse import DONE_EVENT, sse_event
 
 logger = logging.getLogger(__name__)
 
@@ -69,19 +71,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Comple
     )
     echoes = echo_texts(body, prompts, tokenizer) if body.echo else ["" for _ in prompts]
     if body.stream:
-        active = state.acquire()
-
-        def on_close() -> None:
-            admitted.submission.cancel()
-            active.release()
-
-        return EventStreamResponse(_stream(state, body, admitted, echoes), on_close)
-    with state.track():
-        try:
-            finals = await collect_final_outputs(admitted.submission, request)
-        except ClientDisconnected:
-            logger.info("client disconnected; request %s cancelled", admitted.response_id)
-            return Response(status_code=499)
+        return streaming_response(state, admitted, _stream(state, body, admitted, echoes))
+    finals = await final_outputs(state, request, admitted)
+    if finals is None:
+        return Response(status_code=499)
     return _response(state, body, admitted, echoes, finals)
 
 
