@@ -30,6 +30,14 @@ class ContextLengthExceededError(EngineError, ValueError):
         )
 
 
+class UnsatisfiableOptionsError(EngineError, ValueError):
+    """Found while generating: the request's own options leave no token that can be sampled (every token
+    masked, or a penalty that overflows the logits). The request fails alone; HTTP 400, code
+    ``invalid_generation_options``."""
+
+    code = "invalid_generation_options"
+
+
 class InvalidRequestError(EngineError, ValueError):
     """A request the engine cannot run (empty prompt, token id outside the vocabulary, ...). HTTP 400.
     ``param`` names the offending field when known."""

@@ -28,6 +28,7 @@ from engine.errors import (
     EngineDeadError,
     InvalidRequestError,
     QueueFullError,
+    UnsatisfiableOptionsError,
 )
 from engine.generation.config import DEFAULT_MAX_NEW_TOKENS, GenerationConfig
 from engine.generation.request_state import RequestGenerationState
@@ -411,6 +412,9 @@ class ContinuousBatchingManager:
             seq: _Sequence = s.request.payload
             try:
                 reason = self._accept(seq, tokens[0], now)
+            except UnsatisfiableOptionsError as exc:
+                self._fail_sequence(seq, str(exc), UnsatisfiableOptionsError.code)
+                continue
             except Exception as exc:  # NOTE: one request's failure must not take the batch down.
                 logger.exception("request %s failed", seq.scheduler_id)
                 self._fail_sequence(seq, f"{exc!r}")
@@ -434,7 +438,7 @@ class ContinuousBatchingManager:
 
     def _accept(self, seq: _Sequence, tok: SampledToken, now: float) -> FinishReason | None:
         if tok.error is not None:
-            raise RuntimeError(tok.error)
+            raise UnsatisfiableOptionsError(tok.error) if tok.error_from_options else RuntimeError(tok.error)
         result = seq.gen.on_token(tok.token_id, tok.logprob, now)
         seq.pending_text += result.delta_text
         seq.timestamps.append(now)
@@ -445,6 +449,9 @@ class ContinuousBatchingManager:
         for child, tok in children:
             try:
                 reason = self._accept(child, tok, now)
+            except UnsatisfiableOptionsError as exc:
+                self._fail_sequence(child, str(exc), UnsatisfiableOptionsError.code)
+                continue
             except Exception as exc:
                 self._fail_sequence(child, f"{exc!r}")
                 continue
@@ -517,13 +524,15 @@ class ContinuousBatchingManager:
             group.sequences.append(seq)
             self._publish(seq, status=RequestStatus.CANCELLED, finish_reason=FinishReason.ABORT)
 
-    def _fail_sequence(self, seq: _Sequence, error: str) -> None:
+    def _fail_sequence(self, seq: _Sequence, error: str, error_code: str | None = None) -> None:
         if seq.finished:
             return
         if seq.request is not None and not seq.request.is_finished:
             self.scheduler.finish_request(seq.scheduler_id, FinishReason.ERROR)
         seq.finished = True
-        self._publish(seq, status=RequestStatus.FAILED, finish_reason=FinishReason.ERROR, error=error)
+        self._publish(
+            seq, status=RequestStatus.FAILED, finish_reason=FinishReason.ERROR, error=error, error_code=error_code
+        )
         # a failed first sample takes its unforked siblings down with it
         group = seq.group
         if seq.index == 0 and not group.forked and group.n > 1:
@@ -532,7 +541,11 @@ class ContinuousBatchingManager:
                 if not child.finished:
                     child.finished = True
                     self._publish(
-                        child, status=RequestStatus.FAILED, finish_reason=FinishReason.ERROR, error=error
+                        child,
+                        status=RequestStatus.FAILED,
+                        finish_reason=FinishReason.ERROR,
+                        error=error,
+                        error_code=error_code,
                     )
 
     def _fail_everything(self, error: str) -> None:
@@ -563,6 +576,7 @@ class ContinuousBatchingManager:
         status: RequestStatus | None = None,
         finish_reason: FinishReason | None = None,
         error: str | None = None,
+        error_code: str | None = None,
     ) -> None:
         group = seq.group
         req = seq.request
@@ -585,6 +599,7 @@ class ContinuousBatchingManager:
             status=status,
             finish_reason=reason if done else None,
             error=error,
+            error_code=error_code,
             index=seq.index,
             text=seq.gen.text,
             delta_text=seq.pending_text,

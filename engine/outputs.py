@@ -33,6 +33,7 @@ class GenerationOutput:
     status: RequestStatus = RequestStatus.RUNNING
     finish_reason: FinishReason | None = None
     error: str | None = None
+    error_code: str | None = None  # set when the request's own options caused the failure (a client error)
     index: int = 0  # which of the request's num_return_sequences samples
     text: str = ""  # detokenized text so far (ends before a matched stop string)
     delta_text: str = ""  # text new since the previous output of this request

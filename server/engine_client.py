@@ -113,6 +113,8 @@ def output_error(out: GenerationOutput, engine_running: bool) -> APIError | None
     if out.status is RequestStatus.FAILED:
         if not engine_running:
             return APIError(503, f"the engine stopped: {out.error or 'unknown error'}", code="engine_dead")
+        if out.error_code is not None:  # the request's own options: a client error found while generating
+            return APIError(400, out.error or "invalid generation options", code=out.error_code)
         return APIError(500, f"generation failed: {out.error or 'unknown error'}", code="generation_failed")
     if out.status is RequestStatus.CANCELLED:
         return APIError(503, "the request was cancelled by the server", code="cancelled")

@@ -48,15 +48,19 @@ def cap_generation(body: Any) -> None:
     """Keep a generation request short: cap token budgets, ``n`` and the number of prompts in place."""
     if not isinstance(body, dict):
         return
+
+    def number(value: Any) -> bool:  # NOTE: JSON 25.0 is a valid int to pydantic, so floats count too
+        return isinstance(value, int | float) and not isinstance(value, bool)
+
     for key in ("max_tokens", "max_completion_tokens"):
-        value = body.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > MAX_NEW_TOKENS:
-            body[key] = MAX_NEW_TOKENS
+        value = body.get(key, 0)
+        if value is None or (number(value) and value > MAX_NEW_TOKENS):
+            body[key] = MAX_NEW_TOKENS  # null means the default: the whole context left
     if "max_tokens" not in body and "max_completion_tokens" not in body:
         # NOTE: chat's default is the whole context left; a fuzz case must not generate that long.
         body["max_tokens"] = MAX_NEW_TOKENS
     n = body.get("n")
-    if isinstance(n, int) and not isinstance(n, bool) and n > MAX_N:
+    if number(n) and n > MAX_N:
         body["n"] = MAX_N
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -111,6 +112,22 @@ def test_context_length_exceeded(http: httpx.Client) -> None:
         param="messages",
         code="context_length_exceeded",
     )
+
+
+def test_options_that_leave_nothing_to_sample_are_400(live_server: LiveServer, http: httpx.Client) -> None:
+    """Found by fuzzing: repetition_penalty 5e-324 is > 0, but 0 in float32, so dividing the logits by it
+    gives +inf. Only generation finds that out: the request fails alone, as a client error, and frees its
+    blocks -- in a plain response and in a stream."""
+    body = {**CHAT, "max_tokens": 3, "repetition_penalty": 5e-324}
+    error = assert_error(http.post("/v1/chat/completions", json=body), 400, code="invalid_generation_options")
+    assert error["type"] == "invalid_request_error" and "no token that can be sampled" in error["message"]
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as resp:
+        assert resp.status_code == 200  # the stream had started: the error travels in it
+        events = [line.removeprefix("data: ") for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "invalid_generation_options"
+    assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+    assert live_server.wait_idle()
 
 
 def test_unknown_route_method_and_model(http: httpx.Client) -> None:

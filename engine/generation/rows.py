@@ -39,3 +39,4 @@ class SampledToken:
     token_id: int
     logprob: TokenLogprob | None = None
     error: str | None = None
+    error_from_options: bool = False  # the request's own options caused it (a client error)

@@ -57,10 +57,17 @@ class Sampler:
 
         apply_logits_processors(logits, rows, self.eos_token_ids)
 
-        dead = (~torch.isfinite(logits.max(dim=1).values)).tolist()  # every token masked
+        # Every token masked (max -inf), or a penalty that pushed a logit to +inf or NaN (torch.max propagates
+        # NaN): the request's options did it.
+        dead = (~torch.isfinite(logits.max(dim=1).values)).tolist()
+        from_options = [False] * len(rows)
         for i, is_dead in enumerate(dead):
             if is_dead and errors[i] is None:
-                errors[i] = "every token was masked by the generation options (nothing can be sampled)"
+                errors[i] = (
+                    "the generation options leave no token that can be sampled (every token masked, or a "
+                    "penalty that overflows the logits)"
+                )
+                from_options[i] = True
 
         tokens = [-1] * len(rows)
         greedy = [i for i, r in enumerate(rows) if r.config.is_greedy and errors[i] is None]
@@ -84,7 +91,7 @@ class Sampler:
             )
             logprobs = dict(zip(want, lps, strict=True))
         return [
-            SampledToken(token_id=-1, error=errors[i])
+            SampledToken(token_id=-1, error=errors[i], error_from_options=from_options[i])
             if errors[i] is not None
             else SampledToken(token_id=tokens[i], logprob=logprobs.get(i))
             for i in range(len(rows))
