@@ -36,6 +36,13 @@ LABEL org.opencontainers.image.title="cbserve" \
       org.opencontainers.image.description="Continuous-batching LLM inference server (OpenAI-compatible API)" \
       org.opencontainers.image.licenses="Apache-2.0" \
       io.cbserve.torch-variant="${TORCH_VARIANT}"
+# gcc (with libc headers) builds the CPU decode-attention kernel (engine/attention/csrc) for the host's own
+# CPU at first start, cached in ~/.cache/cbserve/kernels; without it, decode attention falls back to SDPA.
+# Debian's versions move with the base image, so they are not pinned.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 RUN groupadd --system --gid 10001 cbserve \
     && useradd --system --uid 10001 --gid cbserve --create-home --home-dir /home/cbserve cbserve \
     && mkdir -p /models \

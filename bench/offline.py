@@ -55,6 +55,7 @@ def run_cbserve(work: list[tuple[list[int], int]], threads: int, **options: Any)
 
     torch.set_num_threads(threads)
     engine = Engine.from_pretrained("default", device="cpu", dtype="float32", **options)
+    label = f"cbserve generate_batch ({engine.attention_backend} decode attention)"
     # warm-up: one short request, so that lazy initialisation is not timed
     engine.generate_batch([work[0][0][:16]], progress_bar=False, max_new_tokens=4, do_sample=False)
     manager = engine.init_continuous_batching(max_queue=len(work) + 1)
@@ -75,7 +76,7 @@ def run_cbserve(work: list[tuple[list[int], int]], threads: int, **options: Any)
             total += len(out.generated_ids)
     seconds = time.perf_counter() - start
     manager.stop()
-    return RunResult("cbserve generate_batch", len(work), sum(len(p) for p, _ in work), total, seconds)
+    return RunResult(label, len(work), sum(len(p) for p, _ in work), total, seconds)
 
 
 def _hf_model(threads: int) -> Any:
@@ -171,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batch-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-memory", type=int, default=4 << 30, help="bytes (the 64 prompts need ~2.3 GB)")
     ap.add_argument("--static-batch-size", type=int, default=16)
+    ap.add_argument("--attention-backend", choices=["auto", "cpu", "sdpa"], default="auto")
     ap.add_argument(
         "--systems", default="cbserve,hf-cb,hf-static", help="comma-separated: cbserve, hf-cb, hf-static"
     )
@@ -187,7 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     for system in args.systems.split(","):
         if system == "cbserve":
             r = run_cbserve(
-                work, args.threads, max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens
+                work,
+                args.threads,
+                max_num_seqs=args.max_num_seqs,
+                max_batch_tokens=args.max_batch_tokens,
+                kv_cache_memory=args.kv_cache_memory,
+                attention_backend=args.attention_backend,
             )
         elif system == "hf-cb":
             r = run_hf_continuous(work, args.threads)

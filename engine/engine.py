@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from engine.attention.backend import select_decode_kernel
 from engine.cpu_allocator import keep_freed_memory
 from engine.generation.config import GenerationConfig
 from engine.generation.sampler import Sampler
@@ -48,7 +49,9 @@ class CacheOptions:
 class Engine:
     """A loaded model with its KV cache; hands out one continuous-batching manager."""
 
-    def __init__(self, loaded: LoadedModel, options: CacheOptions, model_name: str) -> None:
+    def __init__(
+        self, loaded: LoadedModel, options: CacheOptions, model_name: str, attention_backend: str = "auto"
+    ) -> None:
         self.loaded = loaded
         self.options = options
         self.model_name = model_name
@@ -74,6 +77,11 @@ class Engine:
             dtype=self.dtype,
             device=self.device,
         )
+        cfg = loaded.config
+        self.decode_kernel = select_decode_kernel(
+            attention_backend, self.device, self.dtype, cfg.head_dim, self.block_size, cfg.num_queries_per_kv
+        )
+        self.attention_backend = "cpu" if self.decode_kernel is not None else "sdpa"
         self._manager: ContinuousBatchingManager | None = None
 
     @classmethod
@@ -84,15 +92,19 @@ class Engine:
         dtype: str = "auto",
         load_format: str = "auto",
         served_model_name: str | None = None,
+        attention_backend: str = "auto",
+        prepack_weights: bool = True,
         **cache_and_scheduler_options: Any,
     ) -> Engine:
         """Load ``model`` ("default", a HF folder, a .gguf file, or a dummy preset with
-        ``load_format="dummy"``) and size its KV cache. Options: see ``CacheOptions``."""
+        ``load_format="dummy"``) and size its KV cache. Options: see ``CacheOptions``;
+        ``attention_backend``: auto, cpu or sdpa (engine/attention/backend.py); ``prepack_weights``: CPU
+        matmuls on prepacked oneDNN weights (engine/models/prepacked.py)."""
         options = CacheOptions(**{k: v for k, v in cache_and_scheduler_options.items() if v is not None})
         keep_freed_memory()
-        loaded = load_model(model, load_format=load_format, dtype=dtype, device=device)
+        loaded = load_model(model, load_format=load_format, dtype=dtype, device=device, prepack=prepack_weights)
         name = served_model_name or _default_model_name(model, loaded)
-        return cls(loaded, options, name)
+        return cls(loaded, options, name, attention_backend)
 
     # ------------------------------------------------------------------ KV cache sizing
     def _num_blocks(self) -> int:
@@ -139,7 +151,7 @@ class Engine:
             max_model_len=self.max_model_len,
         )
         scheduler = make_scheduler(opts["scheduler"], sched_config)
-        runner = ModelRunner(self.model, self.kv_cache, self.block_size, self.device)
+        runner = ModelRunner(self.model, self.kv_cache, self.block_size, self.device, self.decode_kernel)
         eos = tuple(self.tokenizer.eos_token_ids) or tuple(self.model_config.eos_token_ids)
         sampler = Sampler(self.model_config.vocab_size, self.device, eos_token_ids=eos)
         self._manager = ContinuousBatchingManager(

@@ -31,8 +31,8 @@ class BatchInputs:
     block_size: int
     num_decode_seqs: int = 0  # the first sequences, one query token each
     decode_seq_lens: tuple[int, ...] = ()  # their KV lengths (ascending), on the host
-    prefill_max_query_len: int = 0  # longest chunk among the other sequences
-    prefill_max_seq_len: int = 0  # longest KV length among the other sequences
+    prefill_query_lens: tuple[int, ...] = ()  # new tokens of each of the other sequences, on the host
+    prefill_seq_lens: tuple[int, ...] = ()  # and their KV lengths after this step
 
     @property
     def num_tokens(self) -> int:
@@ -97,10 +97,8 @@ class BatchInputs:
             block_size=block_size,
             num_decode_seqs=num_decode,
             decode_seq_lens=tuple(seq_lens[:num_decode]),
-            prefill_max_query_len=max(
-                (qsl[j + 1] - qsl[j] for j in range(num_decode, len(seq_lens))), default=0
-            ),
-            prefill_max_seq_len=max(seq_lens[num_decode:], default=0),
+            prefill_query_lens=tuple(qsl[j + 1] - qsl[j] for j in range(num_decode, len(seq_lens))),
+            prefill_seq_lens=tuple(seq_lens[num_decode:]),
         )
 
 

@@ -1,9 +1,15 @@
 """The paged KV cache tensors: for every layer a K and a V tensor of fixed-size blocks.
 
-Layout: one allocation ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``; layer ``l``'s K
-cache is the contiguous view ``[l, 0]`` and its V cache ``[l, 1]``, each
-``[num_blocks, block_size, num_kv_heads, head_dim]``. Token ``p`` of a sequence whose block table is ``table``
-lives in slot ``table[p // block_size] * block_size + p % block_size`` of every layer's K and V.
+Layout: one allocation ``[num_layers, 2, num_blocks, block_numel]``; layer ``l``'s K cache is the contiguous
+view ``[l, 0]`` and its V cache ``[l, 1]``, shaped per block and KV head so that decode attention reads
+whole SIMD vectors (engine/attention/csrc/paged_decode.c):
+
+    K: [num_blocks, num_kv_heads, head_dim, block_size]   keys transposed: 16 keys' scores are 16 lanes
+    V: [num_blocks, num_kv_heads, block_size, head_dim]   a value row is head_dim contiguous lanes
+
+Token ``p`` of a sequence whose block table is ``table`` lives in row ``p % block_size`` of block
+``table[p // block_size]`` (its slot: ``table[p // block_size] * block_size + p % block_size``) of every
+layer's K and V.
 
 Which block belongs to whom is decided by ``kvcache/`` and ``scheduler/`` (pure Python); this file only
 owns the tensors.
@@ -63,10 +69,14 @@ class KVCache:
         self.device = torch.device(device)
         # NOTE: one allocation so that a block copy (copy-on-write fork) is one indexing op over all layers.
         self.kv = torch.zeros(
-            (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=self.device
-        )  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-        self.k_caches: list[torch.Tensor] = [self.kv[i, 0] for i in range(num_layers)]
-        self.v_caches: list[torch.Tensor] = [self.kv[i, 1] for i in range(num_layers)]
+            (num_layers, 2, num_blocks, num_kv_heads * head_dim * block_size), dtype=dtype, device=self.device
+        )  # [num_layers, 2, num_blocks, block_numel]
+        self.k_caches: list[torch.Tensor] = [
+            self.kv[i, 0].view(num_blocks, num_kv_heads, head_dim, block_size) for i in range(num_layers)
+        ]
+        self.v_caches: list[torch.Tensor] = [
+            self.kv[i, 1].view(num_blocks, num_kv_heads, block_size, head_dim) for i in range(num_layers)
+        ]
 
     @staticmethod
     def bytes_per_block(
@@ -121,7 +131,8 @@ class KVCache:
         return self.num_blocks * self.block_size
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``index``'s (K, V) caches, each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+        """Layer ``index``'s K cache ``[num_blocks, num_kv_heads, head_dim, block_size]`` and V cache
+        ``[num_blocks, num_kv_heads, block_size, head_dim]``."""
         return self.k_caches[index], self.v_caches[index]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -139,7 +150,7 @@ class KVCache:
         src_t = torch.tensor(src, dtype=torch.int64, device=self.device)
         dst_t = torch.tensor(dst, dtype=torch.int64, device=self.device)
         # Gather first: a block that is both a source and a destination is read before it is overwritten.
-        self.kv[:, :, dst_t] = self.kv[:, :, src_t]  # [num_layers, 2, num_pairs, block_size, heads, head_dim]
+        self.kv[:, :, dst_t] = self.kv[:, :, src_t]  # [num_layers, 2, num_pairs, block_numel]
 
     def __repr__(self) -> str:
         return (

@@ -91,9 +91,11 @@ def load_model(
     load_format: str = "auto",
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "auto",
+    prepack: bool = True,
 ) -> LoadedModel:
     """Load ``model`` (see ``resolve_model``) and its tokenizer. Raises ``ModelLoadError`` subclasses naming
-    the file at fault, ``TokenizerMismatchError`` when the tokenizer has more ids than the embedding."""
+    the file at fault, ``TokenizerMismatchError`` when the tokenizer has more ids than the embedding.
+    ``prepack``: on the CPU, put the weights in oneDNN's prepacked layout (engine/models/prepacked.py)."""
     from engine.models.registry import build_model  # NOTE: imported here: models import engine.config
 
     source = resolve_model(model, load_format)
@@ -106,6 +108,8 @@ def load_model(
     net = build_model(config, torch_dtype, torch_device)
     with torch.no_grad():
         net.load_weights(opened.weights)
+        if prepack:
+            net.prepack_weights()
     net.eval()
     return LoadedModel(
         config=config,

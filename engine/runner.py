@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.attention.cpu_kernel import PagedDecodeKernel
 from engine.inputs import BatchInputs
 from engine.kv_cache import KVCache
 from scheduler.batch import ScheduledBatch
@@ -13,12 +14,18 @@ class ModelRunner:
     """Owns the model and its KV cache tensors; called only from the engine thread."""
 
     def __init__(
-        self, model: torch.nn.Module, kv_cache: KVCache, block_size: int, device: torch.device
+        self,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        block_size: int,
+        device: torch.device,
+        decode_kernel: PagedDecodeKernel | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
+        self.decode_kernel = decode_kernel  # None: decode attention in SDPA
 
     def prepare(self, batch: ScheduledBatch) -> BatchInputs:
         return BatchInputs.build(
@@ -37,5 +44,5 @@ class ModelRunner:
         if batch.blocks_to_copy:
             self.kv_cache.copy_blocks(batch.blocks_to_copy)
         inputs = self.prepare(batch)
-        logits = self.model(inputs, self.kv_cache)  # [num_sampled, vocab]
+        logits = self.model(inputs, self.kv_cache, self.decode_kernel)  # [num_sampled, vocab]
         return logits.float()

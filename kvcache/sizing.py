@@ -16,7 +16,7 @@ def bytes_per_block(
     num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype_bytes: int
 ) -> int:
     """Bytes of one block across all layers, K and V: ``2 * layers * block_size * kv_heads * head_dim *
-    dtype_bytes`` (each layer's K and V tensors are ``[num_blocks, block_size, num_kv_heads, head_dim]``)."""
+    dtype_bytes`` (each layer's K and V hold ``block_size * num_kv_heads * head_dim`` values per block)."""
     for name, value in (
         ("num_layers", num_layers),
         ("num_kv_heads", num_kv_heads),

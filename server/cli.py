@@ -114,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--device", choices=["auto", "cpu", "cuda"], default="auto")
     a("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     a("--load-format", choices=["auto", "gguf", "safetensors", "dummy"], default="auto")
+    a(
+        "--attention-backend",
+        choices=["auto", "cpu", "sdpa"],
+        default="auto",
+        help="decode attention: the CPU C kernel, PyTorch SDPA, or auto (the kernel where it runs)",
+    )
     a("--scheduler", choices=["fifo", "prefill_first"], default="fifo")
     a("--max-batch-tokens", type=_positive_int, default=2048, help="tokens computed per engine step, at most")
     a("--max-num-seqs", type=_positive_int, default=64, help="sequences running at once, at most")
@@ -199,6 +205,7 @@ def _serve(args: argparse.Namespace) -> int:
             device=args.device,
             dtype=args.dtype,
             load_format=args.load_format,
+            attention_backend=args.attention_backend,
             scheduler=args.scheduler,
             max_batch_tokens=args.max_batch_tokens,
             max_num_seqs=args.max_num_seqs,
@@ -226,11 +233,12 @@ def _serve(args: argparse.Namespace) -> int:
     app = build_app(engine, config)
     capacity = engine.num_blocks * engine.block_size
     logger.info(
-        "model %s on %s (%s); KV cache %d blocks x %d = %d tokens, %.2f sequences at full context (%d); "
-        "serving '%s' at http://%s:%d",
+        "model %s on %s (%s, %s decode attention); KV cache %d blocks x %d = %d tokens, %.2f sequences at "
+        "full context (%d); serving '%s' at http://%s:%d",
         engine.model_name,
         engine.device,
         str(engine.dtype).removeprefix("torch."),
+        engine.attention_backend,
         engine.num_blocks,
         engine.block_size,
         capacity,

@@ -20,6 +20,7 @@ from typing import Literal, Protocol
 
 import torch
 
+from engine.attention.cpu_kernel import PagedDecodeKernel
 from engine.inputs import BatchInputs
 from engine.kv_cache import KVCache
 
@@ -28,7 +29,9 @@ MODES: tuple[Mode, ...] = ("one_at_a_time", "batched", "chunked")
 
 
 class PagedModel(Protocol):
-    def forward(self, inputs: BatchInputs, kv_cache: KVCache) -> torch.Tensor: ...
+    def forward(
+        self, inputs: BatchInputs, kv_cache: KVCache, decode_kernel: PagedDecodeKernel | None = None
+    ) -> torch.Tensor: ...
 
 
 @dataclass
@@ -68,6 +71,7 @@ def _drive(
     chunk: int,
     seed: int,
     on_logits: Callable[[int, torch.Tensor], object] | None = None,
+    decode_kernel: PagedDecodeKernel | None = None,
 ) -> list[list[int]]:
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
@@ -91,7 +95,7 @@ def _drive(
             blocks.append(s.block_table)
             want.append(s.num_computed + n == len(s.tokens))
         inputs = BatchInputs.build(ids, starts, blocks, want, kv_cache.block_size, device=device)
-        logits = model.forward(inputs, kv_cache)  # [num_logits, vocab]
+        logits = model.forward(inputs, kv_cache, decode_kernel)  # [num_logits, vocab]
         row = 0
         for (i, n), w in zip(plan, want, strict=True):
             seqs[i].num_computed += n
@@ -137,10 +141,12 @@ def run_greedy(
     mode: Mode = "batched",
     chunk: int = 7,
     seed: int = 0,
+    decode_kernel: PagedDecodeKernel | None = None,
 ) -> list[list[int]]:
     """Greedy (argmax) generation of ``max_new_tokens`` tokens per prompt (no EOS stop); returns the new
-    tokens of each prompt. The cache must hold every sequence at once (``seed`` scrambles the blocks)."""
-    return _drive(model, kv_cache, prompts, max_new_tokens, mode, chunk, seed)
+    tokens of each prompt. The cache must hold every sequence at once (``seed`` scrambles the blocks).
+    ``decode_kernel``: decode attention in the CPU kernel instead of SDPA."""
+    return _drive(model, kv_cache, prompts, max_new_tokens, mode, chunk, seed, decode_kernel=decode_kernel)
 
 
 def prompt_logits(
@@ -150,8 +156,9 @@ def prompt_logits(
     mode: Mode = "batched",
     chunk: int = 7,
     seed: int = 0,
+    decode_kernel: PagedDecodeKernel | None = None,
 ) -> torch.Tensor:
     """Logits of each prompt's last token ``[num_prompts, vocab]``, prefilled in ``mode``."""
     rows: dict[int, torch.Tensor] = {}
-    _drive(model, kv_cache, prompts, 1, mode, chunk, seed, on_logits=lambda i, x: rows.setdefault(i, x))
+    _drive(model, kv_cache, prompts, 1, mode, chunk, seed, lambda i, x: rows.setdefault(i, x), decode_kernel)
     return torch.stack([rows[i] for i in range(len(prompts))])

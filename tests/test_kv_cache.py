@@ -17,15 +17,19 @@ def filled_cache(num_layers: int = 3, num_blocks: int = 6) -> KVCache:
 
 
 def test_layout_and_views_share_storage() -> None:
-    cache = KVCache(3, 5, 4, 2, 8, torch.float32)
+    cache = KVCache(3, 5, 4, 2, 8, torch.float32)  # 5 blocks of 4 tokens, 2 KV heads of 8 dims
     assert len(cache.k_caches) == len(cache.v_caches) == 3
     for k, v in (cache.layer(i) for i in range(3)):
-        assert k.shape == v.shape == (5, 4, 2, 8)
+        assert k.shape == (5, 2, 8, 4)  # keys transposed: [blocks, kv_heads, head_dim, block_size]
+        assert v.shape == (5, 2, 4, 8)  # values: [blocks, kv_heads, block_size, head_dim]
         assert k.is_contiguous() and v.is_contiguous()
     k1, v1 = cache.layer(1)
-    k1[2, 3, 1].fill_(7.0)
-    v1.view(-1, 2, 8)[2 * 4 + 3, 1].fill_(9.0)  # slot = block * block_size + offset
-    assert torch.all(cache.kv[1, 0, 2, 3, 1] == 7.0) and torch.all(cache.kv[1, 1, 2, 3, 1] == 9.0)
+    k1[2, 1, :, 3].fill_(7.0)  # token 3 of block 2, KV head 1
+    v1[2, 1, 3].fill_(9.0)
+    # Within a block, head h's keys are a [head_dim, block_size] tile: dim d of token t at h*32 + d*4 + t.
+    assert [cache.kv[1, 0, 2, 32 + d * 4 + 3].item() for d in range(8)] == [7.0] * 8
+    assert cache.kv[1, 1, 2, 32 + 3 * 8 : 32 + 4 * 8].tolist() == [9.0] * 8
+    assert cache.kv[1].abs().sum() == 7.0 * 8 + 9.0 * 8
     assert cache.kv[0].abs().sum() == 0 and cache.kv[2].abs().sum() == 0
 
 

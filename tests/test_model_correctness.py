@@ -16,6 +16,7 @@ import pytest
 import torch
 from model_harness import MODES, Mode, prompt_logits, run_greedy
 
+from engine.attention.cpu_kernel import KernelUnavailable, PagedDecodeKernel, load
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.models import LlamaForCausalLM, WeightMismatchError, build_model
@@ -159,6 +160,26 @@ def test_tiny_greedy_tokens_match_generate(tiny: dict[str, Any], mode: Mode) -> 
     assert tokens == tiny["ref_tokens"]
 
 
+def _kernel(backend: str) -> PagedDecodeKernel | None:
+    """``sdpa``: None; ``cpu``: the CPU decode kernel (the default on CPU), or skip without a C compiler."""
+    if backend == "sdpa":
+        return None
+    try:
+        return load()
+    except KernelUnavailable as e:
+        pytest.skip(f"CPU kernel unavailable: {e}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tiny_greedy_tokens_with_the_cpu_decode_kernel(tiny: dict[str, Any], mode: Mode) -> None:
+    """Blocks of 16 (the kernel's tile); head_dim 16 and 32 take its generic loops, Mistral its window."""
+    ours: LlamaForCausalLM = tiny["ours"]
+    kernel = _kernel("cpu")
+    cache = _cache_for(ours, tiny["prompts"], 16)
+    tokens = run_greedy(ours, cache, tiny["prompts"], NEW_TOKENS, mode, decode_kernel=kernel)
+    assert tokens == tiny["ref_tokens"]
+
+
 def test_tiny_configs_exercise_the_features_they_name() -> None:
     """Guards the fixture: each tiny model really has the feature its test relies on."""
     cfgs = {k: ModelConfig.from_hf_dict(_tiny_hf_model(k).config.to_dict()) for k in TINY_CONFIGS}
@@ -251,8 +272,11 @@ def smollm2(oracle_model: Any, oracle_tokenizer: Any) -> dict[str, Any]:
             out = oracle_model.generate(**enc, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
                                         pad_token_id=oracle_tokenizer.pad_token_id or 0)  # fmt: skip
         width = enc["input_ids"].shape[1]
+        packed = _ours_from(oracle_model)
+        packed.prepack_weights()
         return {
             "ours": _ours_from(oracle_model),
+            "packed": packed,  # what the engine runs on a CPU: prepacked oneDNN weights
             "prompts": prompts,
             "ref_logits": _hf_last_logits(oracle_model, prompts),
             "ref_tokens": [row[width:].tolist() for row in out],
@@ -261,19 +285,46 @@ def smollm2(oracle_model: Any, oracle_tokenizer: Any) -> dict[str, Any]:
         torch.set_num_threads(before)
 
 
+# "cpu": what the engine runs on a CPU (prepacked weights, decode attention in the C kernel);
+# "reference": dense F.linear weights and SDPA (the path CUDA takes).
+PATHS = ["cpu", "reference"]
+
+
+def _path(smollm2: dict[str, Any], path: str) -> tuple[LlamaForCausalLM, PagedDecodeKernel | None]:
+    if path == "reference":
+        return smollm2["ours"], None
+    if not smollm2["packed"].is_prepacked:
+        pytest.skip("this torch build cannot prepack weights (no oneDNN)")
+    return smollm2["packed"], _kernel("cpu")
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("mode", MODES)
-def test_smollm2_last_token_logits(smollm2: dict[str, Any], mode: Mode) -> None:
-    ours: LlamaForCausalLM = smollm2["ours"]
+def test_smollm2_last_token_logits(smollm2: dict[str, Any], mode: Mode, path: str) -> None:
+    ours, kernel = _path(smollm2, path)
     assert len({len(p) for p in smollm2["prompts"]}) >= 6  # varied lengths
-    logits = prompt_logits(ours, _cache_for(ours, smollm2["prompts"], 16), smollm2["prompts"], mode)
+    logits = prompt_logits(ours, _cache_for(ours, smollm2["prompts"], 16), smollm2["prompts"], mode,
+                           decode_kernel=kernel)  # fmt: skip
     assert (logits - smollm2["ref_logits"]).abs().max().item() <= 1e-3
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("mode", MODES)
-def test_smollm2_greedy_tokens_match_generate(smollm2: dict[str, Any], mode: Mode) -> None:
-    ours: LlamaForCausalLM = smollm2["ours"]
+def test_smollm2_greedy_tokens_match_generate(smollm2: dict[str, Any], mode: Mode, path: str) -> None:
+    ours, kernel = _path(smollm2, path)
     prompts = smollm2["prompts"]
-    tokens = run_greedy(ours, _cache_for(ours, prompts, 16), prompts, NEW_TOKENS, mode)
+    tokens = run_greedy(ours, _cache_for(ours, prompts, 16), prompts, NEW_TOKENS, mode, decode_kernel=kernel)
     assert tokens == smollm2["ref_tokens"]
+
+
+def test_prepacked_model_refuses_to_load_again(llama_pair: tuple[Any, LlamaForCausalLM]) -> None:
+    hf_model, _ = llama_pair
+    model = _ours_from(hf_model)
+    if not model.prepack_weights():
+        pytest.skip("this torch build cannot prepack weights (no oneDNN)")
+    qkv = model.model.layers[0].self_attn.qkv_proj  # type: ignore[union-attr]
+    assert qkv.packed is not None and qkv.weight.numel() == 0  # the dense copy is freed
+    with pytest.raises(RuntimeError, match="after prepack_weights"):
+        model.load_weights(hf_model.state_dict().items())

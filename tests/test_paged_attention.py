@@ -1,5 +1,6 @@
 """Paged attention against a dense causal reference: random K/V contexts written into random non-contiguous
-blocks, mixed prefill / decode / chunk-continuation batches, GQA, sliding window."""
+blocks, mixed prefill / decode / chunk-continuation batches, GQA, sliding window -- with decode attention
+in SDPA and in the CPU kernel (engine/attention/csrc/paged_decode.c)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,16 @@ import random
 import pytest
 import torch
 
+from engine.attention.cpu_kernel import KernelUnavailable, PagedDecodeKernel, load
 from engine.attention.paged import PagedAttentionMetadata, decode_groups, paged_attention
 from engine.inputs import BatchInputs, decode_first_order
+
+
+def cpu_kernel() -> PagedDecodeKernel:
+    try:
+        return load()
+    except KernelUnavailable as e:  # no C compiler on this machine
+        pytest.skip(f"CPU kernel unavailable: {e}")
 
 
 def dense_reference(
@@ -46,11 +55,14 @@ def run_case(
     seed: int = 0,
     device: str = "cpu",
     tol: float | None = None,
+    kernel: PagedDecodeKernel | None = None,
+    stale: float = 0.0,
 ) -> None:
+    """``kernel``: run the decode part in the CPU kernel; ``stale``: what the unused cache slots hold."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-(c + n) // block_size) for c, n in seqs) + 5
-    k_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
-    v_cache = torch.zeros_like(k_cache)
+    k_cache = torch.full((num_blocks, kv_heads, head_dim, block_size), stale, dtype=dtype)
+    v_cache = torch.full((num_blocks, kv_heads, block_size, head_dim), stale, dtype=dtype)
     free = list(range(num_blocks))
     random.Random(seed).shuffle(free)  # non-contiguous, interleaved block tables
     tables, full_k, full_v, new_q = [], [], [], []
@@ -60,8 +72,8 @@ def run_case(
         k = torch.randn(ctx + new, kv_heads, head_dim, generator=gen).to(dtype)
         v = torch.randn(ctx + new, kv_heads, head_dim, generator=gen).to(dtype)
         for p in range(ctx):  # the cached context, as earlier steps would have written it
-            k_cache[table[p // block_size], p % block_size] = k[p]
-            v_cache[table[p // block_size], p % block_size] = v[p]
+            k_cache[table[p // block_size], :, :, p % block_size] = k[p]
+            v_cache[table[p // block_size], :, p % block_size] = v[p]
         full_k.append(k)
         full_v.append(v)
         new_q.append(torch.randn(new, heads, head_dim, generator=gen).to(dtype))
@@ -73,7 +85,7 @@ def run_case(
         block_size,
         device,
     )
-    meta = PagedAttentionMetadata.build(inputs, heads // kv_heads, dtype, sliding_window)
+    meta = PagedAttentionMetadata.build(inputs, heads // kv_heads, dtype, sliding_window, kernel)
     scale = head_dim**-0.5
     # The flat batch lays the decoding sequences out first; build the new tokens' q/k/v in that order.
     order = decode_first_order([[0] * new for _, new in seqs], [ctx for ctx, _ in seqs])
@@ -103,8 +115,8 @@ def run_case(
         # The new tokens' K/V landed in their slots.
         for p in range(ctx, ctx + new):
             blk, off = tables[i][p // block_size], p % block_size
-            assert torch.equal(k_cache[blk, off], full_k[i][p])
-            assert torch.equal(v_cache[blk, off], full_v[i][p])
+            assert torch.equal(k_cache[blk, :, :, off], full_k[i][p])
+            assert torch.equal(v_cache[blk, :, off], full_v[i][p])
 
 
 MIXED = [(0, 9), (13, 1), (5, 6), (0, 1), (22, 1), (7, 3)]  # fresh prefill, decode, chunk continuation
@@ -144,15 +156,17 @@ def test_bfloat16() -> None:
 
 def test_block_table_columns_beyond_the_longest_sequence_are_ignored() -> None:
     """Runners may pad block tables wider than needed; the metadata trims them to the pages in use."""
-    inputs = BatchInputs.build([[1, 2, 3]], [0], [[5, 9, 9, 9]], [True], 4)
+    inputs = BatchInputs.build([[1, 2, 3]], [2], [[5, 7, 9, 9]], [True], 4)
     meta = PagedAttentionMetadata.build(inputs, 1, torch.float32)
-    assert meta.prefill is not None and meta.decode == []
-    assert meta.prefill.block_tables.tolist() == [[5]]
-    assert meta.prefill.attn_bias.shape == (1, 1, 3, 4)
+    assert meta.decode == [] and len(meta.prefill) == 1
+    seq = meta.prefill[0]
+    assert seq.block_tables is not None and seq.block_tables.tolist() == [[5, 7]]
+    assert seq.attn_bias is not None and seq.attn_bias.shape == (1, 1, 3, 8)
 
 
-def test_mixed_batch_pads_only_the_prefill_part() -> None:
-    """Decode sequences go first and unpadded; the prefill part is padded to its own longest chunk."""
+def test_mixed_batch_pads_nothing() -> None:
+    """Decode sequences go first and unpadded; each prefill chunk is attended on its own: a fresh prompt
+    over its new keys alone (nothing gathered, plain causal), a continuation over its pages with a mask."""
     inputs = BatchInputs.build(
         [[1], [1, 2, 3], [4], [5, 6]], [7, 0, 2, 4], [[0, 1], [2], [3], [4, 5]], [True] * 4, 4
     )
@@ -160,8 +174,13 @@ def test_mixed_batch_pads_only_the_prefill_part() -> None:
     assert inputs.input_ids.tolist() == [4, 1, 1, 2, 3, 5, 6]  # decode tokens first, shortest KV first
     assert inputs.logits_indices.tolist() == [1, 4, 0, 6]  # logits rows keep the caller's order
     meta = PagedAttentionMetadata.build(inputs, 2, torch.float32)
-    assert len(meta.decode) == 1 and meta.decode[0].attn_bias.shape == (2, 1, 1, 8)
-    assert meta.prefill is not None and meta.prefill.attn_bias.shape == (2, 1, 2 * 3, 8)
+    assert len(meta.decode) == 1 and meta.decode[0].attn_bias is not None
+    assert meta.decode[0].attn_bias.shape == (2, 1, 1, 8)
+    fresh, continued = meta.prefill
+    assert (fresh.start, fresh.end, fresh.block_tables, fresh.attn_bias) == (2, 5, None, None)
+    assert (continued.start, continued.end) == (5, 7)
+    assert continued.block_tables is not None and continued.block_tables.tolist() == [[4, 5]]
+    assert continued.attn_bias is not None and continued.attn_bias.shape == (1, 1, 2, 8)
 
 
 def test_decode_groups_cut_padding_between_short_and_long_sequences() -> None:
@@ -174,3 +193,42 @@ def test_decode_groups_cut_padding_between_short_and_long_sequences() -> None:
 def test_many_decode_lengths_match_the_reference() -> None:
     rng = random.Random(7)
     run_case([(rng.choice([0, 3, 40, 90]), 1) for _ in range(12)] + [(5, 9)], heads=4, kv_heads=2)
+
+
+# ---------------------------------------------------------------------- the CPU decode kernel
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (9, 3), (32, 8), (28, 4)])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_cpu_kernel_matches_the_reference(heads: int, kv_heads: int, head_dim: int) -> None:
+    """GQA groups of 1 to 7 (Qwen2.5-7B's 28/4); head_dim 64 and 128 have their own unrolled loops."""
+    rng = random.Random(heads * head_dim)
+    seqs = [(rng.choice([0, 5, 15, 16, 17, 40, 100]), 1) for _ in range(10)] + [(3, 9), (0, 20)]
+    run_case(seqs, heads, kv_heads, head_dim=head_dim, block_size=16, kernel=cpu_kernel())
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 17, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_sliding_window_and_bfloat16(window: int, dtype: torch.dtype) -> None:
+    seqs = [(c, 1) for c in (0, 4, 15, 16, 31, 32, 33, 63, 70)] + [(2, 5)]
+    run_case(seqs, 8, 2, head_dim=64, block_size=16, sliding_window=window, dtype=dtype, kernel=cpu_kernel())
+
+
+@pytest.mark.parametrize("block_size", [32, 64])
+def test_cpu_kernel_larger_blocks(block_size: int) -> None:
+    run_case([(c, 1) for c in (0, 31, 32, 64, 130)], 6, 2, head_dim=64, block_size=block_size, kernel=cpu_kernel())
+
+
+def test_cpu_kernel_never_reads_slots_beyond_the_sequence() -> None:
+    """Unused slots may hold anything a freed block left there (even NaN): the kernel computes scores for
+    whole 16-key tiles but reads only the visible ones."""
+    seqs = [(c, 1) for c in (0, 1, 14, 16, 20, 47)]
+    run_case(seqs, 4, 2, head_dim=64, block_size=16, kernel=cpu_kernel(), stale=float("nan"))
+    run_case(seqs, 4, 2, head_dim=64, block_size=16, kernel=cpu_kernel(), stale=float("nan"), sliding_window=7)
+
+
+def test_cpu_kernel_says_which_shapes_it_cannot_run() -> None:
+    kernel = cpu_kernel()
+    assert kernel.unsupported(64, 16, 3, torch.float32) is None
+    assert "block_size 8" in str(kernel.unsupported(64, 8, 3, torch.float32))
+    assert "head_dim 72" in str(kernel.unsupported(72, 16, 3, torch.float32))
+    assert "float16" in str(kernel.unsupported(64, 16, 3, torch.float16))
+    assert "query heads" in str(kernel.unsupported(64, 16, 64, torch.float32))

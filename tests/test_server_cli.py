@@ -62,6 +62,7 @@ def test_every_flag_reads_the_environment() -> None:
         "CBSERVE_DEVICE": "cuda",
         "CBSERVE_DTYPE": "bfloat16",
         "CBSERVE_LOAD_FORMAT": "gguf",
+        "CBSERVE_ATTENTION_BACKEND": "sdpa",
         "CBSERVE_SCHEDULER": "prefill_first",
         "CBSERVE_MAX_BATCH_TOKENS": "4096",
         "CBSERVE_MAX_NUM_SEQS": "8",
@@ -86,6 +87,7 @@ def test_every_flag_reads_the_environment() -> None:
         "gguf",
         "prefill_first",
     )
+    assert args.attention_backend == "sdpa"
     assert (args.max_batch_tokens, args.max_num_seqs, args.block_size) == (4096, 8, 32)
     assert args.kv_cache_memory == 2 << 30 and args.num_blocks == 100
     assert args.enable_prefix_caching is False

@@ -1,19 +1,26 @@
-"""Paged attention in plain PyTorch (CPU and CUDA): at most two ``scaled_dot_product_attention`` calls per
-layer for the whole ragged batch -- one for the decoding sequences, one for the prefill chunks -- and no
-Python loop over sequences. The split matters: padding every decode query to the longest prefill chunk of
-a mixed batch would multiply the attention work by that chunk's length.
+"""Paged attention: the new tokens of one ragged batch attend over their sequences' KV pages, in at most a
+few calls per layer for the whole batch and no Python loop over sequences.
 
-Per layer and part:
-1. write the new tokens' K/V into their slots (``slot_mapping``) of the paged cache;
-2. gather each sequence's pages with its block table: ``k_cache[block_tables]`` ->
-   ``[num_seqs, num_pages * block_size, num_kv_heads, head_dim]``;
-3. lay the queries out per sequence (the decode part needs no padding: one query per sequence), with the
-   query heads that share a KV head folded into the query-length axis (GQA without repeating K/V);
-4. one SDPA call with an additive mask that allows key ``j`` for a query at position ``p`` of a sequence of KV
-   length ``n`` iff ``j <= p`` and ``j < n`` (and ``j > p - sliding_window`` when the model has one).
+The batch has two parts (``BatchInputs`` lays the decoding sequences out first):
 
-Everything that depends only on the batch (the mask, the padding indices) is computed once per forward in
-``PagedAttentionMetadata.build`` and shared by all layers.
+- **decode** (one new query per sequence): on the CPU, the C kernel of ``cpu_kernel.py`` reads each
+  sequence's pages in place through its block table. Elsewhere (CUDA, or when the kernel cannot be built),
+  the sequences are split into at most ``MAX_DECODE_GROUPS`` runs of similar KV length; each run gathers its
+  pages and makes one SDPA call with the query heads that share a KV head folded into the query axis (GQA
+  without repeating K/V).
+- **prefill** (several new tokens per sequence): one SDPA call per sequence, unpadded (a step holds a few
+  prompt chunks; padding them to the longest cost twice the work). A fresh prompt attends over its own new
+  K/V, plain causal, nothing gathered; a continuation chunk gathers its pages and uses an additive mask that
+  allows key ``j`` for a query at position ``p`` iff ``j <= p`` and ``j`` is a real key (and
+  ``j > p - sliding_window`` when the model has one).
+
+The split matters: padding every decode query to the longest prefill chunk of a mixed batch would multiply
+the attention work by that chunk's length. The new tokens' K/V are written into their slots first.
+
+Cache layout (engine/kv_cache.py): K ``[num_blocks, num_kv_heads, head_dim, block_size]``, V
+``[num_blocks, num_kv_heads, block_size, head_dim]``. Everything that depends only on the batch (masks,
+padding indices, slot coordinates) is computed once per forward in ``PagedAttentionMetadata.build`` and
+shared by all layers.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.attention.cpu_kernel import PagedDecodeKernel
 from engine.inputs import BatchInputs
 
 
@@ -79,10 +87,12 @@ def decode_groups(seq_lens: tuple[int, ...], block_size: int) -> list[tuple[int,
 
 @dataclass(frozen=True)
 class DecodePart:
-    """A run of decoding sequences (rows ``start:end`` of the batch): one query each, no padding."""
+    """A run of decoding sequences (rows ``start:end`` of the batch): one query each, no padding. The
+    kernel path has one part with every decoding sequence and no mask."""
 
     block_tables: torch.Tensor  # [num_seqs, num_pages] int64
-    attn_bias: torch.Tensor  # [num_seqs, 1, 1, kv_len]
+    seq_lens: torch.Tensor  # [num_seqs] int64
+    attn_bias: torch.Tensor | None  # [num_seqs, 1, 1, kv_len]; None on the kernel path
     start: int
     end: int
 
@@ -92,29 +102,30 @@ class DecodePart:
 
 
 @dataclass(frozen=True)
-class PrefillPart:
-    """The sequences computing several tokens (after the decode part), queries padded to ``q_len``."""
+class PrefillSeq:
+    """One sequence computing several new tokens: batch rows ``start:end`` (after the decode part)."""
 
-    block_tables: torch.Tensor  # [num_seqs, num_pages] int64
-    attn_bias: torch.Tensor  # [num_seqs, 1, group * q_len, kv_len]
-    query_index: torch.Tensor  # [num_tokens] row of each of the part's tokens in [num_seqs * q_len]
-    num_seqs: int
-    q_len: int
+    start: int
+    end: int
+    block_tables: torch.Tensor | None  # [1, num_pages] int64 when it has cached context; None: a fresh prompt
+    attn_bias: torch.Tensor | None  # [1, 1, q_len, kv_len]; None: causal over the new tokens alone
 
 
 @dataclass(frozen=True)
 class PagedAttentionMetadata:
     """The per-batch tensors every layer's attention reads. Build with :meth:`build`."""
 
-    slot_mapping: torch.Tensor  # [num_tokens] int64
-    num_decode_tokens: int  # the decode parts' tokens are the batch's first rows
+    slot_blocks: torch.Tensor  # [num_tokens] int64, the block each new token's K/V goes to
+    slot_offsets: torch.Tensor  # [num_tokens] int64, its row in that block
     decode: list[DecodePart]
-    prefill: PrefillPart | None
+    prefill: list[PrefillSeq]
     num_queries_per_kv: int
+    sliding_window: int | None = None
+    decode_kernel: PagedDecodeKernel | None = None  # the CPU kernel for the decode part, if chosen
 
     @property
     def is_decode(self) -> bool:
-        return self.prefill is None
+        return not self.prefill
 
     @classmethod
     def build(
@@ -123,71 +134,102 @@ class PagedAttentionMetadata:
         num_queries_per_kv: int,
         dtype: torch.dtype,
         sliding_window: int | None = None,
+        decode_kernel: PagedDecodeKernel | None = None,
     ) -> PagedAttentionMetadata:
-        """Everything here uses tensors already on the device and Python ints from ``inputs``: no host sync."""
+        """Everything here uses tensors already on the device and Python ints from ``inputs``: no host sync.
+        With ``decode_kernel`` (CPU tensors only) the decode part runs in that kernel, unpadded."""
         block_size = inputs.block_size
-        num_decode = inputs.num_decode_seqs
-        decode: list[DecodePart] = []
-        prefill = None
-        for start, end, num_pages in decode_groups(inputs.decode_seq_lens, block_size):
-            seq_lens = inputs.seq_lens[start:end]  # [group]
-            bias = _attention_bias(
-                (seq_lens - 1)[:, None, None], seq_lens, num_pages * block_size, sliding_window, dtype
-            )  # [group, 1, kv_len]
-            decode.append(DecodePart(inputs.block_tables[start:end, :num_pages], bias[:, None], start, end))
-        num_prefill = inputs.num_seqs - num_decode
-        if num_prefill:
-            q_len = inputs.prefill_max_query_len
-            num_pages = -(-inputs.prefill_max_seq_len // block_size)
-            device = inputs.input_ids.device
-            starts = inputs.query_start_loc[num_decode:]  # [num_prefill + 1]
-            first = num_decode  # the prefill part's first token row (decode sequences hold one each)
-            tokens = torch.arange(inputs.num_tokens - first, device=device) + first  # [num_prefill_tokens]
-            seq_of_token = torch.searchsorted(starts[1:], tokens, right=True)  # [num_prefill_tokens]
-            row_in_seq = tokens - starts[seq_of_token]  # [num_prefill_tokens]
-            query_index = seq_of_token * q_len + row_in_seq  # [num_prefill_tokens]
-            # Padding rows get position 0: they attend to key 0 only, so no row is fully masked (NaN-free);
-            # their outputs are dropped.
-            query_pos = torch.zeros(num_prefill * q_len, dtype=torch.int64, device=device)
-            query_pos = query_pos.index_copy(0, query_index, inputs.positions[first:]).view(
-                num_prefill, q_len, 1
-            )
-            bias = _attention_bias(
-                query_pos, inputs.seq_lens[num_decode:], num_pages * block_size, sliding_window, dtype
-            )  # [num_prefill, q_len, kv_len]
-            # Fold the GQA group into the query axis: row g * q_len + i is query i of group member g.
-            bias = (
-                bias[:, None, None]
-                .expand(num_prefill, 1, num_queries_per_kv, q_len, bias.shape[-1])
-                .reshape(num_prefill, 1, num_queries_per_kv * q_len, bias.shape[-1])
-            )  # [num_prefill, 1, group * q_len, kv_len]
-            prefill = PrefillPart(
-                inputs.block_tables[num_decode:, :num_pages], bias, query_index, num_prefill, q_len
-            )
-        return cls(inputs.slot_mapping, num_decode, decode, prefill, num_queries_per_kv)
+        decode = _decode_parts(inputs, dtype, sliding_window, decode_kernel is not None)
+        prefill = _prefill_seqs(inputs, dtype, sliding_window)
+        slots = inputs.slot_mapping
+        return cls(
+            slot_blocks=slots // block_size,
+            slot_offsets=slots % block_size,
+            decode=decode,
+            prefill=prefill,
+            num_queries_per_kv=num_queries_per_kv,
+            sliding_window=sliding_window,
+            decode_kernel=decode_kernel,
+        )
+
+
+def _decode_parts(
+    inputs: BatchInputs, dtype: torch.dtype, sliding_window: int | None, kernel: bool
+) -> list[DecodePart]:
+    """The kernel takes every decoding sequence in one unpadded part; SDPA takes runs of similar length."""
+    num_decode, block_size = inputs.num_decode_seqs, inputs.block_size
+    if not num_decode:
+        return []
+    if kernel:
+        num_pages = -(-max(inputs.decode_seq_lens) // block_size)
+        tables, seq_lens = inputs.block_tables[:num_decode, :num_pages], inputs.seq_lens[:num_decode]
+        return [DecodePart(tables, seq_lens, None, 0, num_decode)]
+    parts = []
+    for start, end, num_pages in decode_groups(inputs.decode_seq_lens, block_size):
+        seq_lens = inputs.seq_lens[start:end]  # [group]
+        bias = _attention_bias(
+            (seq_lens - 1)[:, None, None], seq_lens, num_pages * block_size, sliding_window, dtype
+        )  # [group, 1, kv_len]
+        tables = inputs.block_tables[start:end, :num_pages]
+        parts.append(DecodePart(tables, seq_lens, bias[:, None], start, end))
+    return parts
+
+
+def _prefill_seqs(inputs: BatchInputs, dtype: torch.dtype, sliding_window: int | None) -> list[PrefillSeq]:
+    """One entry per sequence computing several tokens; a fresh prompt without a window needs no tensor."""
+    seqs = []
+    row = inputs.num_decode_seqs  # decoding sequences hold one token each
+    lens = zip(inputs.prefill_query_lens, inputs.prefill_seq_lens, strict=True)
+    for seq, (q_len, seq_len) in enumerate(lens, start=inputs.num_decode_seqs):
+        cached = seq_len - q_len
+        tables: torch.Tensor | None = None
+        kv_len = q_len
+        if cached:
+            num_pages = -(-seq_len // inputs.block_size)
+            tables, kv_len = inputs.block_tables[seq : seq + 1, :num_pages], num_pages * inputs.block_size
+        bias: torch.Tensor | None = None
+        if cached or (sliding_window is not None and q_len > sliding_window):
+            query_pos = torch.arange(cached, seq_len, device=inputs.input_ids.device)[None, :, None]  # [1, q_len, 1]
+            bias = _attention_bias(query_pos, inputs.seq_lens[seq : seq + 1], kv_len, sliding_window, dtype)
+            bias = bias[:, None]  # [1, 1, q_len, kv_len]
+        seqs.append(PrefillSeq(row, row + q_len, tables, bias))
+        row += q_len
+    return seqs
 
 
 def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_blocks: torch.Tensor,
+    slot_offsets: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
 ) -> None:
-    """Store the new tokens' keys/values ``[num_tokens, num_kv_heads, head_dim]`` into their slots."""
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(
-        0, slot_mapping, k
-    )  # [num_slots, kv_heads, head_dim]
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    """Store the new tokens' keys/values ``[num_tokens, num_kv_heads, head_dim]`` into row ``slot_offsets``
+    of block ``slot_blocks``."""
+    # [num_blocks, block_size, kv_heads, head_dim] views of both layouts, indexed by (block, row)
+    k_cache.permute(0, 3, 1, 2).index_put_((slot_blocks, slot_offsets), k)
+    v_cache.permute(0, 2, 1, 3).index_put_((slot_blocks, slot_offsets), v)
 
 
-def _gather_pages(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+# NOTE: index_select copies whole blocks (memcpy speed); advanced indexing ``cache[block_tables]`` is ~5x
+# slower on CPU.
+def _gather_keys(k_cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """``[num_seqs, kv_heads, num_pages * block_size, head_dim]``: each sequence's keys, in order."""
     num_seqs, num_pages = block_tables.shape
-    _, block_size, num_kv_heads, head_dim = cache.shape
-    # NOTE: index_select copies whole blocks (memcpy speed); advanced indexing ``cache[block_tables]`` is ~5x
-    # slower on CPU. The transposed view goes to SDPA as is: a .contiguous() copy costs more than it saves.
-    pages = cache.index_select(
-        0, block_tables.reshape(-1)
-    )  # [num_seqs * num_pages, block_size, kv_heads, hd]
-    return pages.view(num_seqs, num_pages * block_size, num_kv_heads, head_dim).transpose(1, 2)
-    # -> [num_seqs, kv_heads, kv_len, head_dim]
+    _, num_kv_heads, head_dim, block_size = k_cache.shape
+    pages = k_cache.index_select(0, block_tables.reshape(-1))  # [num_seqs * num_pages, kv_heads, hd, bs]
+    pages = pages.view(num_seqs, num_pages, num_kv_heads, head_dim, block_size).permute(0, 2, 1, 4, 3)
+    return pages.reshape(num_seqs, num_kv_heads, num_pages * block_size, head_dim)
+
+
+def _gather_values(v_cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """``[num_seqs, kv_heads, num_pages * block_size, head_dim]``: each sequence's values, in order."""
+    num_seqs, num_pages = block_tables.shape
+    _, num_kv_heads, block_size, head_dim = v_cache.shape
+    pages = v_cache.index_select(0, block_tables.reshape(-1))  # [num_seqs * num_pages, kv_heads, bs, hd]
+    pages = pages.view(num_seqs, num_pages, num_kv_heads, block_size, head_dim).transpose(1, 2)
+    return pages.reshape(num_seqs, num_kv_heads, num_pages * block_size, head_dim)
 
 
 def paged_attention(
@@ -202,15 +244,21 @@ def paged_attention(
     """Attention of the batch's new tokens over their sequences' pages.
 
     ``q``: ``[num_tokens, num_heads, head_dim]``; ``k``, ``v``: ``[num_tokens, num_kv_heads, head_dim]`` (the
-    new tokens, written into the cache first); caches ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+    new tokens, written into the cache first); caches in the layout of engine/kv_cache.py.
     Returns ``[num_tokens, num_heads, head_dim]``.
     """
-    write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
+    write_kv(k_cache, v_cache, meta.slot_blocks, meta.slot_offsets, k, v)
     group = meta.num_queries_per_kv
-    parts = [_decode_attention(q[p.start : p.end], k_cache, v_cache, p, group, scale) for p in meta.decode]
-    if meta.prefill is not None:
-        d = meta.num_decode_tokens
-        parts.append(_prefill_attention(q[d:], k_cache, v_cache, meta.prefill, group, scale))
+    kernel, window = meta.decode_kernel, meta.sliding_window
+    parts = [
+        kernel(q[p.start : p.end], k_cache, v_cache, p.block_tables, p.seq_lens, scale, window)
+        if kernel is not None
+        else _decode_attention(q[p.start : p.end], k_cache, v_cache, p, group, scale)
+        for p in meta.decode
+    ]
+    for p in meta.prefill:
+        rows = slice(p.start, p.end)
+        parts.append(_prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, p, scale))
     return parts[0] if len(parts) == 1 else torch.cat(parts)  # [num_tokens, num_heads, head_dim]
 
 
@@ -219,8 +267,8 @@ def _decode_attention(
 ) -> torch.Tensor:
     """One query per sequence, so the group of query heads sharing a KV head is the query axis."""
     num_tokens, num_heads, head_dim = q.shape
-    keys = _gather_pages(k_cache, part.block_tables)  # [num_seqs, kv_heads, kv_len, head_dim]
-    values = _gather_pages(v_cache, part.block_tables)  # [num_seqs, kv_heads, kv_len, head_dim]
+    keys = _gather_keys(k_cache, part.block_tables)  # [num_seqs, kv_heads, kv_len, head_dim]
+    values = _gather_values(v_cache, part.block_tables)  # [num_seqs, kv_heads, kv_len, head_dim]
     queries = q.view(
         part.num_seqs, num_heads // group, group, head_dim
     )  # [num_seqs, kv_heads, group, head_dim]
@@ -229,24 +277,28 @@ def _decode_attention(
 
 
 def _prefill_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, part: PrefillPart, group: int, scale: float
+    q: torch.Tensor,  # [q_len, num_heads, head_dim]
+    k: torch.Tensor,  # [q_len, num_kv_heads, head_dim], the new tokens' keys
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq: PrefillSeq,
+    scale: float,
 ) -> torch.Tensor:
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = num_heads // group
-    num_seqs, q_len = part.num_seqs, part.q_len
-    keys = _gather_pages(k_cache, part.block_tables)  # [num_seqs, kv_heads, kv_len, head_dim]
-    values = _gather_pages(v_cache, part.block_tables)  # [num_seqs, kv_heads, kv_len, head_dim]
-    padded = q.new_zeros(num_seqs * q_len, num_heads, head_dim)
-    padded.index_copy_(0, part.query_index, q)  # [num_seqs * q_len, num_heads, head_dim]
-    queries = (
-        padded.view(num_seqs, q_len, num_kv_heads, group, head_dim)
-        .permute(0, 2, 3, 1, 4)
-        .reshape(num_seqs, num_kv_heads, group * q_len, head_dim)
-    )  # [num_seqs, kv_heads, group * q_len, head_dim]
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=part.attn_bias, scale=scale)
-    out = (
-        out.view(num_seqs, num_kv_heads, group, q_len, head_dim)
-        .permute(0, 3, 1, 2, 4)
-        .reshape(num_seqs * q_len, num_heads, head_dim)
-    )  # [num_seqs * q_len, num_heads, head_dim]
-    return out.index_select(0, part.query_index)  # [num_tokens, num_heads, head_dim]
+    """One sequence's chunk; the query heads sharing a KV head use it as is (``enable_gqa``)."""
+    queries = q.transpose(0, 1)[None]  # [1, num_heads, q_len, head_dim]
+    if seq.block_tables is None:  # a fresh prompt: its keys are exactly the new tokens'
+        keys, values = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, kv_heads, q_len, head_dim]
+    else:
+        keys = _gather_keys(k_cache, seq.block_tables)  # [1, kv_heads, kv_len, head_dim]
+        values = _gather_values(v_cache, seq.block_tables)
+    out = F.scaled_dot_product_attention(
+        queries,
+        keys,
+        values,
+        attn_mask=seq.attn_bias,
+        is_causal=seq.attn_bias is None,
+        scale=scale,
+        enable_gqa=True,
+    )  # [1, num_heads, q_len, head_dim]
+    return out[0].transpose(0, 1)  # [q_len, num_heads, head_dim]

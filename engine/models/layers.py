@@ -14,22 +14,37 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models import prepacked
+
 
 def empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
 class Linear(nn.Module):
-    """``y = x W^T (+ b)`` with ``W`` ``[out_features, in_features]``, uninitialised until loaded."""
+    """``y = x W^T (+ b)`` with ``W`` ``[out_features, in_features]``, uninitialised until loaded.
+
+    After ``prepack()`` (CPU), ``W`` lives only in oneDNN's blocked layout (engine/models/prepacked.py) and
+    ``weight`` is an empty placeholder."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device
     ) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = empty_param(out_features, in_features, dtype=dtype, device=device)
         self.bias = empty_param(out_features, dtype=dtype, device=device) if bias else None
+        self.packed: torch.Tensor | None = None
+
+    def prepack(self) -> None:
+        """Move ``W`` into the prepacked layout, freeing the dense copy."""
+        if self.packed is None:
+            self.packed = prepacked.prepack(self.weight)
+            self.weight = empty_param(0, dtype=self.weight.dtype, device=self.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return prepacked.linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

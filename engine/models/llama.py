@@ -20,11 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.attention.cpu_kernel import PagedDecodeKernel
 from engine.attention.paged import PagedAttentionMetadata, paged_attention
 from engine.config import ModelConfig
 from engine.inputs import BatchInputs
 from engine.kv_cache import KVCache
 from engine.loader.errors import ModelLoadError
+from engine.models import prepacked
 from engine.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, empty_param
 
 
@@ -59,8 +61,8 @@ class Attention(nn.Module):
         rotary: RotaryEmbedding,
         cos: torch.Tensor,  # [num_tokens, 1, head_dim]
         sin: torch.Tensor,  # [num_tokens, 1, head_dim]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        v_cache: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, head_dim, block_size]
+        v_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
         meta: PagedAttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -128,19 +130,44 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, dtype, device
         )
+        self.lm_head_packed: torch.Tensor | None = None
+
+    def prepack_weights(self) -> bool:
+        """On a CPU with oneDNN, move every projection and the output head into oneDNN's prepacked layout
+        (engine/models/prepacked.py); the embedding stays dense (an untied head's dense copy is freed).
+        Call after ``load_weights``, which cannot run afterwards. Returns whether it packed."""
+        if not prepacked.can_prepack(self.device, self.dtype):
+            return False
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepack()
+        if self.lm_head_packed is None:
+            self.lm_head_packed = prepacked.prepack(self.lm_head)
+            if not self.config.tie_word_embeddings:
+                self.lm_head = empty_param(0, dtype=self.dtype, device=self.device)
+        return True
+
+    @property
+    def is_prepacked(self) -> bool:
+        return self.lm_head_packed is not None
 
     @torch.inference_mode()
-    def forward(self, inputs: BatchInputs, kv_cache: KVCache) -> torch.Tensor:
+    def forward(
+        self, inputs: BatchInputs, kv_cache: KVCache, decode_kernel: PagedDecodeKernel | None = None
+    ) -> torch.Tensor:
         """Compute the batch's new tokens, writing their K/V into ``inputs.slot_mapping`` slots, and return
-        fp32 logits ``[len(inputs.logits_indices), vocab_size]`` for the ``logits_indices`` rows only."""
+        fp32 logits ``[len(inputs.logits_indices), vocab_size]`` for the ``logits_indices`` rows only.
+        ``decode_kernel``: the CPU decode-attention kernel (engine/attention/backend.py), or None for SDPA."""
         meta = PagedAttentionMetadata.build(
-            inputs, self.config.num_queries_per_kv, self.dtype, self.config.sliding_window
+            inputs, self.config.num_queries_per_kv, self.dtype, self.config.sliding_window, decode_kernel
         )
         cos, sin = self.rotary.cos_sin(inputs.positions)  # 2 x [num_tokens, 1, head_dim]
         h = F.embedding(inputs.input_ids, self.model.embed_tokens)  # [num_tokens, hidden]
         for i, layer in enumerate(self.model.layers):
             h = layer(h, self.rotary, cos, sin, kv_cache.k_caches[i], kv_cache.v_caches[i], meta)
         h = self.model.norm(h[inputs.logits_indices])  # [num_logits, hidden]
+        if self.lm_head_packed is not None:
+            return prepacked.linear(h, self.lm_head_packed, None).float()  # [num_logits, vocab]
         return F.linear(h, self.lm_head).float()  # [num_logits, vocab]
 
     # ------------------------------------------------------------------ weights
@@ -184,8 +211,11 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the model (converting to its dtype and device), filling the fused
         qkv / gate_up matrices from their parts. Raises ``WeightMismatchError`` naming the tensor on a
-        missing, unexpected, duplicated or mis-shaped one. Rotary ``inv_freq`` buffers are ignored (rebuilt
-        from the config), as is ``lm_head.weight`` when the embeddings are tied."""
+        missing, unexpected, duplicated or mis-shaped one; ``RuntimeError`` after ``prepack_weights``.
+        Rotary ``inv_freq`` buffers are ignored (rebuilt from the config), as is ``lm_head.weight`` when the
+        embeddings are tied."""
+        if self.is_prepacked:
+            raise RuntimeError("load_weights after prepack_weights: the dense weights are gone")
         slots = self._weight_slots()
         loaded: set[str] = set()
         for name, tensor in weights:

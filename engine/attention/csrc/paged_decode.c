@@ -1,0 +1,164 @@
+/* Paged decode attention on the CPU: each sequence's one new query attends over that sequence's KV pages,
+ * read in place through its block table -- no gathered copy of the pages, no padding to a longer sequence.
+ *
+ * Work item = (sequence, KV head); the `group` query heads that share the KV head are computed together, so
+ * each key and value page is read from memory once per step (GQA without repeating K/V):
+ *
+ *   s[g, j] = scale * <q[g], K[j]>        for the visible keys j of the sequence
+ *   p[g, j] = softmax_j(s[g, j])
+ *   o[g]    = sum_j p[g, j] * V[j]
+ *
+ * Cache layout (engine/kv_cache.py), per block and KV head, so that both loops run on whole SIMD vectors:
+ *   K: [num_blocks, num_kv_heads, head_dim, block_size]  -- transposed: the scores of 16 keys are 16 lanes,
+ *                                                           one fused multiply-add per dimension, no
+ *                                                           horizontal sums;
+ *   V: [num_blocks, num_kv_heads, block_size, head_dim]  -- one value row is head_dim contiguous lanes.
+ * Key j of a sequence is row j % block_size of block block_table[j / block_size]. The query sits at
+ * position seq_len - 1, so keys 0 .. seq_len - 1 are visible (only the last `sliding_window` of them when
+ * the model has a window).
+ *
+ * Caches are float32 or bfloat16 (`kv_is_bf16`); queries and outputs are float32. Parallel over work items
+ * with OpenMP: this library asks for libgomp.so.1, which resolves to the copy torch has already loaded, so
+ * torch and this kernel share one thread pool (torch.set_num_threads applies to both).
+ *
+ * Supported: block_size and head_dim multiples of 16, head_dim at most MAX_HEAD_DIM, at most MAX_GROUP query
+ * heads per KV head; engine/attention/cpu_kernel.py checks these before choosing this kernel. head_dim 64
+ * and 128 get their own unrolled copies of the loops.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+#define MAX_GROUP 16
+#define MAX_HEAD_DIM 512
+
+typedef float v16f __attribute__((vector_size(LANES * sizeof(float))));
+typedef uint16_t v16h __attribute__((vector_size(LANES * sizeof(uint16_t))));
+typedef uint32_t v16u __attribute__((vector_size(LANES * sizeof(uint32_t))));
+
+int cbserve_lanes(void) { return LANES; }
+int cbserve_max_group(void) { return MAX_GROUP; }
+int cbserve_max_head_dim(void) { return MAX_HEAD_DIM; }
+
+/* 16 consecutive elements of a float32 or bfloat16 cache, as float32 (bfloat16 is the high half). */
+static inline v16f load16(const void *cache, int64_t index, int bf16) {
+    v16f f;
+    if (bf16) {
+        v16h h;
+        memcpy(&h, (const uint16_t *)cache + index, sizeof h);
+        v16u u = __builtin_convertvector(h, v16u) << 16;
+        memcpy(&f, &u, sizeof f);
+    } else {
+        memcpy(&f, (const float *)cache + index, sizeof f);
+    }
+    return f;
+}
+
+/* One (sequence, KV head). Inlined into each call site: where `head_dim` is a literal the loops unroll. */
+static inline __attribute__((always_inline)) void attend(
+    float *out, const float *q, const void *k_cache, const void *v_cache, int bf16, const int64_t *table,
+    int64_t first, int64_t seq_len, int64_t group, const int64_t head_dim, int64_t block_size,
+    int64_t block_stride, int64_t head_offset, float scale, float *scores) {
+    const int64_t b_first = first / block_size, b_end = (seq_len + block_size - 1) / block_size;
+    const int64_t padded = (b_end - b_first) * block_size; /* scores row length per query head */
+    const int64_t lo = first - b_first * block_size, hi = seq_len - b_first * block_size; /* valid [lo, hi) */
+
+    /* s[g, j]: a 16-key tile at a time; lanes outside [lo, hi) are computed and never read. */
+    for (int64_t b = b_first; b < b_end; b++) {
+        const int64_t k = table[b] * block_stride + head_offset; /* [head_dim, block_size] */
+        for (int64_t t = 0; t < block_size; t += LANES) {
+            for (int64_t g = 0; g < group; g++) {
+                const float *qg = q + g * head_dim;
+                v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}; /* four chains hide the FMA latency */
+                for (int64_t d = 0; d < head_dim; d += 4) {
+                    a0 += qg[d] * load16(k_cache, k + d * block_size + t, bf16);
+                    a1 += qg[d + 1] * load16(k_cache, k + (d + 1) * block_size + t, bf16);
+                    a2 += qg[d + 2] * load16(k_cache, k + (d + 2) * block_size + t, bf16);
+                    a3 += qg[d + 3] * load16(k_cache, k + (d + 3) * block_size + t, bf16);
+                }
+                v16f s = (a0 + a1 + a2 + a3) * scale;
+                memcpy(scores + g * padded + (b - b_first) * block_size + t, &s, sizeof s);
+            }
+        }
+    }
+
+    /* p[g, j] = exp(s[g, j] - max) / sum; the max is a visible score, so the sum is >= 1 */
+    float inv_sum[MAX_GROUP];
+    for (int64_t g = 0; g < group; g++) {
+        float *s = scores + g * padded;
+        float max = s[lo], sum = 0.0f;
+        for (int64_t j = lo + 1; j < hi; j++) max = s[j] > max ? s[j] : max;
+        for (int64_t j = lo; j < hi; j++) {
+            s[j] = expf(s[j] - max);
+            sum += s[j];
+        }
+        inv_sum[g] = 1.0f / sum;
+    }
+
+    /* o[g] = sum_j p[g, j] V[j], visible keys only (a stale slot may hold anything, even NaN) */
+    for (int64_t g = 0; g < group; g++) {
+        const float *p = scores + g * padded;
+        v16f acc[head_dim / LANES];
+        for (int64_t c = 0; c < head_dim / LANES; c++) acc[c] = (v16f){0};
+        for (int64_t b = b_first; b < b_end; b++) {
+            const int64_t v = table[b] * block_stride + head_offset; /* [block_size, head_dim] */
+            const int64_t j0 = (b - b_first) * block_size;
+            const int64_t t0 = lo > j0 ? lo - j0 : 0, t1 = hi - j0 < block_size ? hi - j0 : block_size;
+            for (int64_t t = t0; t < t1; t++)
+                for (int64_t c = 0; c < head_dim / LANES; c++)
+                    acc[c] += p[j0 + t] * load16(v_cache, v + t * head_dim + c * LANES, bf16);
+        }
+        for (int64_t c = 0; c < head_dim / LANES; c++) {
+            v16f o = acc[c] * inv_sum[g];
+            memcpy(out + g * head_dim + c * LANES, &o, sizeof o);
+        }
+    }
+}
+
+/* Returns 0; -2 for an unsupported shape (nothing written); -1 if a scratch buffer could not be allocated. */
+int cbserve_paged_decode_attention(
+    float *out,                  /* [num_seqs, num_heads, head_dim] */
+    const float *q,              /* sequence s's heads at q + s * q_seq_stride, [num_heads, head_dim] */
+    int64_t q_seq_stride,
+    const void *k_cache,         /* [num_blocks, num_kv_heads, head_dim, block_size] */
+    const void *v_cache,         /* [num_blocks, num_kv_heads, block_size, head_dim] */
+    int kv_is_bf16,
+    const int64_t *block_tables, /* [num_seqs, table_stride] */
+    int64_t table_stride,
+    const int64_t *seq_lens,     /* [num_seqs], KV length including the new token, >= 1 */
+    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+    float scale, int64_t sliding_window /* <= 0: none */) {
+    if (block_size % LANES != 0 || head_dim % LANES != 0 || head_dim > MAX_HEAD_DIM || num_kv_heads < 1 ||
+        num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > MAX_GROUP)
+        return -2;
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t block_stride = num_kv_heads * head_dim * block_size, head_stride = head_dim * block_size;
+    int failed = 0;
+
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
+    for (int64_t item = 0; item < num_seqs * num_kv_heads; item++) {
+        const int64_t s = item / num_kv_heads, h = item % num_kv_heads, seq_len = seq_lens[s];
+        const int64_t first = sliding_window > 0 && seq_len > sliding_window ? seq_len - sliding_window : 0;
+        float *scores = malloc(sizeof(float) * (size_t)(group * (seq_len - first + 2 * block_size)));
+        if (scores == NULL) {
+            failed = 1;
+            continue;
+        }
+        const float *qs = q + s * q_seq_stride + h * group * head_dim;
+        float *os = out + (s * num_heads + h * group) * head_dim;
+        const int64_t *table = block_tables + s * table_stride;
+#define ATTEND(HEAD_DIM)                                                                              \
+    attend(os, qs, k_cache, v_cache, kv_is_bf16, table, first, seq_len, group, HEAD_DIM, block_size,      \
+           block_stride, h * head_stride, scale, scores)
+        if (head_dim == 64)
+            ATTEND(64);
+        else if (head_dim == 128)
+            ATTEND(128);
+        else
+            ATTEND(head_dim);
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,119 @@
+"""Choosing the decode-attention backend (engine/attention/backend.py) and building the CPU kernel
+(engine/attention/cpu_kernel.py): the on-disk cache, a missing compiler, the fallback to SDPA, and the
+engine's outputs being the same whichever backend runs them."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.attention import backend, cpu_kernel
+from engine.attention.backend import select_decode_kernel
+from engine.attention.cpu_kernel import KernelUnavailable, PagedDecodeKernel
+from engine.engine import Engine
+
+CPU = torch.device("cpu")
+
+
+def kernel_or_skip() -> PagedDecodeKernel:
+    try:
+        return cpu_kernel.load()
+    except KernelUnavailable as e:
+        pytest.skip(f"CPU kernel unavailable: {e}")
+
+
+def test_auto_picks_the_kernel_on_the_cpu_and_sdpa_when_asked() -> None:
+    kernel = kernel_or_skip()
+    assert select_decode_kernel("auto", CPU, torch.float32, 64, 16, 3) is kernel
+    assert select_decode_kernel("cpu", CPU, torch.bfloat16, 128, 32, 4) is kernel
+    assert select_decode_kernel("sdpa", CPU, torch.float32, 64, 16, 3) is None
+
+
+def test_unsupported_shapes_fall_back_under_auto_and_fail_under_cpu(caplog: pytest.LogCaptureFixture) -> None:
+    kernel_or_skip()
+    with caplog.at_level(logging.WARNING, logger=backend.__name__):
+        assert select_decode_kernel("auto", CPU, torch.float32, 64, 8, 3) is None
+    assert "block_size 8" in caplog.text and "SDPA" in caplog.text
+    with pytest.raises(ValueError, match="'cpu' cannot run here: .*block_size 8"):
+        select_decode_kernel("cpu", CPU, torch.float32, 64, 8, 3)
+    with pytest.raises(ValueError, match="float16"):
+        select_decode_kernel("cpu", CPU, torch.float16, 64, 16, 3)
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        select_decode_kernel("flash", CPU, torch.float32, 64, 16, 3)
+
+
+def test_a_machine_without_a_compiler_serves_with_sdpa(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no cached build to fall back on
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(KernelUnavailable, match="no-such-cc"):
+        cpu_kernel.build()
+
+    def unavailable() -> PagedDecodeKernel:
+        raise KernelUnavailable("no C compiler (cc or gcc) on PATH")
+
+    monkeypatch.setattr(backend, "load", unavailable)
+    with caplog.at_level(logging.WARNING, logger=backend.__name__):
+        assert select_decode_kernel("auto", CPU, torch.float32, 64, 16, 3) is None
+    assert "no C compiler" in caplog.text
+    with pytest.raises(ValueError, match="no C compiler"):
+        select_decode_kernel("cpu", CPU, torch.float32, 64, 16, 3)
+
+
+def test_a_compile_error_is_reported(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    broken = tmp_path / "broken.c"
+    broken.write_text("this is not C\n")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_kernel, "SOURCE", broken)
+    kernel_or_skip()  # a compiler exists
+    with pytest.raises(KernelUnavailable, match="building broken.c .* failed"):
+        cpu_kernel.build()
+    assert not list((tmp_path / "cache").rglob("*.so"))  # no half-written object left behind
+
+
+def test_builds_are_cached_per_source(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    kernel_or_skip()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = cpu_kernel.build()
+    assert first.is_file() and first.parent == tmp_path / "cbserve" / "kernels"
+    mtime = first.stat().st_mtime_ns
+    assert cpu_kernel.build() == first and first.stat().st_mtime_ns == mtime  # found, not rebuilt
+    changed = tmp_path / "paged_decode.c"
+    changed.write_text(cpu_kernel.SOURCE.read_text() + "\n/* changed */\n")
+    monkeypatch.setattr(cpu_kernel, "SOURCE", changed)
+    assert cpu_kernel.build() != first  # a changed source never loads a stale build
+    assert os.access(first, os.R_OK)
+
+
+def test_loading_the_kernel_leaves_the_float_environment_alone() -> None:
+    """A library linked with -ffast-math would switch on flush-to-zero / denormals-are-zero for the whole
+    process; the kernel is linked without it, so subnormal numbers still exist after it is loaded."""
+    kernel_or_skip()
+    tiny = 5e-324  # the smallest subnormal double
+    assert tiny * 1.0 == tiny and tiny + 0.0 > 0.0
+    assert torch.tensor([1e-40], dtype=torch.float32).mul(1.0).item() > 0.0  # float32 subnormal
+
+
+@pytest.mark.slow
+def test_engine_outputs_are_the_same_with_either_backend() -> None:
+    """The public API end to end on the real model: greedy generations agree token for token."""
+    kernel_or_skip()
+    prompts = [
+        "The capital of France is",
+        "def fibonacci(n):\n    ",
+        "Once upon a time, in a small village by the sea, there lived",
+        "1, 2, 3, 4, 5,",
+    ]
+    outputs = {}
+    for name in ("cpu", "sdpa"):
+        engine = Engine.from_pretrained("default", device="cpu", dtype="float32", attention_backend=name)
+        assert engine.attention_backend == name
+        ids = [engine.tokenizer.encode(p) for p in prompts]
+        results = engine.generate_batch(ids, progress_bar=False, max_new_tokens=24, do_sample=False)
+        outputs[name] = [r.generated_ids for r in results.values()]
+    assert outputs["cpu"] == outputs["sdpa"]
