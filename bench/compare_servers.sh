@@ -3,7 +3,8 @@
 # and llama.cpp's server (llama-cpp-python) on the default model, CPU, the same random workload, at
 # several concurrencies, one server at a time on this machine.
 #
-#   bench/compare_servers.sh OUTDIR [SYSTEM ...]      SYSTEM: cbserve cbserve-bf16 transformers llamacpp
+#   bench/compare_servers.sh OUTDIR [SYSTEM ...]
+#       SYSTEM: cbserve cbserve-bf16 transformers transformers-bf16 llamacpp
 #
 # Environment: CONCURRENCIES (default "1 8 16 32"), INPUT_LEN (128), OUTPUT_LEN (64), LLAMACPP_PYTHON
 # (the python that has llama-cpp-python[server]; default .venv/bin/python), TIMEOUT per run (900 s).
@@ -30,8 +31,9 @@ start() {  # start SYSTEM in the background on $PORT; sets PID and EXTRA
     case "$1" in
         cbserve) .venv/bin/cbserve serve --port "$PORT" --dtype float32 --max-num-seqs 64 --log-level warning & ;;
         cbserve-bf16) .venv/bin/cbserve serve --port "$PORT" --dtype bfloat16 --max-num-seqs 64 --log-level warning & ;;
-        transformers)
-            bench/peers.sh transformers "$PORT" &
+        transformers|transformers-bf16)
+            if [[ "$1" == transformers-bf16 ]]; then DTYPE=bfloat16; else DTYPE=float32; fi
+            DTYPE="$DTYPE" bench/peers.sh transformers "$PORT" &
             # transformers serve rejects ignore_eos; min_new_tokens gives the same fixed output length
             EXTRA=(--extra-body "{\"generation_config\": \"{\\\"min_new_tokens\\\": $OUTPUT_LEN, \\\"do_sample\\\": false}\"}") ;;
         llamacpp)
@@ -54,7 +56,7 @@ trap 'if [[ -n "$PID" ]]; then pkill -TERM -P "$PID" 2>/dev/null; kill -TERM "$P
 for system in "${SYSTEMS[@]}"; do
     start "$system"
     model=()
-    if [[ "$system" == transformers ]]; then
+    if [[ "$system" == transformers* ]]; then
         model=(--model "${HF_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/cbserve/SmolLM2-135M-Instruct-from-gguf}")
     fi
     for c in $CONCURRENCIES; do

@@ -17,6 +17,7 @@
 #   cbserve bench --compare cbserve.json tf.json --plot compare.png
 #
 # Environment: PYTHON (default .venv/bin/python if present, else python3), THREADS (default: all cores),
+# DTYPE (the transformers peer's dtype, default float32),
 # HOST (default 127.0.0.1), CTX (llama.cpp context length, default 4096), HF_DIR (where the transformers peer
 # keeps the GGUF converted to a Hugging Face folder).
 set -euo pipefail
@@ -71,7 +72,7 @@ plain.save_pretrained(out)
 PY
         fi
         exec "$PYTHON" -c 'import sys; from transformers.cli.transformers import main; sys.argv[0] = "transformers"; sys.exit(main())' \
-            serve "$HF_DIR" --continuous-batching --device cpu --dtype float32 \
+            serve "$HF_DIR" --continuous-batching --device cpu --dtype "${DTYPE:-float32}" \
             --host "$HOST" --port "$PORT" --log-level warning
         ;;
     llamacpp)
