@@ -18,9 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+import pytest
 import torch
 
-from engine.attention.cpu_kernel import PagedDecodeKernel
+from engine.attention.cpu_kernel import KernelUnavailable, PagedDecodeKernel, load
 from engine.inputs import BatchInputs
 from engine.kv_cache import KVCache
 
@@ -32,6 +33,14 @@ class PagedModel(Protocol):
     def forward(
         self, inputs: BatchInputs, kv_cache: KVCache, decode_kernel: PagedDecodeKernel | None = None
     ) -> torch.Tensor: ...
+
+
+def cpu_kernel_or_skip() -> PagedDecodeKernel:
+    """The CPU decode-attention kernel, or skip the test on a machine without a C compiler."""
+    try:
+        return load()
+    except KernelUnavailable as e:
+        pytest.skip(f"CPU kernel unavailable: {e}")
 
 
 @dataclass

@@ -17,7 +17,9 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import uvicorn
@@ -73,6 +75,25 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@contextmanager
+def serve_in_thread(app: Any, name: str) -> Iterator[str]:
+    """Run ``app`` with uvicorn on 127.0.0.1 (a free port) in a daemon thread; yields its base URL and
+    stops it on exit."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "warning"))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), name=name, daemon=True)
+    thread.start()
+    if not wait_until(lambda: server.started or not thread.is_alive(), STARTUP_TIMEOUT_S):
+        raise RuntimeError(f"the {name} server did not start in time")
+    if not server.started:
+        raise RuntimeError(f"the {name} server failed to start")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
 _shared: LiveServer | None = None
 
 
@@ -91,18 +112,9 @@ def live_server() -> Iterator[LiveServer]:
         served_model_name=SERVED_NAME, api_key=API_KEY, max_body_bytes=MAX_BODY_BYTES, shutdown_timeout=5.0
     )
     app = build_app(engine, config)
-    port = free_port()
-    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "warning"))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), name="test-uvicorn", daemon=True)
-    thread.start()
-    if not wait_until(lambda: server.started or not thread.is_alive(), STARTUP_TIMEOUT_S):
-        raise RuntimeError("the test server did not start in time")
-    if not server.started:
-        raise RuntimeError("the test server failed to start")
-    _shared = LiveServer(f"http://127.0.0.1:{port}", API_KEY, SERVED_NAME, app.state.server)
-    try:
-        yield _shared
-    finally:
-        _shared = None
-        server.should_exit = True
-        thread.join(timeout=30)
+    with serve_in_thread(app, "test-uvicorn") as base_url:
+        _shared = LiveServer(base_url, API_KEY, SERVED_NAME, app.state.server)
+        try:
+            yield _shared
+        finally:
+            _shared = None

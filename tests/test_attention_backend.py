@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_harness import cpu_kernel_or_skip
 
 from engine.attention import backend, cpu_kernel
 from engine.attention.backend import select_decode_kernel
@@ -19,22 +20,15 @@ from engine.engine import Engine
 CPU = torch.device("cpu")
 
 
-def kernel_or_skip() -> PagedDecodeKernel:
-    try:
-        return cpu_kernel.load()
-    except KernelUnavailable as e:
-        pytest.skip(f"CPU kernel unavailable: {e}")
-
-
 def test_auto_picks_the_kernel_on_the_cpu_and_sdpa_when_asked() -> None:
-    kernel = kernel_or_skip()
+    kernel = cpu_kernel_or_skip()
     assert select_decode_kernel("auto", CPU, torch.float32, 64, 16, 3) is kernel
     assert select_decode_kernel("cpu", CPU, torch.bfloat16, 128, 32, 4) is kernel
     assert select_decode_kernel("sdpa", CPU, torch.float32, 64, 16, 3) is None
 
 
 def test_unsupported_shapes_fall_back_under_auto_and_fail_under_cpu(caplog: pytest.LogCaptureFixture) -> None:
-    kernel_or_skip()
+    cpu_kernel_or_skip()
     with caplog.at_level(logging.WARNING, logger=backend.__name__):
         assert select_decode_kernel("auto", CPU, torch.float32, 64, 8, 3) is None
     assert "block_size 8" in caplog.text and "SDPA" in caplog.text
@@ -70,14 +64,14 @@ def test_a_compile_error_is_reported(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     broken.write_text("this is not C\n")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(cpu_kernel, "SOURCE", broken)
-    kernel_or_skip()  # a compiler exists
+    cpu_kernel_or_skip()  # a compiler exists
     with pytest.raises(KernelUnavailable, match="building broken.c .* failed"):
         cpu_kernel.build()
     assert not list((tmp_path / "cache").rglob("*.so"))  # no half-written object left behind
 
 
 def test_builds_are_cached_per_source(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    kernel_or_skip()
+    cpu_kernel_or_skip()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     first = cpu_kernel.build()
     assert first.is_file() and first.parent == tmp_path / "cbserve" / "kernels"
@@ -93,7 +87,7 @@ def test_builds_are_cached_per_source(monkeypatch: pytest.MonkeyPatch, tmp_path:
 def test_loading_the_kernel_leaves_the_float_environment_alone() -> None:
     """A library linked with -ffast-math would switch on flush-to-zero / denormals-are-zero for the whole
     process; the kernel is linked without it, so subnormal numbers still exist after it is loaded."""
-    kernel_or_skip()
+    cpu_kernel_or_skip()
     tiny = 5e-324  # the smallest subnormal double
     assert tiny * 1.0 == tiny and tiny + 0.0 > 0.0
     assert torch.tensor([1e-40], dtype=torch.float32).mul(1.0).item() > 0.0  # float32 subnormal
@@ -102,7 +96,7 @@ def test_loading_the_kernel_leaves_the_float_environment_alone() -> None:
 @pytest.mark.slow
 def test_engine_outputs_are_the_same_with_either_backend() -> None:
     """The public API end to end on the real model: greedy generations agree token for token."""
-    kernel_or_skip()
+    cpu_kernel_or_skip()
     prompts = [
         "The capital of France is",
         "def fibonacci(n):\n    ",

@@ -10,7 +10,6 @@ the HTTP counter for the route and status; the gauges while a long stream runs; 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 from collections.abc import Iterator
@@ -18,13 +17,12 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
-from server_fixtures import STARTUP_TIMEOUT_S, free_port, wait_until
+from server_fixtures import serve_in_thread, wait_until
 
 from server.app import build_app
 from server.config import ServerConfig
-from server.lifecycle import ServerState, uvicorn_config
+from server.lifecycle import ServerState
 
 MODEL = "metrics-live"
 M = {"model_name": MODEL}
@@ -66,20 +64,8 @@ def live() -> Iterator[Live]:
         model="default", device="cpu", num_blocks=64, max_model_len=256, max_num_seqs=8
     )
     app = build_app(engine, ServerConfig(served_model_name=MODEL, shutdown_timeout=1))
-    port = free_port()
-    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "warning"))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), name="metrics-uvicorn", daemon=True)
-    thread.start()
-    if (
-        not wait_until(lambda: server.started or not thread.is_alive(), STARTUP_TIMEOUT_S)
-        or not server.started
-    ):
-        raise RuntimeError("the metrics test server did not start")
-    try:
-        yield Live(f"http://127.0.0.1:{port}", app.state.server)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    with serve_in_thread(app, "metrics-uvicorn") as base_url:
+        yield Live(base_url, app.state.server)
 
 
 def scrape(base_url: str) -> Scrape:
@@ -175,16 +161,14 @@ def test_metrics_move_with_requests(live: Live) -> None:
     stop = text.lstrip()[:3]
     assert stop, text
     before = scrape(base_url)
+    chat = {
+        "messages": [{"role": "user", "content": "Complete: The capital of France is"}],
+        "max_tokens": 40,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     resp = http.post(
-        "/v1/chat/completions",
-        json={
-            "messages": [{"role": "user", "content": "Complete: The capital of France is"}],
-            "max_tokens": 40,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        },
+        "/v1/chat/completions", json={**chat, "stream": True, "stream_options": {"include_usage": True}}
     )
     assert resp.status_code == 200
     events = [json.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: {")]
@@ -194,16 +178,7 @@ def test_metrics_move_with_requests(live: Live) -> None:
     delta = scrape(base_url) - before
     check_finished_request(delta, "length", events[-1]["usage"]["prompt_tokens"], 40)
     before = scrape(base_url)
-    resp = http.post(
-        "/v1/chat/completions",
-        json={
-            "messages": [{"role": "user", "content": "Complete: The capital of France is"}],
-            "max_tokens": 40,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stop": [chat_stop],
-        },
-    )
+    resp = http.post("/v1/chat/completions", json={**chat, "stop": [chat_stop]})
     assert resp.status_code == 200 and resp.json()["choices"][0]["finish_reason"] == "stop", resp.text
     usage = resp.json()["usage"]
     delta = scrape(base_url) - before

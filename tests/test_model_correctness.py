@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 import torch
-from model_harness import MODES, Mode, prompt_logits, run_greedy
+from model_harness import MODES, Mode, cpu_kernel_or_skip, prompt_logits, run_greedy
 
-from engine.attention.cpu_kernel import KernelUnavailable, PagedDecodeKernel, load
+from engine.attention.cpu_kernel import PagedDecodeKernel
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.models import LlamaForCausalLM, WeightMismatchError, build_model
@@ -160,21 +160,11 @@ def test_tiny_greedy_tokens_match_generate(tiny: dict[str, Any], mode: Mode) -> 
     assert tokens == tiny["ref_tokens"]
 
 
-def _kernel(backend: str) -> PagedDecodeKernel | None:
-    """``sdpa``: None; ``cpu``: the CPU decode kernel (the default on CPU), or skip without a C compiler."""
-    if backend == "sdpa":
-        return None
-    try:
-        return load()
-    except KernelUnavailable as e:
-        pytest.skip(f"CPU kernel unavailable: {e}")
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_tiny_greedy_tokens_with_the_cpu_decode_kernel(tiny: dict[str, Any], mode: Mode) -> None:
     """Blocks of 16 (the kernel's tile); head_dim 16 and 32 take its generic loops, Mistral its window."""
     ours: LlamaForCausalLM = tiny["ours"]
-    kernel = _kernel("cpu")
+    kernel = cpu_kernel_or_skip()
     cache = _cache_for(ours, tiny["prompts"], 16)
     tokens = run_greedy(ours, cache, tiny["prompts"], NEW_TOKENS, mode, decode_kernel=kernel)
     assert tokens == tiny["ref_tokens"]
@@ -295,7 +285,7 @@ def _path(smollm2: dict[str, Any], path: str) -> tuple[LlamaForCausalLM, PagedDe
         return smollm2["ours"], None
     if not smollm2["packed"].is_prepacked:
         pytest.skip("this torch build cannot prepack weights (no oneDNN)")
-    return smollm2["packed"], _kernel("cpu")
+    return smollm2["packed"], cpu_kernel_or_skip()
 
 
 @pytest.mark.slow

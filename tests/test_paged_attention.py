@@ -8,17 +8,11 @@ import random
 
 import pytest
 import torch
+from model_harness import cpu_kernel_or_skip
 
-from engine.attention.cpu_kernel import KernelUnavailable, PagedDecodeKernel, load
+from engine.attention.cpu_kernel import PagedDecodeKernel
 from engine.attention.paged import PagedAttentionMetadata, decode_groups, paged_attention
 from engine.inputs import BatchInputs, decode_first_order
-
-
-def cpu_kernel() -> PagedDecodeKernel:
-    try:
-        return load()
-    except KernelUnavailable as e:  # no C compiler on this machine
-        pytest.skip(f"CPU kernel unavailable: {e}")
 
 
 def dense_reference(
@@ -202,31 +196,31 @@ def test_cpu_kernel_matches_the_reference(heads: int, kv_heads: int, head_dim: i
     """GQA groups of 1 to 7 (Qwen2.5-7B's 28/4); head_dim 64 and 128 have their own unrolled loops."""
     rng = random.Random(heads * head_dim)
     seqs = [(rng.choice([0, 5, 15, 16, 17, 40, 100]), 1) for _ in range(10)] + [(3, 9), (0, 20)]
-    run_case(seqs, heads, kv_heads, head_dim=head_dim, block_size=16, kernel=cpu_kernel())
+    run_case(seqs, heads, kv_heads, head_dim=head_dim, block_size=16, kernel=cpu_kernel_or_skip())
 
 
 @pytest.mark.parametrize("window", [1, 5, 16, 17, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_kernel_sliding_window_and_bfloat16(window: int, dtype: torch.dtype) -> None:
     seqs = [(c, 1) for c in (0, 4, 15, 16, 31, 32, 33, 63, 70)] + [(2, 5)]
-    run_case(seqs, 8, 2, head_dim=64, block_size=16, sliding_window=window, dtype=dtype, kernel=cpu_kernel())
+    run_case(seqs, 8, 2, head_dim=64, block_size=16, sliding_window=window, dtype=dtype, kernel=cpu_kernel_or_skip())
 
 
 @pytest.mark.parametrize("block_size", [32, 64])
 def test_cpu_kernel_larger_blocks(block_size: int) -> None:
-    run_case([(c, 1) for c in (0, 31, 32, 64, 130)], 6, 2, head_dim=64, block_size=block_size, kernel=cpu_kernel())
+    run_case([(c, 1) for c in (0, 31, 32, 64, 130)], 6, 2, head_dim=64, block_size=block_size, kernel=cpu_kernel_or_skip())
 
 
 def test_cpu_kernel_never_reads_slots_beyond_the_sequence() -> None:
     """Unused slots may hold anything a freed block left there (even NaN): the kernel computes scores for
     whole 16-key tiles but reads only the visible ones."""
     seqs = [(c, 1) for c in (0, 1, 14, 16, 20, 47)]
-    run_case(seqs, 4, 2, head_dim=64, block_size=16, kernel=cpu_kernel(), stale=float("nan"))
-    run_case(seqs, 4, 2, head_dim=64, block_size=16, kernel=cpu_kernel(), stale=float("nan"), sliding_window=7)
+    run_case(seqs, 4, 2, head_dim=64, block_size=16, kernel=cpu_kernel_or_skip(), stale=float("nan"))
+    run_case(seqs, 4, 2, head_dim=64, block_size=16, kernel=cpu_kernel_or_skip(), stale=float("nan"), sliding_window=7)
 
 
 def test_cpu_kernel_says_which_shapes_it_cannot_run() -> None:
-    kernel = cpu_kernel()
+    kernel = cpu_kernel_or_skip()
     assert kernel.unsupported(64, 16, 3, torch.float32) is None
     assert "block_size 8" in str(kernel.unsupported(64, 8, 3, torch.float32))
     assert "head_dim 72" in str(kernel.unsupported(72, 16, 3, torch.float32))

@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from server_fixtures import STARTUP_TIMEOUT_S, free_port, wait_until
+from server_fixtures import serve_in_thread, wait_until
 
 from server.app import build_app
 from server.config import ServerConfig
-from server.lifecycle import ServerState, uvicorn_config
+from server.lifecycle import ServerState
 
 MAX_QUEUE = 3
 MAX_NUM_SEQS = 2
@@ -47,17 +45,8 @@ def server() -> Iterator[ThreadServer]:
     app = build_app(
         engine, ServerConfig(served_model_name="overload", max_queue=MAX_QUEUE, shutdown_timeout=1)
     )
-    port = free_port()
-    uv = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "warning"))
-    thread = threading.Thread(target=lambda: asyncio.run(uv.serve()), name="overload-uvicorn", daemon=True)
-    thread.start()
-    if not wait_until(lambda: uv.started or not thread.is_alive(), STARTUP_TIMEOUT_S) or not uv.started:
-        raise RuntimeError("the overload test server did not start")
-    try:
-        yield ThreadServer(f"http://127.0.0.1:{port}", app.state.server)
-    finally:
-        uv.should_exit = True
-        thread.join(timeout=30)
+    with serve_in_thread(app, "overload-uvicorn") as base_url:
+        yield ThreadServer(base_url, app.state.server)
 
 
 def body(i: int) -> dict[str, Any]:
