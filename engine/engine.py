@@ -18,6 +18,7 @@ from engine.generation.sampler import Sampler
 from engine.kv_cache import KVCache
 from engine.manager import ContinuousBatchingManager
 from engine.model_loader import LoadedModel, load_model
+from engine.openmp_pools import on_scratch_thread
 from engine.outputs import GenerationOutput
 from engine.runner import ModelRunner
 from kvcache.sizing import num_blocks_for_budget
@@ -102,9 +103,15 @@ class Engine:
         matmuls on prepacked oneDNN weights (engine/models/prepacked.py)."""
         options = CacheOptions(**{k: v for k, v in cache_and_scheduler_options.items() if v is not None})
         keep_freed_memory()
-        loaded = load_model(model, load_format=load_format, dtype=dtype, device=device, prepack=prepack_weights)
-        name = served_model_name or _default_model_name(model, loaded)
-        return cls(loaded, options, name, attention_backend)
+
+        def build() -> Engine:
+            loaded = load_model(model, load_format=load_format, dtype=dtype, device=device, prepack=prepack_weights)
+            name = served_model_name or _default_model_name(model, loaded)
+            return cls(loaded, options, name, attention_backend)
+
+        # NOTE: no OpenMP pool may outlive the set-up on this thread: it would slow every forward of the
+        # manager's thread (engine/openmp_pools.py).
+        return on_scratch_thread(build)
 
     # ------------------------------------------------------------------ KV cache sizing
     def _num_blocks(self) -> int:
