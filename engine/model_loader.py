@@ -95,7 +95,8 @@ def load_model(
 ) -> LoadedModel:
     """Load ``model`` (see ``resolve_model``) and its tokenizer. Raises ``ModelLoadError`` subclasses naming
     the file at fault, ``TokenizerMismatchError`` when the tokenizer has more ids than the embedding.
-    ``prepack``: on the CPU, put the weights in oneDNN's prepacked layout (engine/models/prepacked.py)."""
+    ``prepack``: on the CPU, put the weights in oneDNN's prepacked layout (engine/models/prepacked.py) and
+    run the element-wise steps in the fused CPU ops (engine/models/cpu_ops.py)."""
     from engine.models.registry import build_model  # NOTE: imported here: models import engine.config
 
     source = resolve_model(model, load_format)
@@ -110,6 +111,7 @@ def load_model(
         net.load_weights(opened.weights)
         if prepack:
             net.prepack_weights()
+            net.use_cpu_ops()
     net.eval()
     return LoadedModel(
         config=config,

@@ -1,15 +1,9 @@
 """The CPU decode-attention kernel (``csrc/paged_decode.c``): built with the system C compiler on first use,
-cached on disk, called through ``ctypes``.
+cached on disk, called through ``ctypes`` (engine/native_build.py).
 
 Why C: on the CPU, decode attention is bound by reading the KV pages. The PyTorch path gathers every
 sequence's pages into a padded copy and then runs SDPA over it -- three passes over the cache per layer,
 plus the padding. The kernel reads each page once, in place, through the block table.
-
-Why ``cc`` + ``ctypes`` and not a torch C++ extension: the file is plain C (no torch headers), so it
-compiles in well under a second; it is built with ``-march=native`` for the machine it runs on, and the
-shared object is cached under ``$XDG_CACHE_HOME/cbserve/kernels`` keyed by the source, the flags, the
-compiler and the CPU, so a different machine or a changed source never loads a stale build. ``ctypes``
-releases the GIL during the call.
 
 ``load()`` returns the kernel or raises ``KernelUnavailable`` with the reason (no compiler, a failed build);
 callers that choose the backend automatically fall back to the PyTorch path on that error.
@@ -18,89 +12,23 @@ callers that choose the backend automatically fall back to the PyTorch path on t
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
+from engine.native_build import KernelUnavailable
+from engine.native_build import build as build_library
+
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
-# -ffast-math lets the compiler reassociate the sums into SIMD lanes and call libmvec's vectorised expf.
-COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c"]
-# NOTE: linked in a second step WITHOUT -ffast-math: linking with it adds crtfastmath.o, whose constructor
-# sets flush-to-zero and denormals-are-zero in the CPU's control register for the whole process -- every
-# float op of torch, numpy and Python itself would change (hypothesis's float strategies refuse to run).
-LINK_FLAGS = ["-shared", "-fopenmp"]
-LIBS = ["-lm"]  # libmvec (the vectorised expf) comes with libm
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
-
-class KernelUnavailable(RuntimeError):
-    """The CPU kernel cannot be used here (no C compiler, a failed build, an unsupported shape)."""
-
-
-def _compiler() -> str:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise KernelUnavailable("no C compiler (cc or gcc) on PATH; install gcc or set CC")
-    return cc
-
-
-def _cpu_signature() -> str:
-    """What -march=native depends on: the CPU's model and feature flags."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return os.uname().machine
-    wanted = [ln for ln in lines if ln.startswith(("model name", "flags", "Features"))]
-    return "\n".join(sorted(set(wanted))) or os.uname().machine
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "cbserve" / "kernels"
+__all__ = ["KernelUnavailable", "PagedDecodeKernel", "build", "load"]
 
 
 def build(cc: str | None = None) -> Path:
     """Compile the kernel (or find it in the cache) and return the shared object's path."""
-    cc = cc or _compiler()
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise KernelUnavailable(f"cannot run the C compiler {cc!r}: {e}") from e
-    source = SOURCE.read_bytes()
-    recipe = " ".join(COMPILE_FLAGS + ["&&"] + LINK_FLAGS + LIBS)
-    key = hashlib.sha256(
-        b"\0".join([source, recipe.encode(), version.encode(), _cpu_signature().encode()])
-    ).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode-{key}.so"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # NOTE: build into a temporary name and rename: concurrent processes never load a half-written file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    obj = tmp[:-3] + ".o"
-    try:
-        for command in (
-            [cc, *COMPILE_FLAGS, "-o", obj, str(SOURCE)],
-            [cc, *LINK_FLAGS, "-o", tmp, obj, *LIBS],
-        ):
-            done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-            if done.returncode != 0:
-                raise KernelUnavailable(f"building {SOURCE.name} with {cc} failed:\n{done.stderr.strip()}")
-        os.replace(tmp, target)
-    except (OSError, subprocess.SubprocessError) as e:
-        raise KernelUnavailable(f"building {SOURCE.name} with {cc} failed: {e}") from e
-    finally:
-        for leftover in (tmp, obj):
-            if os.path.exists(leftover):
-                os.unlink(leftover)
-    return target
+    return build_library(SOURCE, cc)
 
 
 class PagedDecodeKernel:

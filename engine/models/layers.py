@@ -3,11 +3,15 @@ the fused gated MLP, and a bias-optional linear layer whose weights are filled b
 
 Parameters are created with ``torch.empty`` directly in the model's dtype and device (no random init, no fp32
 copy): every value comes from the checkpoint.
+
+RMSNorm, the rotary embedding and the MLP's activation run in PyTorch, or in the fused CPU ops of
+engine/models/cpu_ops.py once ``cpu_ops`` is set on them (``LlamaForCausalLM.use_cpu_ops``).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models import prepacked
+from engine.models.cpu_ops import CpuOps
 
 
 def empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -55,10 +60,21 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = empty_param(dim, dtype=dtype, device=device)
+        self.cpu_ops: CpuOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_ops is not None and x.dim() == 2 and x.stride(1) == 1:  # NOTE: per-head norms are 3-D
+            return self.cpu_ops.rms_norm(x, self.weight, self.eps)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual + x`` and its norm: ``(norm, new residual)``. The fused CPU op updates ``residual`` in
+        place and returns it; the PyTorch path returns a new tensor."""
+        if self.cpu_ops is not None:
+            return self.cpu_ops.rms_norm(x, self.weight, self.eps, residual), residual
+        residual = residual + x
+        return self.forward(residual), residual
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -86,6 +102,15 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+@dataclass(frozen=True)
+class RotaryInputs:
+    """One batch's rotation: its positions, and for the PyTorch path their cos/signed-sin rows."""
+
+    positions: torch.Tensor  # [num_tokens] int64
+    cos: torch.Tensor | None  # [num_tokens, 1, head_dim]
+    sin_signed: torch.Tensor | None
 
 
 class RotaryEmbedding(nn.Module):
@@ -118,10 +143,30 @@ class RotaryEmbedding(nn.Module):
         self.sin_signed: torch.Tensor
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)  # [max_pos, head_dim]
         self.register_buffer("sin_signed", (emb.sin() * sign).to(dtype), persistent=False)  # [max_pos, head_dim]
+        self.cpu_ops: CpuOps | None = None
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions`` ``[num_tokens]`` -> (cos, signed sin), each ``[num_tokens, 1, head_dim]``."""
         return self.cos[positions][:, None], self.sin_signed[positions][:, None]
+
+    def prepare(self, positions: torch.Tensor) -> RotaryInputs:
+        """What ``rotate_`` needs for this batch's ``positions`` ``[num_tokens]``, computed once per forward."""
+        if self.cpu_ops is not None:
+            if positions.numel():
+                lo, hi = (int(p) for p in torch.aminmax(positions))
+                if lo < 0 or hi >= self.cos.shape[0]:
+                    raise IndexError(f"positions {lo}..{hi} outside the rotary table of {self.cos.shape[0]}")
+            return RotaryInputs(positions, None, None)
+        cos, sin_signed = self.cos_sin(positions)
+        return RotaryInputs(positions, cos, sin_signed)
+
+    def rotate_(self, x: torch.Tensor, inputs: RotaryInputs) -> None:
+        """Rotate ``x`` ``[num_tokens, heads, head_dim]`` in place."""
+        if inputs.cos is None or inputs.sin_signed is None:
+            assert self.cpu_ops is not None
+            self.cpu_ops.rotary(x, inputs.positions, self.cos, self.sin_signed)
+        else:
+            x.copy_(self.rotate(x, inputs.cos, inputs.sin_signed))
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         """``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) * sin == roll(x, d/2) * sin_signed``."""
@@ -138,7 +183,10 @@ class GatedMLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False, dtype=dtype, device=device)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False, dtype=dtype, device=device)
+        self.cpu_ops: CpuOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_ops is not None:
+            return self.down_proj(self.cpu_ops.silu_and_mul(self.gate_up_proj(x)))  # [num_tokens, hidden]
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # 2 x [num_tokens, inter]
         return self.down_proj(F.silu(gate) * up)  # [num_tokens, hidden]

@@ -5,6 +5,9 @@ Mistral (sliding window), Qwen2 (q/k/v biases), Qwen3 (per-head RMSNorm of q and
     for each layer:  h = h + attn(rms_norm(h));  h = h + mlp(rms_norm(h))
     logits = lm_head(rms_norm(h[logits_indices]))
 
+The loop carries ``h`` as (residual, the last block's output), as vLLM does, so that each "add, then
+norm" is one fused op on the CPU (``add_and_norm``; engine/models/cpu_ops.py).
+
 The forward takes ONE flattened ragged batch (``BatchInputs``): prefill chunks and decode tokens of many
 sequences, concatenated. Attention reads and writes the paged ``KVCache`` (engine/attention/paged.py).
 For speed on CPU (overhead-bound at small batch) q/k/v and gate/up are fused into one matmul each at load
@@ -13,6 +16,7 @@ time, q and k are rotated in one op, and the attention's batch metadata is built
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import cast
 
@@ -26,8 +30,12 @@ from engine.config import ModelConfig
 from engine.inputs import BatchInputs
 from engine.kv_cache import KVCache
 from engine.loader.errors import ModelLoadError
-from engine.models import prepacked
-from engine.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, empty_param
+from engine.models import cpu_ops, prepacked
+from engine.models.cpu_ops import CpuOps
+from engine.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, RotaryInputs, empty_param
+from engine.native_build import KernelUnavailable
+
+logger = logging.getLogger(__name__)
 
 
 class WeightMismatchError(ModelLoadError, ValueError):
@@ -59,8 +67,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
         rotary: RotaryEmbedding,
-        cos: torch.Tensor,  # [num_tokens, 1, head_dim]
-        sin: torch.Tensor,  # [num_tokens, 1, head_dim]
+        rotation: RotaryInputs,
         k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, head_dim, block_size]
         v_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
         meta: PagedAttentionMetadata,
@@ -72,7 +79,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)  # [num_tokens, heads + kv_heads, head_dim]
-        qk = rotary.rotate(qk, cos, sin)  # [num_tokens, heads + kv_heads, head_dim]
+        rotary.rotate_(qk, rotation)  # in place: [num_tokens, heads + kv_heads, head_dim]
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [num_tokens, heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))  # [num_tokens, hidden]
@@ -88,16 +95,22 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        h: torch.Tensor,  # [num_tokens, hidden]
+        x: torch.Tensor,  # [num_tokens, hidden]: the previous layer's MLP output (the embeddings at layer 0)
+        residual: torch.Tensor | None,  # [num_tokens, hidden]: h before that MLP output (None at layer 0)
         rotary: RotaryEmbedding,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rotation: RotaryInputs,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: PagedAttentionMetadata,
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rotary, cos, sin, k_cache, v_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))  # [num_tokens, hidden]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, h before it); h after the layer is their sum."""
+        if residual is None:
+            normed, residual = self.input_layernorm(x), x
+        else:
+            normed, residual = self.input_layernorm.add_and_norm(x, residual)  # h = residual + x
+        attn = self.self_attn(normed, rotary, rotation, k_cache, v_cache, meta)
+        normed, residual = self.post_attention_layernorm.add_and_norm(attn, residual)  # h = h + attn
+        return self.mlp(normed), residual
 
 
 class LlamaModel(nn.Module):
@@ -147,6 +160,26 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head = empty_param(0, dtype=self.dtype, device=self.device)
         return True
 
+    def use_cpu_ops(self) -> bool:
+        """Run RMSNorm (with its residual add), the rotary embedding and the MLP's activation in the fused
+        CPU ops of engine/models/cpu_ops.py. Returns whether they are used: only on the CPU, in float32 or
+        bfloat16, where the ops could be built (else the reason is logged and PyTorch runs them)."""
+        if not CpuOps.supports(self.device, self.dtype):
+            return False
+        try:
+            ops = cpu_ops.load()
+        except KernelUnavailable as e:
+            logger.warning("the fused CPU ops are not used (%s); PyTorch runs them", e)
+            return False
+        for module in self.modules():
+            if isinstance(module, RMSNorm | RotaryEmbedding | GatedMLP):
+                module.cpu_ops = ops
+        return True
+
+    @property
+    def uses_cpu_ops(self) -> bool:
+        return self.rotary.cpu_ops is not None
+
     @property
     def is_prepacked(self) -> bool:
         return self.lm_head_packed is not None
@@ -161,11 +194,16 @@ class LlamaForCausalLM(nn.Module):
         meta = PagedAttentionMetadata.build(
             inputs, self.config.num_queries_per_kv, self.dtype, self.config.sliding_window, decode_kernel
         )
-        cos, sin = self.rotary.cos_sin(inputs.positions)  # 2 x [num_tokens, 1, head_dim]
-        h = F.embedding(inputs.input_ids, self.model.embed_tokens)  # [num_tokens, hidden]
+        rotation = self.rotary.prepare(inputs.positions)
+        x = F.embedding(inputs.input_ids, self.model.embed_tokens)  # [num_tokens, hidden]
+        residual: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, self.rotary, cos, sin, kv_cache.k_caches[i], kv_cache.v_caches[i], meta)
-        h = self.model.norm(h[inputs.logits_indices])  # [num_logits, hidden]
+            x, residual = layer(x, residual, self.rotary, rotation, kv_cache.k_caches[i], kv_cache.v_caches[i], meta)
+        rows = inputs.logits_indices
+        if residual is None:  # no layers
+            h = self.model.norm(x[rows])
+        else:
+            h, _ = self.model.norm.add_and_norm(x[rows], residual[rows])  # [num_logits, hidden]
         if self.lm_head_packed is not None:
             return prepacked.linear(h, self.lm_head_packed, None).float()  # [num_logits, vocab]
         return F.linear(h, self.lm_head).float()  # [num_logits, vocab]
