@@ -132,6 +132,8 @@ def _hf_greedy_one_by_one(hf_model: Any, prompts: list[list[int]]) -> list[list[
 @pytest.fixture(scope="module", params=list(TINY_CONFIGS))
 def tiny(request: pytest.FixtureRequest) -> dict[str, Any]:
     hf_model = _tiny_hf_model(request.param)
+    with_ops = _ours_from(hf_model)
+    with_ops.use_cpu_ops()
     gen = torch.Generator().manual_seed(7)
     vocab = hf_model.config.vocab_size
     prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
@@ -139,6 +141,7 @@ def tiny(request: pytest.FixtureRequest) -> dict[str, Any]:
         "kind": request.param,
         "hf": hf_model,
         "ours": _ours_from(hf_model),
+        "with_cpu_ops": with_ops,
         "prompts": prompts,
         "ref_logits": _hf_last_logits(hf_model, prompts),
         "ref_tokens": _hf_greedy_one_by_one(hf_model, prompts),
@@ -161,9 +164,13 @@ def test_tiny_greedy_tokens_match_generate(tiny: dict[str, Any], mode: Mode) -> 
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_tiny_greedy_tokens_with_the_cpu_decode_kernel(tiny: dict[str, Any], mode: Mode) -> None:
-    """Blocks of 16 (the kernel's tile); head_dim 16 and 32 take its generic loops, Mistral its window."""
-    ours: LlamaForCausalLM = tiny["ours"]
+def test_tiny_greedy_tokens_with_the_cpu_decode_kernel_and_ops(tiny: dict[str, Any], mode: Mode) -> None:
+    """Blocks of 16 (the kernel's tile); head_dim 16 and 32 take its generic loops, Mistral its window;
+    rows of 64 and 160 and heads of 16 and 32 run the fused CPU ops' vector loops, Qwen3's per-head q/k
+    norms their PyTorch fallback."""
+    ours: LlamaForCausalLM = tiny["with_cpu_ops"]
+    if not ours.uses_cpu_ops:
+        pytest.skip("the fused CPU ops cannot be built here")
     kernel = cpu_kernel_or_skip()
     cache = _cache_for(ours, tiny["prompts"], 16)
     tokens = run_greedy(ours, cache, tiny["prompts"], NEW_TOKENS, mode, decode_kernel=kernel)
@@ -264,9 +271,10 @@ def smollm2(oracle_model: Any, oracle_tokenizer: Any) -> dict[str, Any]:
         width = enc["input_ids"].shape[1]
         packed = _ours_from(oracle_model)
         packed.prepack_weights()
+        packed.use_cpu_ops()
         return {
             "ours": _ours_from(oracle_model),
-            "packed": packed,  # what the engine runs on a CPU: prepacked oneDNN weights
+            "packed": packed,  # what the engine runs on a CPU: prepacked oneDNN weights, fused CPU ops
             "prompts": prompts,
             "ref_logits": _hf_last_logits(oracle_model, prompts),
             "ref_tokens": [row[width:].tolist() for row in out],
@@ -275,7 +283,7 @@ def smollm2(oracle_model: Any, oracle_tokenizer: Any) -> dict[str, Any]:
         torch.set_num_threads(before)
 
 
-# "cpu": what the engine runs on a CPU (prepacked weights, decode attention in the C kernel);
+# "cpu": what the engine runs on a CPU (prepacked weights, the fused CPU ops, decode attention in the C kernel);
 # "reference": dense F.linear weights and SDPA (the path CUDA takes).
 PATHS = ["cpu", "reference"]
 
@@ -285,6 +293,8 @@ def _path(smollm2: dict[str, Any], path: str) -> tuple[LlamaForCausalLM, PagedDe
         return smollm2["ours"], None
     if not smollm2["packed"].is_prepacked:
         pytest.skip("this torch build cannot prepack weights (no oneDNN)")
+    if not smollm2["packed"].uses_cpu_ops:
+        pytest.skip("the fused CPU ops cannot be built here")
     return smollm2["packed"], cpu_kernel_or_skip()
 
 
