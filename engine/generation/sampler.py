@@ -59,7 +59,8 @@ class Sampler:
 
         # Every token masked (max -inf), or a penalty that pushed a logit to +inf or NaN (torch.max propagates
         # NaN): the request's options did it.
-        dead = (~torch.isfinite(logits.max(dim=1).values)).tolist()
+        # NOTE: amax, not max(dim=1): the same values (NaN propagates), without max's slow index tracking.
+        dead = (~torch.isfinite(logits.amax(dim=1))).tolist()
         from_options = [False] * len(rows)
         for i, is_dead in enumerate(dead):
             if is_dead and errors[i] is None:
