@@ -17,7 +17,12 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
 
 # -ffast-math lets the compiler reassociate the sums into SIMD lanes and call libmvec's vectorised expf.
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c"]
@@ -90,3 +95,28 @@ def build(source_path: Path, cc: str | None = None) -> Path:
             if os.path.exists(leftover):
                 os.unlink(leftover)
     return target
+
+
+class BuildOnce(Generic[T]):
+    """``load()`` of one kernel: built and bound (``bind(path)``) once per process, and once per machine and
+    source through the disk cache. Raises ``KernelUnavailable`` with the reason, every time, when it cannot
+    be built or loaded."""
+
+    def __init__(self, source_path: Path, bind: Callable[[Path], T]) -> None:
+        self.source_path = source_path
+        self.bind = bind
+        self._lock = threading.Lock()
+        self._loaded: T | KernelUnavailable | None = None
+
+    def __call__(self) -> T:
+        with self._lock:
+            if self._loaded is None:
+                try:
+                    self._loaded = self.bind(build(self.source_path))
+                except KernelUnavailable as e:
+                    self._loaded = e
+                except OSError as e:  # dlopen of a built file failed
+                    self._loaded = KernelUnavailable(f"loading the built {self.source_path.name} failed: {e}")
+            if isinstance(self._loaded, KernelUnavailable):
+                raise self._loaded
+            return self._loaded

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.engine import Engine
 from engine.loader.dummy import get_preset
 from engine.models import cpu_ops, llama
 from engine.models.cpu_ops import CpuOps
@@ -155,3 +156,18 @@ def test_a_model_without_the_ops_runs_pytorch_and_says_why(
         assert model.use_cpu_ops() is False
     assert "no C compiler" in caplog.text and not model.uses_cpu_ops
     assert build_model(small, torch.float16, CPU).use_cpu_ops() is False
+
+
+@pytest.mark.slow
+def test_engine_greedy_outputs_are_the_same_with_and_without_the_ops(ops: CpuOps) -> None:
+    """The public API end to end on the default model: the engine's CPU path (prepacked weights, fused ops)
+    and the PyTorch path (dense weights, no ops) generate the same greedy tokens."""
+    prompts = ["The capital of France is", "def fibonacci(n):\n    ", "1, 2, 3, 4, 5,"]
+    outputs = []
+    for fast in (True, False):
+        engine = Engine.from_pretrained("default", device="cpu", dtype="float32", prepack_weights=fast)
+        assert engine.model.uses_cpu_ops is fast
+        ids = [engine.tokenizer.encode(p) for p in prompts]
+        results = engine.generate_batch(ids, progress_bar=False, max_new_tokens=24, do_sample=False)
+        outputs.append([r.generated_ids for r in results.values()])
+    assert outputs[0] == outputs[1]

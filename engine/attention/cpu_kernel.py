@@ -12,12 +12,11 @@ callers that choose the backend automatically fall back to the PyTorch path on t
 from __future__ import annotations
 
 import ctypes
-import threading
 from pathlib import Path
 
 import torch
 
-from engine.native_build import KernelUnavailable
+from engine.native_build import BuildOnce, KernelUnavailable
 from engine.native_build import build as build_library
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
@@ -110,22 +109,5 @@ class PagedDecodeKernel:
         return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
-_lock = threading.Lock()
-_loaded: PagedDecodeKernel | KernelUnavailable | None = None
-
-
-def load() -> PagedDecodeKernel:
-    """The kernel, built once per process (and once per machine and source, through the disk cache).
-    Raises ``KernelUnavailable`` with the reason, every time, when it cannot be built or loaded."""
-    global _loaded
-    with _lock:
-        if _loaded is None:
-            try:
-                _loaded = PagedDecodeKernel(build())
-            except KernelUnavailable as e:
-                _loaded = e
-            except OSError as e:  # dlopen of a built file failed
-                _loaded = KernelUnavailable(f"loading the built kernel failed: {e}")
-        if isinstance(_loaded, KernelUnavailable):
-            raise _loaded
-        return _loaded
+# The kernel, built once per process; raises ``KernelUnavailable`` with the reason when it cannot be.
+load = BuildOnce(SOURCE, PagedDecodeKernel)

@@ -13,12 +13,11 @@ engine/models/layers.py otherwise. Their results equal that path's up to float32
 from __future__ import annotations
 
 import ctypes
-import threading
 from pathlib import Path
 
 import torch
 
-from engine.native_build import KernelUnavailable, build
+from engine.native_build import BuildOnce
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.c"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
@@ -108,22 +107,5 @@ class CpuOps:
         )  # fmt: skip
 
 
-_lock = threading.Lock()
-_loaded: CpuOps | KernelUnavailable | None = None
-
-
-def load() -> CpuOps:
-    """The ops, built once per process (and once per machine and source, through the disk cache). Raises
-    ``KernelUnavailable`` with the reason, every time, when they cannot be built or loaded."""
-    global _loaded
-    with _lock:
-        if _loaded is None:
-            try:
-                _loaded = CpuOps(build(SOURCE))
-            except KernelUnavailable as e:
-                _loaded = e
-            except OSError as e:
-                _loaded = KernelUnavailable(f"loading the built CPU ops failed: {e}")
-        if isinstance(_loaded, KernelUnavailable):
-            raise _loaded
-        return _loaded
+# The ops, built once per process; raises ``KernelUnavailable`` with the reason when they cannot be.
+load = BuildOnce(SOURCE, CpuOps)

@@ -150,7 +150,7 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions][:, None], self.sin_signed[positions][:, None]
 
     def prepare(self, positions: torch.Tensor) -> RotaryInputs:
-        """What ``rotate_`` needs for this batch's ``positions`` ``[num_tokens]``, computed once per forward."""
+        """What ``rotate_with`` needs for this batch's ``positions`` ``[num_tokens]``, computed once per forward."""
         if self.cpu_ops is not None:
             if positions.numel():
                 lo, hi = (int(p) for p in torch.aminmax(positions))
@@ -160,13 +160,13 @@ class RotaryEmbedding(nn.Module):
         cos, sin_signed = self.cos_sin(positions)
         return RotaryInputs(positions, cos, sin_signed)
 
-    def rotate_(self, x: torch.Tensor, inputs: RotaryInputs) -> None:
-        """Rotate ``x`` ``[num_tokens, heads, head_dim]`` in place."""
+    def rotate_with(self, x: torch.Tensor, inputs: RotaryInputs) -> torch.Tensor:
+        """``x`` ``[num_tokens, heads, head_dim]`` rotated: in place by the fused CPU op, else a new tensor."""
         if inputs.cos is None or inputs.sin_signed is None:
             assert self.cpu_ops is not None
             self.cpu_ops.rotary(x, inputs.positions, self.cos, self.sin_signed)
-        else:
-            x.copy_(self.rotate(x, inputs.cos, inputs.sin_signed))
+            return x
+        return self.rotate(x, inputs.cos, inputs.sin_signed)
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         """``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) * sin == roll(x, d/2) * sin_signed``."""

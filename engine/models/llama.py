@@ -79,7 +79,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)  # [num_tokens, heads + kv_heads, head_dim]
-        rotary.rotate_(qk, rotation)  # in place: [num_tokens, heads + kv_heads, head_dim]
+        qk = rotary.rotate_with(qk, rotation)  # [num_tokens, heads + kv_heads, head_dim]
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [num_tokens, heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))  # [num_tokens, hidden]
