@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The serving comparison of docs/BENCHMARKS.md: cbserve against `transformers serve --continuous-batching`
 # and llama.cpp's server (llama-cpp-python) on the default model, CPU, the same random workload, at
-# several concurrencies, one server at a time on this machine.
+# several concurrencies, one server at a time on this machine. Each concurrency draws its own prompts
+# (--seed), so no run is served from a prefix cache that an earlier run filled.
 #
 #   bench/compare_servers.sh OUTDIR [SYSTEM ...]
 #       SYSTEM: cbserve cbserve-bf16 transformers transformers-bf16 llamacpp
@@ -63,7 +64,7 @@ for system in "${SYSTEMS[@]}"; do
         n=$(( c * 2 > 8 ? c * 2 : 8 ))
         $PY -m bench --base-url "http://127.0.0.1:$PORT" "${model[@]}" --dataset random \
             --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN" --random-range-ratio 0.0 \
-            --num-prompts "$n" --max-concurrency "$c" --temperature 0 --timeout "$TIMEOUT" --disable-tqdm \
+            --num-prompts "$n" --seed "$c" --max-concurrency "$c" --temperature 0 --timeout "$TIMEOUT" --disable-tqdm \
             --label "$system c=$c" --save-result "$OUT/$system-c$c.json" "${EXTRA[@]}"
     done
     kill -TERM "$PID" 2>/dev/null || true

@@ -268,14 +268,20 @@ async def fetch_model_id(client: httpx.AsyncClient, config: BenchConfig) -> str:
         raise BenchmarkError(f"cannot read a model id from {url} (pass --model): {exc}") from exc
 
 
+# NOTE: the warm-up never sends a measured prompt: a server with a prefix cache would then skip that
+# prompt's prefill in the measured run (and a short prompt fills no whole cache block to share).
+WARMUP_PROMPT = "Warm-up: say hello."
+WARMUP_OUTPUT_LEN = 8
+
+
 async def _warm_up(
     client: httpx.AsyncClient,
     config: BenchConfig,
     model: str,
-    request: SampleRequest,
     count_tokens: Callable[[str], int],
 ) -> None:
-    """Send `num_warmups` requests one after another; they check the server and are not measured."""
+    """Send `num_warmups` short requests one after another; they check the server and are not measured."""
+    request = SampleRequest(WARMUP_PROMPT, count_tokens(WARMUP_PROMPT), WARMUP_OUTPUT_LEN)
     for i in range(config.num_warmups):
         record = RequestRecord(request.prompt_len, request.expected_output_len)
         await send_request(
@@ -299,7 +305,7 @@ async def run_benchmark(
         async def prepare() -> str:
             model = config.model or await fetch_model_id(client, config)
             if config.num_warmups:
-                await _warm_up(client, config, model, requests[0], count_tokens)
+                await _warm_up(client, config, model, count_tokens)
             return model
 
         try:

@@ -247,6 +247,10 @@ def test_known_timings_are_measured(make_server: Any, tmp_path: Path, capsys: py
     assert body["model"] == "fake-model" and body["max_tokens"] == 5 and body["ignore_eos"] is True
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert len(MergingTokenizer().encode(body["prompt"])) == 12
+    # The warm-up is short and sends no measured prompt (a prefix cache would skip that prompt's prefill).
+    warm, measured = server.bodies[0], [b["prompt"] for b in server.bodies[1:]]
+    assert warm["max_tokens"] == 8 and warm["prompt"] not in measured
+    assert not any(p.startswith(warm["prompt"][:8]) for p in measured)
     # Saved with vLLM's key names.
     for key in ("date", "backend", "model_id", "num_prompts", "request_rate", "burstiness", "max_concurrency",
                 "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
