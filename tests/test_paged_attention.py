@@ -190,10 +190,11 @@ def test_many_decode_lengths_match_the_reference() -> None:
 
 
 # ---------------------------------------------------------------------- the CPU decode kernel
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (9, 3), (32, 8), (28, 4)])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (9, 3), (32, 8), (28, 4), (16, 2)])
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
 def test_cpu_kernel_matches_the_reference(heads: int, kv_heads: int, head_dim: int) -> None:
-    """GQA groups of 1 to 7 (Qwen2.5-7B's 28/4); head_dim 64 and 128 have their own unrolled loops."""
+    """GQA groups of 1 to 8 (Qwen2.5-7B's 28/4 takes the generic loop); head_dim 64 and 128 with groups
+    1, 2, 3, 4 and 8 have their own unrolled loops."""
     rng = random.Random(heads * head_dim)
     seqs = [(rng.choice([0, 5, 15, 16, 17, 40, 100]), 1) for _ in range(10)] + [(3, 9), (0, 20)]
     run_case(seqs, heads, kv_heads, head_dim=head_dim, block_size=16, kernel=cpu_kernel_or_skip())
@@ -217,6 +218,34 @@ def test_cpu_kernel_never_reads_slots_beyond_the_sequence() -> None:
     seqs = [(c, 1) for c in (0, 1, 14, 16, 20, 47)]
     run_case(seqs, 4, 2, head_dim=64, block_size=16, kernel=cpu_kernel_or_skip(), stale=float("nan"))
     run_case(seqs, 4, 2, head_dim=64, block_size=16, kernel=cpu_kernel_or_skip(), stale=float("nan"), sliding_window=7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_writes_kv_from_strided_views_and_rejects_bad_slots(dtype: torch.dtype) -> None:
+    """K and V come as views into the fused QKV projection (token stride > heads * head_dim)."""
+    kernel = cpu_kernel_or_skip()
+    blocks, kv_heads, head_dim, block_size = 6, 2, 64, 16
+    k_cache = torch.zeros(blocks, kv_heads, head_dim, block_size, dtype=dtype)
+    v_cache = torch.zeros(blocks, kv_heads, block_size, head_dim, dtype=dtype)
+    qkv = torch.randn(5, 3 * kv_heads * head_dim).to(dtype)
+    k = qkv[:, kv_heads * head_dim : 2 * kv_heads * head_dim].view(5, kv_heads, head_dim)
+    v = qkv[:, 2 * kv_heads * head_dim :].view(5, kv_heads, head_dim)
+    slots = torch.tensor([0, 17, 31, 95, 40])
+    kernel.write_kv(k_cache, v_cache, slots, k, v)
+    for i, slot in enumerate(slots.tolist()):
+        assert torch.equal(k_cache[slot // block_size, :, :, slot % block_size], k[i])
+        assert torch.equal(v_cache[slot // block_size, :, slot % block_size], v[i])
+    assert int((k_cache != 0).sum()) == int((k != 0).sum())  # nothing else written
+    before = k_cache.clone()
+    with pytest.raises(ValueError, match="outside the cache"):
+        kernel.write_kv(k_cache, v_cache, torch.tensor([1, 2, 3, 96, 4]), k, v)
+    with pytest.raises(ValueError, match="outside the cache"):
+        kernel.write_kv(k_cache, v_cache, torch.tensor([1, -1, 3, 5, 4]), k, v)
+    assert torch.equal(k_cache, before)  # a bad slot anywhere: nothing written
+    with pytest.raises(ValueError, match="contiguous rows"):
+        kernel.write_kv(k_cache, v_cache, slots, k.transpose(1, 2).contiguous().transpose(1, 2), v)
+    with pytest.raises(ValueError, match="expected"):
+        kernel.write_kv(k_cache, v_cache, slots, k.float() if dtype == torch.bfloat16 else k.double(), v)
 
 
 def test_cpu_kernel_says_which_shapes_it_cannot_run() -> None:

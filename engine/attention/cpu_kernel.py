@@ -7,6 +7,10 @@ plus the padding. The kernel reads each page once, in place, through the block t
 
 ``load()`` returns the kernel or raises ``KernelUnavailable`` with the reason (no compiler, a failed build);
 callers that choose the backend automatically fall back to the PyTorch path on that error.
+
+The same library writes each step's new K/V into their cache slots (``write_kv``): one pass over the new
+tokens instead of two ``index_put_`` calls per layer. In a bfloat16 decode step of 16 sequences on the
+benchmark machine (py-spy), the writes took 4.4 ms of 44 ms through ``index_put_`` and 0.24 ms here.
 """
 
 from __future__ import annotations
@@ -42,6 +46,10 @@ class PagedDecodeKernel:
         fn.argtypes = [ptr, ptr, i64, ptr, ptr, ctypes.c_int, ptr, i64, ptr, i64, i64, i64, i64, i64]
         fn.argtypes += [ctypes.c_float, i64]
         self._fn = fn
+        write = self._lib.cbserve_write_kv
+        write.restype = ctypes.c_int
+        write.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, i64]
+        self._write = write
         self.lanes = int(self._lib.cbserve_lanes())
         self.max_group = int(self._lib.cbserve_max_group())
         self.max_head_dim = int(self._lib.cbserve_max_head_dim())
@@ -107,6 +115,37 @@ class PagedDecodeKernel:
         if rc != 0:
             raise MemoryError("paged decode attention: out of memory for its scratch buffers")
         return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+    def write_kv(
+        self,
+        k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, head_dim, block_size]
+        v_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+        slots: torch.Tensor,  # [num_tokens] int64: block * block_size + row
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    ) -> None:
+        """Store the new tokens' keys and values in their slots (one pass, no index tensors)."""
+        num_blocks, num_kv_heads, head_dim, block_size = k_cache.shape
+        num_tokens = k.shape[0]
+        for name, x in (("k", k), ("v", v)):
+            if x.shape != (num_tokens, num_kv_heads, head_dim) or x.dtype != k_cache.dtype:
+                raise ValueError(f"{name}: {tuple(x.shape)} {x.dtype}, expected "
+                                 f"{(num_tokens, num_kv_heads, head_dim)} {k_cache.dtype}")
+            if x.stride(2) != 1 or x.stride(1) != head_dim:
+                raise ValueError(f"{name}: each token's heads must be contiguous rows")
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype):
+            raise ValueError("the K and V caches must be contiguous tensors of one dtype")
+        if slots.dtype != torch.int64 or slots.shape != (num_tokens,) or not slots.is_contiguous():
+            raise ValueError("slots must be a contiguous int64 vector, one per token")
+        rc = self._write(
+            k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+            slots.data_ptr(), num_tokens, num_blocks, num_kv_heads, head_dim, block_size, k.element_size(),
+        )
+        if rc == -3:
+            raise ValueError(f"a slot is outside the cache's {num_blocks * block_size} slots")
+        if rc != 0:
+            raise KernelUnavailable(f"write_kv: unsupported element size {k.element_size()}")
 
 
 # The kernel, built once per process; raises ``KernelUnavailable`` with the reason when it cannot be.

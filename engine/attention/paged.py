@@ -15,7 +15,8 @@ The batch has two parts (``BatchInputs`` lays the decoding sequences out first):
   ``j > p - sliding_window`` when the model has one).
 
 The split matters: padding every decode query to the longest prefill chunk of a mixed batch would multiply
-the attention work by that chunk's length. The new tokens' K/V are written into their slots first.
+the attention work by that chunk's length. The new tokens' K/V are written into their slots first (by the
+CPU kernel's ``write_kv`` where the kernel runs, else by ``index_put_``).
 
 Cache layout (engine/kv_cache.py): K ``[num_blocks, num_kv_heads, head_dim, block_size]``, V
 ``[num_blocks, num_kv_heads, block_size, head_dim]``. Everything that depends only on the batch (masks,
@@ -115,6 +116,7 @@ class PrefillSeq:
 class PagedAttentionMetadata:
     """The per-batch tensors every layer's attention reads. Build with :meth:`build`."""
 
+    slots: torch.Tensor  # [num_tokens] int64, block * block_size + row where each new token's K/V goes
     slot_blocks: torch.Tensor  # [num_tokens] int64, the block each new token's K/V goes to
     slot_offsets: torch.Tensor  # [num_tokens] int64, its row in that block
     decode: list[DecodePart]
@@ -143,6 +145,7 @@ class PagedAttentionMetadata:
         prefill = _prefill_seqs(inputs, dtype, sliding_window)
         slots = inputs.slot_mapping
         return cls(
+            slots=slots,
             slot_blocks=slots // block_size,
             slot_offsets=slots % block_size,
             decode=decode,
@@ -247,9 +250,12 @@ def paged_attention(
     new tokens, written into the cache first); caches in the layout of engine/kv_cache.py.
     Returns ``[num_tokens, num_heads, head_dim]``.
     """
-    write_kv(k_cache, v_cache, meta.slot_blocks, meta.slot_offsets, k, v)
     group = meta.num_queries_per_kv
     kernel, window = meta.decode_kernel, meta.sliding_window
+    if kernel is not None:
+        kernel.write_kv(k_cache, v_cache, meta.slots, k, v)
+    else:
+        write_kv(k_cache, v_cache, meta.slot_blocks, meta.slot_offsets, k, v)
     parts = [
         kernel(q[p.start : p.end], k_cache, v_cache, p.block_tables, p.seq_lens, scale, window)
         if kernel is not None

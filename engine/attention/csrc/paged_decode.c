@@ -2,7 +2,8 @@
  * read in place through its block table -- no gathered copy of the pages, no padding to a longer sequence.
  *
  * Work item = (sequence, KV head); the `group` query heads that share the KV head are computed together, so
- * each key and value page is read from memory once per step (GQA without repeating K/V):
+ * each key and value vector is loaded (and widened from bfloat16) once per step and used by every head of
+ * the group (GQA without repeating K/V), and the next page is prefetched while one is computed:
  *
  *   s[g, j] = scale * <q[g], K[j]>        for the visible keys j of the sequence
  *   p[g, j] = softmax_j(s[g, j])
@@ -23,7 +24,10 @@
  *
  * Supported: block_size and head_dim multiples of 16, head_dim at most MAX_HEAD_DIM, at most MAX_GROUP query
  * heads per KV head; engine/attention/cpu_kernel.py checks these before choosing this kernel. head_dim 64
- * and 128 get their own unrolled copies of the loops.
+ * and 128 with groups of 1, 2, 3, 4 and 8 get their own unrolled copies of the loops.
+ *
+ * The library also stores each step's new keys and values in their slots (`cbserve_write_kv`), the
+ * scatter that PyTorch's index_put_ does several times slower.
  */
 #include <math.h>
 #include <stdint.h>
@@ -56,33 +60,50 @@ static inline v16f load16(const void *cache, int64_t index, int bf16) {
     return f;
 }
 
-/* One (sequence, KV head). Inlined into each call site: where `head_dim` is a literal the loops unroll. */
+/* Ask for the `bytes` at `p` (one K or V page of one head) ahead of their use: a sequence's pages lie
+ * anywhere in the cache, so the hardware prefetcher cannot guess the next one. */
+static inline void prefetch_page(const void *cache, int64_t index, int bf16, int64_t elements) {
+    const char *p = (const char *)cache + index * (bf16 ? 2 : 4);
+    const int64_t bytes = elements * (bf16 ? 2 : 4);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
+/* One (sequence, KV head). Inlined into each call site: where `head_dim` and `group` are literals, the
+ * loops unroll and the group's accumulators stay in registers. Each K and V vector is loaded (and widened
+ * from bfloat16) once and used by all `group` query heads. */
 static inline __attribute__((always_inline)) void attend(
     float *out, const float *q, const void *k_cache, const void *v_cache, int bf16, const int64_t *table,
-    int64_t first, int64_t seq_len, int64_t group, const int64_t head_dim, int64_t block_size,
+    int64_t first, int64_t seq_len, const int64_t group, const int64_t head_dim, int64_t block_size,
     int64_t block_stride, int64_t head_offset, float scale, float *scores) {
     const int64_t b_first = first / block_size, b_end = (seq_len + block_size - 1) / block_size;
     const int64_t padded = (b_end - b_first) * block_size; /* scores row length per query head */
     const int64_t lo = first - b_first * block_size, hi = seq_len - b_first * block_size; /* valid [lo, hi) */
+    const int64_t page = head_dim * block_size; /* elements of one head's K (or V) page */
 
-    /* s[g, j]: a 16-key tile at a time; lanes outside [lo, hi) are computed and never read. */
+    /* s[g, j]: a 16-key tile at a time; lanes outside [lo, hi) are computed and never read. Two
+     * accumulators per head (even and odd dimensions) hide the FMA latency. */
+    prefetch_page(k_cache, table[b_first] * block_stride + head_offset, bf16, page);
     for (int64_t b = b_first; b < b_end; b++) {
         const int64_t k = table[b] * block_stride + head_offset; /* [head_dim, block_size] */
+        if (b + 1 < b_end) prefetch_page(k_cache, table[b + 1] * block_stride + head_offset, bf16, page);
         for (int64_t t = 0; t < block_size; t += LANES) {
-            for (int64_t g = 0; g < group; g++) {
-                const float *qg = q + g * head_dim;
-                v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}; /* four chains hide the FMA latency */
-                for (int64_t d = 0; d < head_dim; d += 4) {
-                    a0 += qg[d] * load16(k_cache, k + d * block_size + t, bf16);
-                    a1 += qg[d + 1] * load16(k_cache, k + (d + 1) * block_size + t, bf16);
-                    a2 += qg[d + 2] * load16(k_cache, k + (d + 2) * block_size + t, bf16);
-                    a3 += qg[d + 3] * load16(k_cache, k + (d + 3) * block_size + t, bf16);
+            v16f even[MAX_GROUP], odd[MAX_GROUP];
+            for (int64_t g = 0; g < group; g++) even[g] = odd[g] = (v16f){0};
+            for (int64_t d = 0; d < head_dim; d += 2) {
+                const v16f k0 = load16(k_cache, k + d * block_size + t, bf16);
+                const v16f k1 = load16(k_cache, k + (d + 1) * block_size + t, bf16);
+                for (int64_t g = 0; g < group; g++) {
+                    even[g] += q[g * head_dim + d] * k0;
+                    odd[g] += q[g * head_dim + d + 1] * k1;
                 }
-                v16f s = (a0 + a1 + a2 + a3) * scale;
+            }
+            for (int64_t g = 0; g < group; g++) {
+                v16f s = (even[g] + odd[g]) * scale;
                 memcpy(scores + g * padded + (b - b_first) * block_size + t, &s, sizeof s);
             }
         }
     }
+    prefetch_page(v_cache, table[b_first] * block_stride + head_offset, bf16, page);
 
     /* p[g, j] = exp(s[g, j] - max) / sum; the max is a visible score, so the sum is >= 1 */
     float inv_sum[MAX_GROUP];
@@ -98,23 +119,25 @@ static inline __attribute__((always_inline)) void attend(
     }
 
     /* o[g] = sum_j p[g, j] V[j], visible keys only (a stale slot may hold anything, even NaN) */
-    for (int64_t g = 0; g < group; g++) {
-        const float *p = scores + g * padded;
-        v16f acc[head_dim / LANES];
-        for (int64_t c = 0; c < head_dim / LANES; c++) acc[c] = (v16f){0};
-        for (int64_t b = b_first; b < b_end; b++) {
-            const int64_t v = table[b] * block_stride + head_offset; /* [block_size, head_dim] */
-            const int64_t j0 = (b - b_first) * block_size;
-            const int64_t t0 = lo > j0 ? lo - j0 : 0, t1 = hi - j0 < block_size ? hi - j0 : block_size;
-            for (int64_t t = t0; t < t1; t++)
-                for (int64_t c = 0; c < head_dim / LANES; c++)
-                    acc[c] += p[j0 + t] * load16(v_cache, v + t * head_dim + c * LANES, bf16);
-        }
+    v16f acc[MAX_GROUP][MAX_HEAD_DIM / LANES];
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t c = 0; c < head_dim / LANES; c++) acc[g][c] = (v16f){0};
+    for (int64_t b = b_first; b < b_end; b++) {
+        const int64_t v = table[b] * block_stride + head_offset; /* [block_size, head_dim] */
+        if (b + 1 < b_end) prefetch_page(v_cache, table[b + 1] * block_stride + head_offset, bf16, page);
+        const int64_t j0 = (b - b_first) * block_size;
+        const int64_t t0 = lo > j0 ? lo - j0 : 0, t1 = hi - j0 < block_size ? hi - j0 : block_size;
+        for (int64_t t = t0; t < t1; t++)
+            for (int64_t c = 0; c < head_dim / LANES; c++) {
+                const v16f row = load16(v_cache, v + t * head_dim + c * LANES, bf16);
+                for (int64_t g = 0; g < group; g++) acc[g][c] += scores[g * padded + j0 + t] * row;
+            }
+    }
+    for (int64_t g = 0; g < group; g++)
         for (int64_t c = 0; c < head_dim / LANES; c++) {
-            v16f o = acc[c] * inv_sum[g];
+            v16f o = acc[g][c] * inv_sum[g];
             memcpy(out + g * head_dim + c * LANES, &o, sizeof o);
         }
-    }
 }
 
 /* Returns 0; -2 for an unsupported shape (nothing written); -1 if a scratch buffer could not be allocated. */
@@ -149,16 +172,61 @@ int cbserve_paged_decode_attention(
         const float *qs = q + s * q_seq_stride + h * group * head_dim;
         float *os = out + (s * num_heads + h * group) * head_dim;
         const int64_t *table = block_tables + s * table_stride;
-#define ATTEND(HEAD_DIM)                                                                              \
-    attend(os, qs, k_cache, v_cache, kv_is_bf16, table, first, seq_len, group, HEAD_DIM, block_size,      \
+#define ATTEND(GROUP, HEAD_DIM)                                                                       \
+    attend(os, qs, k_cache, v_cache, kv_is_bf16, table, first, seq_len, GROUP, HEAD_DIM, block_size,      \
            block_stride, h * head_stride, scale, scores)
+#define ATTEND_GROUPS(HEAD_DIM)                                                                       \
+    switch (group) {                                                                                  \
+    case 1: ATTEND(1, HEAD_DIM); break;                                                               \
+    case 2: ATTEND(2, HEAD_DIM); break;                                                               \
+    case 3: ATTEND(3, HEAD_DIM); break;                                                               \
+    case 4: ATTEND(4, HEAD_DIM); break;                                                               \
+    case 8: ATTEND(8, HEAD_DIM); break;                                                               \
+    default: ATTEND(group, HEAD_DIM);                                                                 \
+    }
         if (head_dim == 64)
-            ATTEND(64);
+            ATTEND_GROUPS(64)
         else if (head_dim == 128)
-            ATTEND(128);
+            ATTEND_GROUPS(128)
         else
-            ATTEND(head_dim);
+            ATTEND(group, head_dim);
         free(scores);
     }
     return failed ? -1 : 0;
+}
+
+/* Store the batch's new keys and values in their cache slots (the batch's one write per layer, before it
+ * attends): token i goes to row slots[i] % block_size of block slots[i] / block_size; K is stored
+ * transposed ([head_dim, block_size] per head), V as rows. `k` and `v` hold token i, head h at
+ * i * *_token_stride + h * head_dim (a view into the fused QKV projection); elements are `elem_size` bytes,
+ * as in the caches. Returns 0; -2 for an unsupported element size; -3 (nothing written) if a slot is
+ * outside the cache. */
+int cbserve_write_kv(
+    void *k_cache, void *v_cache, const void *k, int64_t k_token_stride, const void *v, int64_t v_token_stride,
+    const int64_t *slots, int64_t num_tokens, int64_t num_blocks, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, int64_t elem_size) {
+    if (elem_size != 2 && elem_size != 4) return -2;
+    for (int64_t i = 0; i < num_tokens; i++)
+        if (slots[i] < 0 || slots[i] >= num_blocks * block_size) return -3;
+    const int64_t block_stride = num_kv_heads * head_dim * block_size, head_stride = head_dim * block_size;
+#pragma omp parallel for schedule(static) if (num_tokens * num_kv_heads * head_dim >= (1 << 16))
+    for (int64_t i = 0; i < num_tokens; i++) {
+        const int64_t block = slots[i] / block_size, row = slots[i] % block_size;
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            const int64_t page = block * block_stride + h * head_stride;
+            const int64_t src_k = i * k_token_stride + h * head_dim, src_v = i * v_token_stride + h * head_dim;
+            if (elem_size == 2) {
+                uint16_t *kc = (uint16_t *)k_cache + page + row;
+                const uint16_t *ks = (const uint16_t *)k + src_k;
+                for (int64_t d = 0; d < head_dim; d++) kc[d * block_size] = ks[d];
+                memcpy((uint16_t *)v_cache + page + row * head_dim, (const uint16_t *)v + src_v, 2 * head_dim);
+            } else {
+                float *kc = (float *)k_cache + page + row;
+                const float *ks = (const float *)k + src_k;
+                for (int64_t d = 0; d < head_dim; d++) kc[d * block_size] = ks[d];
+                memcpy((float *)v_cache + page + row * head_dim, (const float *)v + src_v, 4 * head_dim);
+            }
+        }
+    }
+    return 0;
 }
