@@ -116,7 +116,6 @@ class PagedDecodeKernel:
             raise MemoryError("paged decode attention: out of memory for its scratch buffers")
         return out if q.dtype == torch.float32 else out.to(q.dtype)
 
-
     def write_kv(
         self,
         k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, head_dim, block_size]
@@ -130,8 +129,10 @@ class PagedDecodeKernel:
         num_tokens = k.shape[0]
         for name, x in (("k", k), ("v", v)):
             if x.shape != (num_tokens, num_kv_heads, head_dim) or x.dtype != k_cache.dtype:
-                raise ValueError(f"{name}: {tuple(x.shape)} {x.dtype}, expected "
-                                 f"{(num_tokens, num_kv_heads, head_dim)} {k_cache.dtype}")
+                raise ValueError(
+                    f"{name}: {tuple(x.shape)} {x.dtype}, expected "
+                    f"{(num_tokens, num_kv_heads, head_dim)} {k_cache.dtype}"
+                )
             if x.stride(2) != 1 or x.stride(1) != head_dim:
                 raise ValueError(f"{name}: each token's heads must be contiguous rows")
         if not (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype):
@@ -141,7 +142,7 @@ class PagedDecodeKernel:
         rc = self._write(
             k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
             slots.data_ptr(), num_tokens, num_blocks, num_kv_heads, head_dim, block_size, k.element_size(),
-        )
+        )  # fmt: skip
         if rc == -3:
             raise ValueError(f"a slot is outside the cache's {num_blocks * block_size} slots")
         if rc != 0:
