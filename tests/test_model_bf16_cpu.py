@@ -3,11 +3,13 @@ checked exactly against transformers in test_model_correctness.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from model_harness import prompt_logits
 
 from engine.kv_cache import KVCache
 from engine.model_loader import load_model
+from engine.models import prepacked
 
 TEXTS = [
     "The capital of France is",
@@ -35,3 +37,21 @@ def test_bfloat16_logits_track_float32() -> None:
     kl = (p.exp() * (p - q)).sum(-1)
     assert (kl < 0.05).all(), kl
     assert (ref.argmax(-1) == low.argmax(-1)).all()
+
+
+def test_bfloat16_prepacks_only_where_the_cpu_has_bfloat16_matmuls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN's bfloat16 reorder needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT: on an AVX2-only CPU (AMD Zen 3)
+    it raises, so there the matmuls stay on F.linear and the model still loads and runs."""
+    cpu = torch.device("cpu")
+    native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert prepacked.can_prepack(cpu, torch.bfloat16) == (native and prepacked.can_prepack(cpu, torch.float32))
+    monkeypatch.setattr(prepacked, "_cpu_has_bf16_matmuls", lambda: False)
+    assert not prepacked.can_prepack(cpu, torch.bfloat16)
+    loaded = load_model("default", dtype="bfloat16", device="cpu")
+    assert not loaded.model.is_prepacked
+    ids = [loaded.tokenizer.encode(TEXTS[0])]
+    cfg = loaded.config
+    kv = KVCache(cfg.num_hidden_layers, 8, 16, cfg.num_key_value_heads, cfg.head_dim, torch.bfloat16, "cpu")
+    with torch.inference_mode():
+        logits = prompt_logits(loaded.model, kv, ids, mode="batched")
+    assert logits.shape == (1, cfg.vocab_size) and torch.isfinite(logits).all()

@@ -17,14 +17,22 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this torch build prepacks weights of ``dtype`` on ``device`` (CPU builds with oneDNN)."""
+    """Whether this torch build prepacks weights of ``dtype`` on ``device`` (CPU builds with oneDNN), and,
+    for bfloat16, whether this CPU has the instructions oneDNN's bfloat16 path needs (AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT: an AVX2-only CPU such as AMD Zen 3 has neither, and its matmuls stay on ``F.linear``)."""
     return (
         device.type == "cpu"
         and dtype in PACKABLE_DTYPES
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and (dtype != torch.bfloat16 or _cpu_has_bf16_matmuls())
     )
+
+
+def _cpu_has_bf16_matmuls() -> bool:
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else False
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor:
