@@ -2,15 +2,20 @@
 static ``generate`` on the same weights, the same prompts and the same output lengths, in one run.
 
     python -m bench.offline --num-prompts 64 --min-prompt 16 --max-prompt 512 --min-new 64 --max-new 256
+    python -m bench.offline --model llama-3-8b --load-format dummy --device cuda --dtype bfloat16 \
+        --num-prompts 256 --max-num-seqs 256 --kv-cache-memory 40GiB --systems cbserve,hf-cb
 
 Every system generates exactly the requested number of tokens for every prompt (EOS ignored), greedy, so
-the output token counts are equal and the tokens/s compare like for like. transformers is a test-only
-dependency: install the project's ``test`` extra to run the peers.
+the output token counts are equal and the tokens/s compare like for like. The transformers peers load the
+very weights cbserve loads (``engine.model_loader.open_source``: the GGUF dequantized, a Hugging Face
+folder, or the same seeded dummy weights). transformers is a test-only dependency: install the project's
+``test`` extra to run the peers.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import random
@@ -22,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from server.cli import parse_bytes
 
 
 @dataclass
@@ -50,11 +57,30 @@ def make_workload(
     return work
 
 
-def run_cbserve(work: list[tuple[list[int], int]], threads: int, **options: Any) -> RunResult:
+@dataclass(frozen=True)
+class ModelSpec:
+    """What every system loads: ``Engine.from_pretrained``'s model, load format, device and dtype."""
+
+    model: str = "default"
+    load_format: str = "auto"
+    device: str = "cpu"
+    dtype: str = "float32"
+
+
+def _synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_cbserve(
+    work: list[tuple[list[int], int]], threads: int, spec: ModelSpec, **options: Any
+) -> RunResult:
     from engine.engine import Engine
 
     torch.set_num_threads(threads)
-    engine = Engine.from_pretrained("default", device="cpu", dtype="float32", **options)
+    engine = Engine.from_pretrained(
+        spec.model, device=spec.device, dtype=spec.dtype, load_format=spec.load_format, **options
+    )
     label = f"cbserve generate_batch ({engine.attention_backend} decode attention)"
     # warm-up: one short request, so that lazy initialisation is not timed
     engine.generate_batch([work[0][0][:16]], progress_bar=False, max_new_tokens=4, do_sample=False)
@@ -79,28 +105,41 @@ def run_cbserve(work: list[tuple[list[int], int]], threads: int, **options: Any)
     return RunResult(label, len(work), sum(len(p) for p, _ in work), total, seconds)
 
 
-def _hf_model(threads: int) -> Any:
-    from transformers import AutoModelForCausalLM
+def _hf_model(threads: int, spec: ModelSpec) -> Any:
+    """transformers' own model class for the config cbserve reads, holding the weights cbserve loads."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from engine.loader.source import resolve_model
+    from engine.model_loader import open_source, resolve_device, resolve_dtype
 
     torch.set_num_threads(threads)
-    source = resolve_model("default")
-    if source.path is None:
-        raise RuntimeError("the default model has no file")
-    path = source.path
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    device = resolve_device(spec.device)
+    dtype = resolve_dtype(spec.dtype, device)
+    opened = open_source(resolve_model(spec.model, spec.load_format), dtype, device)
+    hf_config = opened.config.to_hf_dict()
+    hf_config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf_config), dtype=dtype)
+    missing, unexpected = model.load_state_dict(dict(opened.weights), strict=False)
+    # NOTE: a tied head is the embedding itself: the source yields no lm_head.weight for it
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"transformers' model does not take these weights: {missing=} {unexpected=}")
     return model.eval()
 
 
-def run_hf_continuous(work: list[tuple[list[int], int]], threads: int) -> RunResult:
+def run_hf_continuous(work: list[tuple[list[int], int]], threads: int, spec: ModelSpec) -> RunResult:
     from transformers import GenerationConfig
 
-    model = _hf_model(threads)
+    model = _hf_model(threads, spec)
     config = GenerationConfig(do_sample=False, max_new_tokens=max(n for _, n in work), eos_token_id=-1)
     manager = model.init_continuous_batching(generation_config=config)
     manager.start()
     try:
+        # warm-up, as for cbserve: one short request, so that lazy initialisation is not timed
+        manager.add_request(work[0][0][:16], request_id="warm-up", max_new_tokens=4, eos_token_id=-1)
+        while (out := manager.get_result(timeout=60.0)) is None or not out.is_finished():
+            if out is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching stopped")
         start = time.perf_counter()
         for i, (prompt, n) in enumerate(work):
             manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
@@ -123,10 +162,13 @@ def run_hf_continuous(work: list[tuple[list[int], int]], threads: int) -> RunRes
     )
 
 
-def run_hf_static(work: list[tuple[list[int], int]], threads: int, batch_size: int) -> RunResult:
+def run_hf_static(
+    work: list[tuple[list[int], int]], threads: int, spec: ModelSpec, batch_size: int
+) -> RunResult:
     """Padded static batches (left padding), each batch runs to its longest requested length; only the
     requested tokens count as output."""
-    model = _hf_model(threads)
+    model = _hf_model(threads, spec)
+    device = model.device
     total = 0
     start = time.perf_counter()
     for b in range(0, len(work), batch_size):
@@ -140,16 +182,30 @@ def run_hf_static(work: list[tuple[list[int], int]], threads: int, batch_size: i
         longest = max(n for _, n in chunk)
         with torch.inference_mode():
             model.generate(
-                input_ids=ids,
-                attention_mask=mask,
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
                 do_sample=False,
                 max_new_tokens=longest,
                 min_new_tokens=longest,
                 pad_token_id=0,
             )
         total += sum(n for _, n in chunk)
+    _synchronize(str(device))
     seconds = time.perf_counter() - start
     return RunResult(f"transformers generate (static, batch {batch_size})", len(work), 0, total, seconds)
+
+
+def _release_memory() -> None:
+    """Give the last system's weights and cache back before the next one loads (one GPU holds one)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _machine(device: str) -> str:
+    if device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name(torch.device(device))}, torch {torch.__version__}"
+    return f"{platform.machine()} {platform.processor()}, {torch.get_num_threads()} threads"
 
 
 def _commit() -> str:
@@ -161,6 +217,12 @@ def _commit() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--model", default="default", help="what Engine.from_pretrained takes (a dummy preset too)"
+    )
+    ap.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"])
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--min-prompt", type=int, default=16)
     ap.add_argument("--max-prompt", type=int, default=512)
@@ -170,9 +232,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-batch-tokens", type=int, default=2048)
-    ap.add_argument("--kv-cache-memory", type=int, default=4 << 30, help="bytes (the 64 prompts need ~2.3 GB)")
+    ap.add_argument(
+        "--kv-cache-memory",
+        type=parse_bytes,
+        default=4 << 30,
+        help="cbserve's KV cache: bytes or 4GiB, 512MB...",
+    )
     ap.add_argument("--static-batch-size", type=int, default=16)
-    ap.add_argument("--attention-backend", choices=["auto", "cpu", "sdpa"], default="auto")
+    ap.add_argument("--attention-backend", choices=["auto", "cpu", "triton", "sdpa"], default="auto")
     ap.add_argument(
         "--systems", default="cbserve,hf-cb,hf-static", help="comma-separated: cbserve, hf-cb, hf-static"
     )
@@ -181,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine.model_loader import load_tokenizer
 
-    vocab = load_tokenizer("default").vocab_size
+    spec = ModelSpec(args.model, args.load_format, args.device, args.dtype)
+    vocab = load_tokenizer(args.model).vocab_size
     work = make_workload(
         vocab, args.num_prompts, (args.min_prompt, args.max_prompt), (args.min_new, args.max_new), args.seed
     )
@@ -191,18 +259,20 @@ def main(argv: list[str] | None = None) -> int:
             r = run_cbserve(
                 work,
                 args.threads,
+                spec,
                 max_num_seqs=args.max_num_seqs,
                 max_batch_tokens=args.max_batch_tokens,
                 kv_cache_memory=args.kv_cache_memory,
                 attention_backend=args.attention_backend,
             )
         elif system == "hf-cb":
-            r = run_hf_continuous(work, args.threads)
+            r = run_hf_continuous(work, args.threads, spec)
         elif system == "hf-static":
-            r = run_hf_static(work, args.threads, args.static_batch_size)
+            r = run_hf_static(work, args.threads, spec, args.static_batch_size)
         else:
             ap.error(f"unknown system {system!r}")
         results.append(r)
+        _release_memory()
         print(
             f"{r.system:45s} {r.output_tokens:7d} tokens  {r.seconds:8.1f} s  {r.output_tokens_per_s:8.1f} tok/s",
             flush=True,
@@ -211,14 +281,15 @@ def main(argv: list[str] | None = None) -> int:
     base = results[0]
     print(
         f"\nworkload: {args.num_prompts} prompts, {args.min_prompt}-{args.max_prompt} prompt tokens, "
-        f"{args.min_new}-{args.max_new} new tokens, greedy, fp32, {args.threads} threads"
+        f"{args.min_new}-{args.max_new} new tokens, greedy, {args.model} ({args.load_format}) in {args.dtype} "
+        f"on {_machine(args.device)}"
     )
     for r in results[1:]:
         print(f"{base.system} / {r.system}: {base.output_tokens_per_s / r.output_tokens_per_s:.2f}x")
     if args.save_result:
         doc = {
             "commit": _commit(),
-            "machine": f"{platform.machine()} {platform.processor()} {torch.get_num_threads()} threads",
+            "machine": _machine(args.device),
             "python": sys.version.split()[0],
             "torch": torch.__version__,
             "args": vars(args) | {"save_result": str(args.save_result)},

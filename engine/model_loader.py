@@ -102,7 +102,7 @@ def load_model(
     source = resolve_model(model, load_format)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
-    opened = _open(source, torch_dtype, torch_device)
+    opened = open_source(source, torch_dtype, torch_device)
     if opened.tokenizer is not None and opened.tokenizer.vocab_size > opened.config.vocab_size:
         raise TokenizerMismatchError(opened.tokenizer.vocab_size, opened.config.vocab_size, source.name)
     config = _with_all_eos(opened.config, opened.generation_defaults, opened.tokenizer)
@@ -137,32 +137,36 @@ def load_tokenizer(model: str = DEFAULT_MODEL) -> Tokenizer:
 
 # ---------------------------------------------------------------------- per source kind
 @dataclass
-class _Opened:
+class OpenedSource:
+    """A model source read but not built: its config, tokenizer, defaults and a lazy iterator over its
+    weights in Hugging Face names (what ``load_model`` loads, and what a peer such as transformers can load
+    to run the very same weights: bench/offline.py)."""
+
     config: ModelConfig
     tokenizer: Tokenizer | None
     generation_defaults: dict[str, Any]
     weights: Iterator[tuple[str, torch.Tensor]]
 
 
-def _open(source: ModelSource, dtype: torch.dtype, device: torch.device) -> _Opened:
+def open_source(source: ModelSource, dtype: torch.dtype, device: torch.device) -> OpenedSource:
     if source.kind == "gguf":
         path = _path_of(source)
         reader = open_gguf(path)
         config = ModelConfig.from_gguf(reader, str(path))
         gguf_tokenizer = Tokenizer.from_gguf(reader, str(path))
         weights = iter_gguf_weights(reader, config, dtype, str(path))
-        return _Opened(config, gguf_tokenizer, _gguf_generation_defaults(gguf_tokenizer), weights)
+        return OpenedSource(config, gguf_tokenizer, _gguf_generation_defaults(gguf_tokenizer), weights)
     if source.kind == "safetensors":
         path = _path_of(source)
         config = load_hf_config(path)
         weights = iter_safetensors_weights(path, dtype=dtype, device=device)
-        return _Opened(config, _tokenizer_of(source), load_generation_config(path), weights)
+        return OpenedSource(config, _tokenizer_of(source), load_generation_config(path), weights)
     config = _dummy_config(source)
     tokenizer = _tokenizer_of(source)
     # a dummy built from a config.json uses that folder's generation defaults too
     json_path = source.path if source.path is not None and source.path.suffix == ".json" else None
     defaults = load_generation_config(json_path.parent) if json_path is not None else {}
-    return _Opened(config, tokenizer, defaults, iter_dummy_weights(config, dtype, device))
+    return OpenedSource(config, tokenizer, defaults, iter_dummy_weights(config, dtype, device))
 
 
 def _path_of(source: ModelSource) -> Path:
