@@ -82,7 +82,7 @@ class Engine:
         self.decode_kernel = select_decode_kernel(
             attention_backend, self.device, self.dtype, cfg.head_dim, self.block_size, cfg.num_queries_per_kv
         )
-        self.attention_backend = "cpu" if self.decode_kernel is not None else "sdpa"
+        self.attention_backend = self.decode_kernel.name if self.decode_kernel is not None else "sdpa"
         self._manager: ContinuousBatchingManager | None = None
 
     @classmethod
@@ -99,7 +99,7 @@ class Engine:
     ) -> Engine:
         """Load ``model`` ("default", a HF folder, a .gguf file, or a dummy preset with
         ``load_format="dummy"``) and size its KV cache. Options: see ``CacheOptions``;
-        ``attention_backend``: auto, cpu or sdpa (engine/attention/backend.py); ``prepack_weights``: CPU
+        ``attention_backend``: auto, cpu, triton or sdpa (engine/attention/backend.py); ``prepack_weights``: CPU
         matmuls on prepacked oneDNN weights (engine/models/prepacked.py)."""
         options = CacheOptions(**{k: v for k, v in cache_and_scheduler_options.items() if v is not None})
         keep_freed_memory()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.cpu_kernel import PagedDecodeKernel
+from engine.attention.decode_kernel import DecodeKernel
 from engine.inputs import BatchInputs
 from engine.kv_cache import KVCache
 from scheduler.batch import ScheduledBatch
@@ -19,7 +19,7 @@ class ModelRunner:
         kv_cache: KVCache,
         block_size: int,
         device: torch.device,
-        decode_kernel: PagedDecodeKernel | None = None,
+        decode_kernel: DecodeKernel | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache

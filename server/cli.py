@@ -116,9 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--load-format", choices=["auto", "gguf", "safetensors", "dummy"], default="auto")
     a(
         "--attention-backend",
-        choices=["auto", "cpu", "sdpa"],
+        choices=["auto", "cpu", "triton", "sdpa"],
         default="auto",
-        help="decode attention: the CPU C kernel, PyTorch SDPA, or auto (the kernel where it runs)",
+        help="decode attention: the CPU C kernel, the GPU Triton kernel, PyTorch SDPA, or auto (the device's "
+        "kernel where it runs)",
     )
     a("--scheduler", choices=["fifo", "prefill_first"], default="fifo")
     a("--max-batch-tokens", type=_positive_int, default=2048, help="tokens computed per engine step, at most")

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from engine.attention.cpu_kernel import KernelUnavailable, PagedDecodeKernel, load
+from engine.attention.decode_kernel import DecodeKernel
 from engine.inputs import BatchInputs
 from engine.kv_cache import KVCache
 
@@ -31,7 +32,7 @@ MODES: tuple[Mode, ...] = ("one_at_a_time", "batched", "chunked")
 
 class PagedModel(Protocol):
     def forward(
-        self, inputs: BatchInputs, kv_cache: KVCache, decode_kernel: PagedDecodeKernel | None = None
+        self, inputs: BatchInputs, kv_cache: KVCache, decode_kernel: DecodeKernel | None = None
     ) -> torch.Tensor: ...
 
 
@@ -80,7 +81,7 @@ def _drive(
     chunk: int,
     seed: int,
     on_logits: Callable[[int, torch.Tensor], object] | None = None,
-    decode_kernel: PagedDecodeKernel | None = None,
+    decode_kernel: DecodeKernel | None = None,
 ) -> list[list[int]]:
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
@@ -150,11 +151,11 @@ def run_greedy(
     mode: Mode = "batched",
     chunk: int = 7,
     seed: int = 0,
-    decode_kernel: PagedDecodeKernel | None = None,
+    decode_kernel: DecodeKernel | None = None,
 ) -> list[list[int]]:
     """Greedy (argmax) generation of ``max_new_tokens`` tokens per prompt (no EOS stop); returns the new
     tokens of each prompt. The cache must hold every sequence at once (``seed`` scrambles the blocks).
-    ``decode_kernel``: decode attention in the CPU kernel instead of SDPA."""
+    ``decode_kernel``: decode attention in that kernel (CPU C or GPU Triton) instead of SDPA."""
     return _drive(model, kv_cache, prompts, max_new_tokens, mode, chunk, seed, decode_kernel=decode_kernel)
 
 
@@ -165,7 +166,7 @@ def prompt_logits(
     mode: Mode = "batched",
     chunk: int = 7,
     seed: int = 0,
-    decode_kernel: PagedDecodeKernel | None = None,
+    decode_kernel: DecodeKernel | None = None,
 ) -> torch.Tensor:
     """Logits of each prompt's last token ``[num_prompts, vocab]``, prefilled in ``mode``."""
     rows: dict[int, torch.Tensor] = {}

@@ -12,12 +12,13 @@ import pytest
 import torch
 from model_harness import cpu_kernel_or_skip
 
-from engine.attention import backend, cpu_kernel
+from engine.attention import backend, cpu_kernel, triton_decode
 from engine.attention.backend import select_decode_kernel
 from engine.attention.cpu_kernel import KernelUnavailable, PagedDecodeKernel
 from engine.engine import Engine
 
 CPU = torch.device("cpu")
+CUDA = torch.device("cuda")  # only named: nothing here runs on it
 
 
 def test_auto_picks_the_kernel_on_the_cpu_and_sdpa_when_asked() -> None:
@@ -40,6 +41,39 @@ def test_unsupported_shapes_fall_back_under_auto_and_fail_under_cpu(caplog: pyte
         select_decode_kernel("flash", CPU, torch.float32, 64, 16, 3)
 
 
+def test_each_kernel_runs_on_its_own_device_only() -> None:
+    with pytest.raises(ValueError, match="'triton' cannot run here: it runs on cuda and the model is on cpu"):
+        select_decode_kernel("triton", CPU, torch.float32, 64, 16, 3)
+    with pytest.raises(ValueError, match="'cpu' cannot run here: it runs on cpu and the model is on cuda"):
+        select_decode_kernel("cpu", CUDA, torch.bfloat16, 64, 16, 3)
+    assert select_decode_kernel("sdpa", CUDA, torch.bfloat16, 64, 16, 3) is None
+
+
+def test_a_gpu_without_triton_serves_with_sdpa(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def unavailable() -> triton_decode.TritonDecodeKernel:
+        raise KernelUnavailable("Triton is not installed (No module named 'triton')")
+
+    monkeypatch.setattr(triton_decode, "load", unavailable)
+    with caplog.at_level(logging.WARNING, logger=backend.__name__):
+        assert select_decode_kernel("auto", CUDA, torch.bfloat16, 128, 16, 4) is None
+    assert "triton decode-attention kernel is not used (Triton is not installed" in caplog.text
+    with pytest.raises(ValueError, match="'triton' cannot run here: Triton is not installed"):
+        select_decode_kernel("triton", CUDA, torch.bfloat16, 128, 16, 4)
+
+
+def test_the_triton_kernel_says_which_shapes_it_cannot_run() -> None:
+    pytest.importorskip("triton")
+    kernel = triton_decode.load()
+    assert kernel.unsupported(128, 16, 4, torch.bfloat16) is None
+    assert kernel.unsupported(64, 32, 1, torch.float32) is None
+    assert "head_dim 96" in str(kernel.unsupported(96, 16, 4, torch.bfloat16))
+    assert "block_size 24" in str(kernel.unsupported(128, 24, 4, torch.bfloat16))
+    assert "float64" in str(kernel.unsupported(128, 16, 4, torch.float64))
+    assert "query heads" in str(kernel.unsupported(128, 16, 128, torch.bfloat16))
+
+
 def test_a_machine_without_a_compiler_serves_with_sdpa(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -51,7 +85,7 @@ def test_a_machine_without_a_compiler_serves_with_sdpa(
     def unavailable() -> PagedDecodeKernel:
         raise KernelUnavailable("no C compiler (cc or gcc) on PATH")
 
-    monkeypatch.setattr(backend, "load", unavailable)
+    monkeypatch.setattr(cpu_kernel, "load", unavailable)
     with caplog.at_level(logging.WARNING, logger=backend.__name__):
         assert select_decode_kernel("auto", CPU, torch.float32, 64, 16, 3) is None
     assert "no C compiler" in caplog.text

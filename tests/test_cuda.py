@@ -1,5 +1,6 @@
 """The model and paged attention on CUDA, fp32 and bf16, against the same oracles as the CPU tests
-(transformers fp32 on CPU; a float64 dense attention). Skipped without a GPU."""
+(transformers fp32 on CPU; a float64 dense attention), with decode attention in SDPA and in the Triton
+kernel (engine/attention/triton_decode.py). Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from test_model_correctness import (
 )
 from test_paged_attention import MIXED, run_case
 
+from engine.attention import triton_decode
+from engine.attention.decode_kernel import DecodeKernel
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.models import LlamaForCausalLM, build_model
@@ -38,6 +41,90 @@ def test_paged_attention_bf16(window: int | None) -> None:
     run_case(MIXED, 8, 2, dtype=torch.bfloat16, sliding_window=window, device="cuda", tol=6e-2)
 
 
+@pytest.fixture(scope="module")
+def triton_kernel() -> triton_decode.TritonDecodeKernel:
+    pytest.importorskip("triton")
+    return triton_decode.load()
+
+
+# (cached context, 1 new token): within one block, on block edges, several splits (3000 tokens), empty
+DECODES = [(c, 1) for c in (0, 5, 15, 16, 17, 40, 100, 700, 3000)]
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim", [(4, 4, 64), (8, 2, 64), (9, 3, 32), (32, 8, 128), (16, 2, 128)]
+)
+def test_triton_kernel_fp32(triton_kernel: DecodeKernel, heads: int, kv_heads: int, head_dim: int) -> None:
+    run_case(
+        DECODES,
+        heads,
+        kv_heads,
+        head_dim=head_dim,
+        block_size=16,
+        device="cuda",
+        kernel=triton_kernel,
+        tol=1e-4,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window", [None, 7, 600])
+def test_triton_kernel_half_precision_and_sliding_window(
+    triton_kernel: DecodeKernel, dtype: torch.dtype, window: int | None
+) -> None:
+    run_case(
+        DECODES,
+        32,
+        8,
+        head_dim=128,
+        block_size=16,
+        sliding_window=window,
+        dtype=dtype,
+        device="cuda",
+        kernel=triton_kernel,
+        tol=6e-2,
+    )
+
+
+@pytest.mark.parametrize("block_size", [8, 32, 64, 128])
+def test_triton_kernel_block_sizes(triton_kernel: DecodeKernel, block_size: int) -> None:
+    run_case(DECODES, 8, 2, head_dim=64, block_size=block_size, device="cuda", kernel=triton_kernel, tol=1e-4)
+
+
+def test_triton_kernel_never_reads_slots_beyond_the_sequence(triton_kernel: DecodeKernel) -> None:
+    """Freed blocks may hold anything (even NaN): no score is computed for a slot past a sequence's end."""
+    run_case(
+        DECODES, 8, 2, head_dim=64, block_size=16, device="cuda", kernel=triton_kernel, stale=float("nan")
+    )
+    run_case(
+        DECODES,
+        8,
+        2,
+        head_dim=64,
+        block_size=16,
+        device="cuda",
+        kernel=triton_kernel,
+        stale=float("nan"),
+        sliding_window=9,
+    )
+
+
+def test_triton_kernel_in_mixed_batches(triton_kernel: DecodeKernel) -> None:
+    """Decodes through the kernel, prefill chunks through SDPA, every new token's K/V through its writes."""
+    run_case(MIXED, 8, 2, head_dim=64, block_size=16, device="cuda", kernel=triton_kernel, tol=1e-4)
+    run_case(
+        MIXED,
+        8,
+        2,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.bfloat16,
+        device="cuda",
+        kernel=triton_kernel,
+        tol=6e-2,
+    )
+
+
 def test_kv_cache_sized_from_free_gpu_memory() -> None:
     free, _ = torch.cuda.mem_get_info()
     cache = KVCache.allocate(2, 16, 2, 64, torch.bfloat16, "cuda", memory_fraction=0.01)
@@ -52,7 +139,9 @@ def test_kv_cache_sized_from_free_gpu_memory() -> None:
 def tiny(request: pytest.FixtureRequest) -> dict[str, Any]:
     hf_model = _tiny_hf_model(request.param)
     gen = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(0, hf_model.config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+    prompts = [
+        torch.randint(0, hf_model.config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS
+    ]
     return {
         "hf": hf_model,
         "config": ModelConfig.from_hf_dict(hf_model.config.to_dict()),
@@ -67,16 +156,28 @@ def _on_cuda(tiny: dict[str, Any], dtype: torch.dtype) -> tuple[LlamaForCausalLM
     model = build_model(config, dtype, "cuda")
     model.load_weights(tiny["hf"].state_dict().items())
     blocks = sum(-(-(len(p) + NEW_TOKENS) // 4) for p in tiny["prompts"]) + 3
-    cache = KVCache(config.num_hidden_layers, blocks, 4, config.num_key_value_heads, config.head_dim, dtype, "cuda")
+    cache = KVCache(
+        config.num_hidden_layers, blocks, 4, config.num_key_value_heads, config.head_dim, dtype, "cuda"
+    )
     return model, cache
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "triton"])
 @pytest.mark.parametrize("mode", MODES)
-def test_tiny_models_fp32(tiny: dict[str, Any], mode: Mode) -> None:
+def test_tiny_models_fp32(tiny: dict[str, Any], mode: Mode, backend: str) -> None:
     model, cache = _on_cuda(tiny, torch.float32)
-    logits = prompt_logits(model, cache, tiny["prompts"], mode).cpu()
+    kernel = None
+    if backend == "triton":
+        pytest.importorskip("triton")
+        kernel = triton_decode.load()
+        if kernel.unsupported(model.config.head_dim, 4, model.config.num_queries_per_kv, torch.float32):
+            pytest.skip("the Triton kernel does not run this shape")
+    logits = prompt_logits(model, cache, tiny["prompts"], mode, decode_kernel=kernel).cpu()
     assert (logits - tiny["ref_logits"]).abs().max().item() <= 1e-3
-    assert run_greedy(model, cache, tiny["prompts"], NEW_TOKENS, mode) == tiny["ref_tokens"]
+    assert (
+        run_greedy(model, cache, tiny["prompts"], NEW_TOKENS, mode, decode_kernel=kernel)
+        == tiny["ref_tokens"]
+    )
 
 
 @pytest.mark.parametrize("mode", MODES)

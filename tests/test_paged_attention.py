@@ -10,7 +10,7 @@ import pytest
 import torch
 from model_harness import cpu_kernel_or_skip
 
-from engine.attention.cpu_kernel import PagedDecodeKernel
+from engine.attention.decode_kernel import DecodeKernel
 from engine.attention.paged import PagedAttentionMetadata, decode_groups, paged_attention
 from engine.inputs import BatchInputs, decode_first_order
 
@@ -49,10 +49,10 @@ def run_case(
     seed: int = 0,
     device: str = "cpu",
     tol: float | None = None,
-    kernel: PagedDecodeKernel | None = None,
+    kernel: DecodeKernel | None = None,
     stale: float = 0.0,
 ) -> None:
-    """``kernel``: run the decode part in the CPU kernel; ``stale``: what the unused cache slots hold."""
+    """``kernel``: run the decode part in that kernel (CPU C or GPU Triton); ``stale``: what the unused cache slots hold."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-(c + n) // block_size) for c, n in seqs) + 5
     k_cache = torch.full((num_blocks, kv_heads, head_dim, block_size), stale, dtype=dtype)

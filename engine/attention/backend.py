@@ -2,8 +2,11 @@
 
 - ``cpu``: the C kernel of ``cpu_kernel.py`` (CPU, float32 or bfloat16 caches, head_dim 64 or 128, block
   size a multiple of 16); an error at start-up if it cannot run here.
+- ``triton``: the Triton kernel of ``triton_decode.py`` (CUDA, float32/bfloat16/float16, power-of-two
+  head_dim and block size); an error at start-up if it cannot run here.
 - ``sdpa``: PyTorch's ``scaled_dot_product_attention`` over gathered pages (any device, any dtype).
-- ``auto`` (default): ``cpu`` where it can run, else ``sdpa``, saying why in the log.
+- ``auto`` (default): the device's kernel (``cpu`` on the CPU, ``triton`` on CUDA) where it can run, else
+  ``sdpa``, saying why in the log.
 
 The prefill part always runs in SDPA: it is bound by its matmuls, which SDPA does well.
 """
@@ -14,11 +17,14 @@ import logging
 
 import torch
 
-from engine.attention.cpu_kernel import KernelUnavailable, PagedDecodeKernel, load
+from engine.attention import cpu_kernel, triton_decode
+from engine.attention.decode_kernel import DecodeKernel
+from engine.native_build import KernelUnavailable
 
 logger = logging.getLogger(__name__)
 
-ATTENTION_BACKENDS = ("auto", "cpu", "sdpa")
+ATTENTION_BACKENDS = ("auto", "cpu", "triton", "sdpa")
+_KERNEL_DEVICES = {"cpu": "cpu", "triton": "cuda"}  # backend -> the device type it runs on
 
 
 def select_decode_kernel(
@@ -28,26 +34,30 @@ def select_decode_kernel(
     head_dim: int,
     block_size: int,
     num_queries_per_kv: int,
-) -> PagedDecodeKernel | None:
-    """The CPU kernel when ``backend`` picks it, ``None`` for SDPA. Raises ``ValueError`` for an unknown
-    backend, or for ``cpu`` when the kernel cannot run this model here."""
+) -> DecodeKernel | None:
+    """The kernel ``backend`` picks, ``None`` for SDPA. Raises ``ValueError`` for an unknown backend, or
+    for ``cpu``/``triton`` when that kernel cannot run this model here."""
     if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; expected one of {', '.join(ATTENTION_BACKENDS)}")
+        raise ValueError(
+            f"unknown attention backend {backend!r}; expected one of {', '.join(ATTENTION_BACKENDS)}"
+        )
     if backend == "sdpa":
         return None
-    kernel: PagedDecodeKernel | None = None
-    if device.type != "cpu":
-        reason: str | None = f"it runs on the CPU and the model is on {device}"
+    wanted = backend if backend != "auto" else ("triton" if device.type == "cuda" else "cpu")
+    kernel: DecodeKernel | None = None
+    if device.type != _KERNEL_DEVICES[wanted]:
+        reason: str | None = f"it runs on {_KERNEL_DEVICES[wanted]} and the model is on {device}"
     else:
         try:
-            kernel = load()
+            kernel = cpu_kernel.load() if wanted == "cpu" else triton_decode.load()
             reason = kernel.unsupported(head_dim, block_size, num_queries_per_kv, dtype)
         except KernelUnavailable as e:
             reason = str(e)
     if reason is None:
         return kernel
-    if backend == "cpu":
-        raise ValueError(f"attention backend 'cpu' cannot run here: {reason}")
-    if device.type == "cpu":
-        logger.warning("the CPU decode-attention kernel is not used (%s); decode attention runs in SDPA", reason)
+    if backend != "auto":
+        raise ValueError(f"attention backend {backend!r} cannot run here: {reason}")
+    logger.warning(
+        "the %s decode-attention kernel is not used (%s); decode attention runs in SDPA", wanted, reason
+    )
     return None

@@ -35,7 +35,9 @@ def build(cc: str | None = None) -> Path:
 
 
 class PagedDecodeKernel:
-    """``ctypes`` binding of ``cbserve_paged_decode_attention``."""
+    """``ctypes`` binding of ``cbserve_paged_decode_attention`` (a ``DecodeKernel``)."""
+
+    name = "cpu"
 
     def __init__(self, path: Path) -> None:
         self.path = path

@@ -3,11 +3,11 @@ few calls per layer for the whole batch and no Python loop over sequences.
 
 The batch has two parts (``BatchInputs`` lays the decoding sequences out first):
 
-- **decode** (one new query per sequence): on the CPU, the C kernel of ``cpu_kernel.py`` reads each
-  sequence's pages in place through its block table. Elsewhere (CUDA, or when the kernel cannot be built),
-  the sequences are split into at most ``MAX_DECODE_GROUPS`` runs of similar KV length; each run gathers its
-  pages and makes one SDPA call with the query heads that share a KV head folded into the query axis (GQA
-  without repeating K/V).
+- **decode** (one new query per sequence): a kernel reads each sequence's pages in place through its
+  block table: the C kernel of ``cpu_kernel.py`` on the CPU, the Triton kernel of ``triton_decode.py`` on
+  CUDA. Without one (``--attention-backend sdpa``, no compiler, no Triton), the sequences are split into
+  at most ``MAX_DECODE_GROUPS`` runs of similar KV length; each run gathers its pages and makes one SDPA
+  call with the query heads that share a KV head folded into the query axis (GQA without repeating K/V).
 - **prefill** (several new tokens per sequence): one SDPA call per sequence, unpadded (a step holds a few
   prompt chunks; padding them to the longest cost twice the work). A fresh prompt attends over its own new
   K/V, plain causal, nothing gathered; a continuation chunk gathers its pages and uses an additive mask that
@@ -16,7 +16,7 @@ The batch has two parts (``BatchInputs`` lays the decoding sequences out first):
 
 The split matters: padding every decode query to the longest prefill chunk of a mixed batch would multiply
 the attention work by that chunk's length. The new tokens' K/V are written into their slots first (by the
-CPU kernel's ``write_kv`` where the kernel runs, else by ``index_put_``).
+kernel's ``write_kv`` where a kernel runs, else by ``index_put_``).
 
 Cache layout (engine/kv_cache.py): K ``[num_blocks, num_kv_heads, head_dim, block_size]``, V
 ``[num_blocks, num_kv_heads, block_size, head_dim]``. Everything that depends only on the batch (masks,
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention.cpu_kernel import PagedDecodeKernel
+from engine.attention.decode_kernel import DecodeKernel
 from engine.inputs import BatchInputs
 
 
@@ -123,7 +123,7 @@ class PagedAttentionMetadata:
     prefill: list[PrefillSeq]
     num_queries_per_kv: int
     sliding_window: int | None = None
-    decode_kernel: PagedDecodeKernel | None = None  # the CPU kernel for the decode part, if chosen
+    decode_kernel: DecodeKernel | None = None  # the kernel for the decode part, if one was chosen
 
     @property
     def is_decode(self) -> bool:
@@ -136,10 +136,10 @@ class PagedAttentionMetadata:
         num_queries_per_kv: int,
         dtype: torch.dtype,
         sliding_window: int | None = None,
-        decode_kernel: PagedDecodeKernel | None = None,
+        decode_kernel: DecodeKernel | None = None,
     ) -> PagedAttentionMetadata:
         """Everything here uses tensors already on the device and Python ints from ``inputs``: no host sync.
-        With ``decode_kernel`` (CPU tensors only) the decode part runs in that kernel, unpadded."""
+        With ``decode_kernel`` the decode part runs in that kernel, unpadded."""
         block_size = inputs.block_size
         decode = _decode_parts(inputs, dtype, sliding_window, decode_kernel is not None)
         prefill = _prefill_seqs(inputs, dtype, sliding_window)
@@ -192,7 +192,9 @@ def _prefill_seqs(inputs: BatchInputs, dtype: torch.dtype, sliding_window: int |
             tables, kv_len = inputs.block_tables[seq : seq + 1, :num_pages], num_pages * inputs.block_size
         bias: torch.Tensor | None = None
         if cached or (sliding_window is not None and q_len > sliding_window):
-            query_pos = torch.arange(cached, seq_len, device=inputs.input_ids.device)[None, :, None]  # [1, q_len, 1]
+            query_pos = torch.arange(cached, seq_len, device=inputs.input_ids.device)[
+                None, :, None
+            ]  # [1, q_len, 1]
             bias = _attention_bias(query_pos, inputs.seq_lens[seq : seq + 1], kv_len, sliding_window, dtype)
             bias = bias[:, None]  # [1, 1, q_len, kv_len]
         seqs.append(PrefillSeq(row, row + q_len, tables, bias))

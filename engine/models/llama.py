@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.cpu_kernel import PagedDecodeKernel
+from engine.attention.decode_kernel import DecodeKernel
 from engine.attention.paged import PagedAttentionMetadata, paged_attention
 from engine.config import ModelConfig
 from engine.inputs import BatchInputs
@@ -186,11 +186,11 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, inputs: BatchInputs, kv_cache: KVCache, decode_kernel: PagedDecodeKernel | None = None
+        self, inputs: BatchInputs, kv_cache: KVCache, decode_kernel: DecodeKernel | None = None
     ) -> torch.Tensor:
         """Compute the batch's new tokens, writing their K/V into ``inputs.slot_mapping`` slots, and return
         fp32 logits ``[len(inputs.logits_indices), vocab_size]`` for the ``logits_indices`` rows only.
-        ``decode_kernel``: the CPU decode-attention kernel (engine/attention/backend.py), or None for SDPA."""
+        ``decode_kernel``: the decode-attention kernel (engine/attention/backend.py), or None for SDPA."""
         meta = PagedAttentionMetadata.build(
             inputs, self.config.num_queries_per_kv, self.dtype, self.config.sliding_window, decode_kernel
         )

@@ -1,0 +1,41 @@
+"""What paged attention asks of a decode-attention kernel (the CPU C kernel of ``cpu_kernel.py``, the GPU
+Triton kernel of ``triton_decode.py``): one query per sequence over its KV pages, read in place through
+the block table, and the step's new K/V written into their slots."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class DecodeKernel(Protocol):
+    name: str  # the --attention-backend value that picks it
+
+    def unsupported(self, head_dim: int, block_size: int, group: int, dtype: torch.dtype) -> str | None:
+        """Why this configuration cannot use the kernel, or None when it can."""
+        ...
+
+    def write_kv(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
+        """Store the new tokens' ``k``/``v`` ``[num_tokens, num_kv_heads, head_dim]`` into ``slots``."""
+        ...
+
+    def __call__(
+        self,
+        q: torch.Tensor,  # [num_seqs, num_heads, head_dim], one query per sequence
+        k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, head_dim, block_size]
+        v_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+        block_tables: torch.Tensor,  # [num_seqs, pages of the longest] int64
+        seq_lens: torch.Tensor,  # [num_seqs] int64, >= 1
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """``[num_seqs, num_heads, head_dim]`` in q's dtype."""
+        ...
