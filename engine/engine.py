@@ -60,6 +60,12 @@ class Engine:
         if loaded.tokenizer is None:
             raise ValueError(f"model {model_name!r} has no tokenizer: cbserve needs one to serve text")
         self.tokenizer = loaded.tokenizer
+        # NOTE: a dummy model may borrow a tokenizer that spells fewer ids than its embedding has rows (a dummy
+        # Llama-3-8B with SmolLM2's 49,152 tokens): it generates only ids the tokenizer can spell, so that
+        # clients and benchmarks get text. Real checkpoints sample their whole vocabulary, as transformers does.
+        self.vocab_size = loaded.config.vocab_size
+        if loaded.source.kind == "dummy":
+            self.vocab_size = min(self.vocab_size, self.tokenizer.vocab_size)
         self.model = loaded.model
         param = next(self.model.parameters())
         self.device: torch.device = param.device
@@ -160,14 +166,14 @@ class Engine:
         scheduler = make_scheduler(opts["scheduler"], sched_config)
         runner = ModelRunner(self.model, self.kv_cache, self.block_size, self.device, self.decode_kernel)
         eos = tuple(self.tokenizer.eos_token_ids) or tuple(self.model_config.eos_token_ids)
-        sampler = Sampler(self.model_config.vocab_size, self.device, eos_token_ids=eos)
+        sampler = Sampler(self.vocab_size, self.device, eos_token_ids=eos)
         self._manager = ContinuousBatchingManager(
             scheduler=scheduler,
             runner=runner,
             sampler=sampler,
             tokenizer=self.tokenizer,
             generation_defaults=self.generation_defaults,
-            vocab_size=self.model_config.vocab_size,
+            vocab_size=self.vocab_size,
             max_model_len=self.max_model_len,
             eos_token_ids=eos,
             max_queue=max_queue,
