@@ -81,7 +81,8 @@ def run_cbserve(
     engine = Engine.from_pretrained(
         spec.model, device=spec.device, dtype=spec.dtype, load_format=spec.load_format, **options
     )
-    label = f"cbserve generate_batch ({engine.attention_backend} decode attention)"
+    graphs = ", CUDA graphs" if engine.cuda_graphs is not None else ""
+    label = f"cbserve generate_batch ({engine.attention_backend} decode attention{graphs})"
     # warm-up: one short request, so that lazy initialisation is not timed
     engine.generate_batch([work[0][0][:16]], progress_bar=False, max_new_tokens=4, do_sample=False)
     manager = engine.init_continuous_batching(max_queue=len(work) + 1)
@@ -240,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--static-batch-size", type=int, default=16)
     ap.add_argument("--attention-backend", choices=["auto", "cpu", "triton", "sdpa"], default="auto")
+    ap.add_argument("--enforce-eager", action="store_true", help="CUDA: no graphs of cbserve's decode step")
     ap.add_argument(
         "--systems", default="cbserve,hf-cb,hf-static", help="comma-separated: cbserve, hf-cb, hf-static"
     )
@@ -264,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_batch_tokens=args.max_batch_tokens,
                 kv_cache_memory=args.kv_cache_memory,
                 attention_backend=args.attention_backend,
+                enforce_eager=args.enforce_eager,
             )
         elif system == "hf-cb":
             r = run_hf_continuous(work, args.threads, spec)

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from engine.attention.backend import select_decode_kernel
 from engine.cpu_allocator import keep_freed_memory
+from engine.cuda_graphs import CudaGraphDecoder
 from engine.generation.config import GenerationConfig
 from engine.generation.sampler import Sampler
 from engine.kv_cache import KVCache
@@ -45,6 +46,7 @@ class CacheOptions:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
     safety_margin: float = 0.2
+    enforce_eager: bool = False  # CUDA: no graphs of the decode step (engine/cuda_graphs.py)
 
 
 class Engine:
@@ -89,6 +91,17 @@ class Engine:
             attention_backend, self.device, self.dtype, cfg.head_dim, self.block_size, cfg.num_queries_per_kv
         )
         self.attention_backend = self.decode_kernel.name if self.decode_kernel is not None else "sdpa"
+        self.cuda_graphs: CudaGraphDecoder | None = None
+        if self.device.type == "cuda" and self.decode_kernel is not None and not options.enforce_eager:
+            self.cuda_graphs = CudaGraphDecoder(
+                self.model,
+                self.kv_cache,
+                self.decode_kernel,
+                self.block_size,
+                self.max_model_len,
+                options.max_num_seqs,
+                self.device,
+            )
         self._manager: ContinuousBatchingManager | None = None
 
     @classmethod
@@ -111,7 +124,9 @@ class Engine:
         keep_freed_memory()
 
         def build() -> Engine:
-            loaded = load_model(model, load_format=load_format, dtype=dtype, device=device, prepack=prepack_weights)
+            loaded = load_model(
+                model, load_format=load_format, dtype=dtype, device=device, prepack=prepack_weights
+            )
             name = served_model_name or _default_model_name(model, loaded)
             return cls(loaded, options, name, attention_backend)
 
@@ -164,7 +179,9 @@ class Engine:
             max_model_len=self.max_model_len,
         )
         scheduler = make_scheduler(opts["scheduler"], sched_config)
-        runner = ModelRunner(self.model, self.kv_cache, self.block_size, self.device, self.decode_kernel)
+        runner = ModelRunner(
+            self.model, self.kv_cache, self.block_size, self.device, self.decode_kernel, self.cuda_graphs
+        )
         eos = tuple(self.tokenizer.eos_token_ids) or tuple(self.model_config.eos_token_ids)
         sampler = Sampler(self.vocab_size, self.device, eos_token_ids=eos)
         self._manager = ContinuousBatchingManager(

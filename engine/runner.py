@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention.decode_kernel import DecodeKernel
+from engine.cuda_graphs import CudaGraphDecoder
 from engine.inputs import BatchInputs
 from engine.kv_cache import KVCache
 from scheduler.batch import ScheduledBatch
@@ -20,12 +21,14 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         decode_kernel: DecodeKernel | None = None,
+        cuda_graphs: CudaGraphDecoder | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
         self.decode_kernel = decode_kernel  # None: decode attention in SDPA
+        self.cuda_graphs = cuda_graphs  # None: every step runs eagerly
 
     def prepare(self, batch: ScheduledBatch) -> BatchInputs:
         return BatchInputs.build(
@@ -43,6 +46,12 @@ class ModelRunner:
         last known token, in batch order."""
         if batch.blocks_to_copy:
             self.kv_cache.copy_blocks(batch.blocks_to_copy)
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
+            logits = self.cuda_graphs.run(batch)  # [len(batch), vocab], one row per sequence
+            if all(s.needs_sample for s in batch.requests):
+                return logits
+            rows = [i for i, s in enumerate(batch.requests) if s.needs_sample]
+            return logits[torch.tensor(rows, device=logits.device)]
         inputs = self.prepare(batch)
         logits = self.model(inputs, self.kv_cache, self.decode_kernel)  # [num_sampled, vocab]
         return logits.float()

@@ -128,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--kv-cache-memory", type=parse_bytes, default=None, help="KV-cache size in bytes (2GiB, 512MiB, ...)")
     a("--num-blocks", type=_positive_int, default=None, help="KV-cache size in blocks (instead of bytes)")
     a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    a(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="CUDA: run every step eagerly (no CUDA graphs of the decode step)",
+    )
     a("--api-key", default=None, help="require 'Authorization: Bearer <key>' (also CBSERVE_API_KEY)")
     a("--served-model-name", default=None, help="the model name clients use (default: the model's name)")
     a("--max-queue", type=_positive_int, default=256, help="waiting requests before 429")
@@ -215,6 +221,7 @@ def _serve(args: argparse.Namespace) -> int:
             num_blocks=args.num_blocks,
             enable_prefix_caching=args.enable_prefix_caching,
             max_model_len=args.max_model_len,
+            enforce_eager=args.enforce_eager,
         )
     except (OSError, ValueError) as exc:
         logger.error("could not load model %r: %s", args.model, exc)

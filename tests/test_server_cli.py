@@ -50,7 +50,7 @@ def test_defaults() -> None:
         "auto",
         "auto",
     )
-    assert args.enable_prefix_caching is True
+    assert args.enable_prefix_caching is True and args.enforce_eager is False
     assert args.api_key is None and args.cors_origins is None and args.kv_cache_memory is None
 
 
@@ -70,6 +70,7 @@ def test_every_flag_reads_the_environment() -> None:
         "CBSERVE_KV_CACHE_MEMORY": "2GiB",
         "CBSERVE_NUM_BLOCKS": "100",
         "CBSERVE_ENABLE_PREFIX_CACHING": "false",
+        "CBSERVE_ENFORCE_EAGER": "true",
         "CBSERVE_API_KEY": "k",
         "CBSERVE_SERVED_MODEL_NAME": "m",
         "CBSERVE_MAX_QUEUE": "7",
@@ -91,6 +92,7 @@ def test_every_flag_reads_the_environment() -> None:
     assert (args.max_batch_tokens, args.max_num_seqs, args.block_size) == (4096, 8, 32)
     assert args.kv_cache_memory == 2 << 30 and args.num_blocks == 100
     assert args.enable_prefix_caching is False
+    assert args.enforce_eager is True
     assert (args.api_key, args.served_model_name, args.max_queue, args.max_model_len) == ("k", "m", 7, 1024)
     assert args.shutdown_timeout == 2.5 and args.log_level == "debug"
     assert args.cors_origins == ["http://a.example", "http://b.example"]

@@ -34,8 +34,7 @@ from engine.native_build import KernelUnavailable
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MIN_ROWS = 16  # tl.dot's smallest tile: the query heads of a group are padded to this
 MAX_GROUP = 64
-TOKENS_PER_SPLIT = 512  # a split handles at least this many tokens...
-MAX_SPLITS = 16  # ...and a sequence at most this many splits
+MAX_SPLITS = 16  # a sequence's tokens are cut into at most this many splits
 NO_WINDOW = 1 << 40  # the window passed when there is none: longer than any sequence
 
 
@@ -54,7 +53,7 @@ def _kernels() -> tuple[Any, Any, Any]:
         v_ptr,
         k_cache_ptr,  # [num_blocks, kv_heads, head_dim, block_size]
         v_cache_ptr,  # [num_blocks, kv_heads, block_size, head_dim]
-        slots_ptr,  # [num_tokens] int64: block * block_size + row
+        slots_ptr,  # [num_tokens] int64: block * block_size + row; a negative slot is padding: skipped
         stride_kt,
         stride_kh,
         stride_vt,
@@ -74,10 +73,15 @@ def _kernels() -> tuple[Any, Any, Any]:
         block = slot // BLOCK_SIZE
         row = slot % BLOCK_SIZE
         dims = tl.arange(0, HEAD_DIM)
+        real = dims < tl.where(slot >= 0, HEAD_DIM, 0)  # all lanes of a real slot, none of a padding one
         k = tl.load(k_ptr + token * stride_kt + kv_head * stride_kh + dims)
-        tl.store(k_cache_ptr + block * stride_kb + kv_head * stride_kch + dims * stride_kd + row, k)
+        tl.store(
+            k_cache_ptr + block * stride_kb + kv_head * stride_kch + dims * stride_kd + row, k, mask=real
+        )
         v = tl.load(v_ptr + token * stride_vt + kv_head * stride_vh + dims)
-        tl.store(v_cache_ptr + block * stride_vb + kv_head * stride_vch + row * stride_vr + dims, v)
+        tl.store(
+            v_cache_ptr + block * stride_vb + kv_head * stride_vch + row * stride_vr + dims, v, mask=real
+        )
 
     @triton.jit
     def decode_split(
@@ -210,6 +214,15 @@ class TritonDecodeKernel:
     """Decode attention over paged K/V on a GPU (``__call__``); ``write_kv`` stores the step's new K/V."""
 
     name = "triton"
+    # Launch parameters, the best of 91 measured by bench/triton_decode_tune.py on an H200 (Llama-3-8B's
+    # attention, 1-256 sequences of 576-4096 tokens; docs/BENCHMARKS.md): splits are added until there are
+    # `programs_per_sm` programs per multiprocessor, as long as each split keeps `tokens_per_split` tokens.
+    # Two pipeline stages and two warps halved the time of Triton's defaults (3 stages, 4 warps) there.
+    programs_per_sm = 4
+    tokens_per_split = 512
+    block_n = 64  # tokens per tile (at least one page)
+    num_warps = 2
+    num_stages: int | None = 2  # None: Triton's default
 
     def __init__(self) -> None:
         try:
@@ -238,7 +251,8 @@ class TritonDecodeKernel:
         v: torch.Tensor,
     ) -> None:
         """Store the new tokens' keys/values ``[num_tokens, num_kv_heads, head_dim]`` into their ``slots``
-        (``block * block_size + row``), one launch for both (``index_put_`` takes two, plus the index math).
+        (``block * block_size + row``; a negative slot is a padding row, not written), one launch for both
+        (``index_put_`` takes two, plus the index math).
         The caches must be contiguous, and ``k``/``v`` contiguous along ``head_dim``."""
         num_tokens, num_kv_heads, head_dim = k.shape
         if num_tokens == 0:
@@ -292,9 +306,12 @@ class TritonDecodeKernel:
         if sliding_window is not None:
             longest = min(longest, sliding_window)
         # NOTE: enough programs to fill the GPU even for a few long sequences, never splits of a few tokens
-        wanted = max(1, 2 * _num_sms(q.device) // max(num_seqs * num_kv_heads, 1))
-        num_splits = max(1, min(wanted, MAX_SPLITS, math.ceil(longest / TOKENS_PER_SPLIT)))
-        block_n = max(64, block_size) if head_dim <= 128 else max(32, block_size)
+        wanted = math.ceil(self.programs_per_sm * _num_sms(q.device) / (num_seqs * num_kv_heads))
+        num_splits = max(1, min(wanted, MAX_SPLITS, math.ceil(longest / self.tokens_per_split)))
+        block_n = max(self.block_n, block_size)
+        options = {"num_warps": self.num_warps}
+        if self.num_stages is not None:
+            options["num_stages"] = self.num_stages
         parts = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         part_max = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
         part_sum = torch.empty_like(part_max)
@@ -321,6 +338,7 @@ class TritonDecodeKernel:
             BLOCK_SIZE=block_size,
             BLOCK_N=block_n,
             IEEE=q.dtype == torch.float32,
+            **options,
         )
         self._merge[(num_seqs * num_heads,)](
             parts,
