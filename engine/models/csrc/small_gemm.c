@@ -45,7 +45,9 @@ INLINE void block(float *out, int64_t ldo, const float *x, int64_t ldx, const fl
         for (int m = 0; m < M; m++) lo[m] = hi[m] = (v8f){0};
         for (int64_t k = k0; k < k1; k++) {
             __builtin_prefetch(panel + (k + PREFETCH_AHEAD) * PANEL, 0, 3);
-            const v8f w0 = load8(panel + k * PANEL), w1 = load8(panel + k * PANEL + 8);
+            v8f w0 = load8(panel + k * PANEL), w1 = load8(panel + k * PANEL + 8);
+            /* in registers: else GCC folds the loads into every row's FMA (3 loads per 2 FMAs) */
+            __asm__("" : "+x"(w0), "+x"(w1));
             for (int m = 0; m < M; m++) {
                 const v8f xb = (v8f){0} + x[m * ldx + k];
                 lo[m] = xb * w0 + lo[m]; /* one FMA: -ffp-contract=fast (GCC's default) */
