@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models import prepacked
+from engine.models import prepacked, small_gemm
 from engine.models.cpu_ops import CpuOps
+from engine.models.small_gemm import SmallGemm
 
 
 def empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -30,7 +31,8 @@ class Linear(nn.Module):
     """``y = x W^T (+ b)`` with ``W`` ``[out_features, in_features]``, uninitialised until loaded.
 
     After ``prepack()`` (CPU), ``W`` lives only in oneDNN's blocked layout (engine/models/prepacked.py) and
-    ``weight`` is an empty placeholder."""
+    ``weight`` is an empty placeholder; with ``small`` (float32), a second copy in 16-output panels serves
+    calls of at most ``small_gemm.MAX_ROWS`` rows (decode steps; engine/models/small_gemm.py)."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device
@@ -40,14 +42,21 @@ class Linear(nn.Module):
         self.weight = empty_param(out_features, in_features, dtype=dtype, device=device)
         self.bias = empty_param(out_features, dtype=dtype, device=device) if bias else None
         self.packed: torch.Tensor | None = None
+        self.small: SmallGemm | None = None
+        self.small_packed: torch.Tensor | None = None
 
-    def prepack(self) -> None:
-        """Move ``W`` into the prepacked layout, freeing the dense copy."""
+    def prepack(self, small: SmallGemm | None = None) -> None:
+        """Move ``W`` into the prepacked layout, freeing the dense copy; with ``small``, also into the small
+        kernel's panels."""
         if self.packed is None:
+            if small is not None:
+                self.small, self.small_packed = small, small.pack(self.weight.detach())
             self.packed = prepacked.prepack(self.weight)
             self.weight = empty_param(0, dtype=self.weight.dtype, device=self.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small is not None and self.small_packed is not None and small_gemm.fits(x):
+            return self.small.linear(x, self.small_packed, self.out_features, self.bias)
         if self.packed is not None:
             return prepacked.linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)

@@ -30,9 +30,10 @@ from engine.config import ModelConfig
 from engine.inputs import BatchInputs
 from engine.kv_cache import KVCache
 from engine.loader.errors import ModelLoadError
-from engine.models import cpu_ops, prepacked
+from engine.models import cpu_ops, prepacked, small_gemm
 from engine.models.cpu_ops import CpuOps
 from engine.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, RotaryInputs, empty_param
+from engine.models.small_gemm import SmallGemm
 from engine.native_build import KernelUnavailable
 
 logger = logging.getLogger(__name__)
@@ -144,17 +145,28 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, dtype, device
         )
         self.lm_head_packed: torch.Tensor | None = None
+        self.small: SmallGemm | None = None
+        self.lm_head_small: torch.Tensor | None = None
 
     def prepack_weights(self) -> bool:
         """On a CPU with oneDNN, move every projection and the output head into oneDNN's prepacked layout
         (engine/models/prepacked.py); the embedding stays dense (an untied head's dense copy is freed).
-        Call after ``load_weights``, which cannot run afterwards. Returns whether it packed."""
+        In float32 they are also packed for the small-batch kernel (engine/models/small_gemm.py), which
+        decode steps use: a second copy of the weights. Call after ``load_weights``, which cannot run
+        afterwards. Returns whether it packed."""
         if not prepacked.can_prepack(self.device, self.dtype):
             return False
+        if self.lm_head_packed is None and small_gemm.supports(self.device, self.dtype):
+            try:
+                self.small = small_gemm.load()
+            except KernelUnavailable as e:
+                logger.warning("the small-batch matmul kernel is not used (%s); oneDNN runs decode steps", e)
         for module in self.modules():
             if isinstance(module, Linear):
-                module.prepack()
+                module.prepack(self.small)
         if self.lm_head_packed is None:
+            if self.small is not None:
+                self.lm_head_small = self.small.pack(self.lm_head.detach())
             self.lm_head_packed = prepacked.prepack(self.lm_head)
             if not self.config.tie_word_embeddings:
                 self.lm_head = empty_param(0, dtype=self.dtype, device=self.device)
@@ -181,6 +193,10 @@ class LlamaForCausalLM(nn.Module):
         return self.rotary.cpu_ops is not None
 
     @property
+    def uses_small_gemm(self) -> bool:
+        return self.small is not None
+
+    @property
     def is_prepacked(self) -> bool:
         return self.lm_head_packed is not None
 
@@ -204,6 +220,8 @@ class LlamaForCausalLM(nn.Module):
             h = self.model.norm(x[rows])
         else:
             h, _ = self.model.norm.add_and_norm(x[rows], residual[rows])  # [num_logits, hidden]
+        if self.small is not None and self.lm_head_small is not None and small_gemm.fits(h):
+            return self.small.linear(h, self.lm_head_small, self.config.vocab_size, None)  # [num_logits, vocab]
         if self.lm_head_packed is not None:
             return prepacked.linear(h, self.lm_head_packed, None).float()  # [num_logits, vocab]
         return F.linear(h, self.lm_head).float()  # [num_logits, vocab]

@@ -38,21 +38,33 @@
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 512
 
-typedef float v16f __attribute__((vector_size(LANES * sizeof(float))));
-typedef uint16_t v16h __attribute__((vector_size(LANES * sizeof(uint16_t))));
-typedef uint32_t v16u __attribute__((vector_size(LANES * sizeof(uint32_t))));
+/* The loops work on vectors of VL floats: 16 (one AVX-512 register) where the CPU has 32 vector registers,
+ * else 8 (one AVX2 register, 16 of them). With 16 registers the value pass also splits head_dim into
+ * slices whose accumulators for the whole group fit in PV_REGS registers (group 3, head_dim 64 would
+ * need 24 -- spilled on every key); every lane's sums run in the same order either way. */
+#if defined(__AVX512F__)
+#define VL 16
+#define PV_REGS 0 /* no split: head_dim in one pass */
+#else
+#define VL 8
+#define PV_REGS 12
+#endif
+
+typedef float vf __attribute__((vector_size(VL * sizeof(float))));
+typedef uint16_t vh __attribute__((vector_size(VL * sizeof(uint16_t))));
+typedef uint32_t vu __attribute__((vector_size(VL * sizeof(uint32_t))));
 
 int cbserve_lanes(void) { return LANES; }
 int cbserve_max_group(void) { return MAX_GROUP; }
 int cbserve_max_head_dim(void) { return MAX_HEAD_DIM; }
 
-/* 16 consecutive elements of a float32 or bfloat16 cache, as float32 (bfloat16 is the high half). */
-static inline v16f load16(const void *cache, int64_t index, int bf16) {
-    v16f f;
+/* VL consecutive elements of a float32 or bfloat16 cache, as float32 (bfloat16 is the high half). */
+static inline vf loadv(const void *cache, int64_t index, int bf16) {
+    vf f;
     if (bf16) {
-        v16h h;
+        vh h;
         memcpy(&h, (const uint16_t *)cache + index, sizeof h);
-        v16u u = __builtin_convertvector(h, v16u) << 16;
+        vu u = __builtin_convertvector(h, vu) << 16;
         memcpy(&f, &u, sizeof f);
     } else {
         memcpy(&f, (const float *)cache + index, sizeof f);
@@ -80,25 +92,25 @@ static inline __attribute__((always_inline)) void attend(
     const int64_t lo = first - b_first * block_size, hi = seq_len - b_first * block_size; /* valid [lo, hi) */
     const int64_t page = head_dim * block_size; /* elements of one head's K (or V) page */
 
-    /* s[g, j]: a 16-key tile at a time; lanes outside [lo, hi) are computed and never read. Two
+    /* s[g, j]: a VL-key tile at a time; lanes outside [lo, hi) are computed and never read. Two
      * accumulators per head (even and odd dimensions) hide the FMA latency. */
     prefetch_page(k_cache, table[b_first] * block_stride + head_offset, bf16, page);
     for (int64_t b = b_first; b < b_end; b++) {
         const int64_t k = table[b] * block_stride + head_offset; /* [head_dim, block_size] */
         if (b + 1 < b_end) prefetch_page(k_cache, table[b + 1] * block_stride + head_offset, bf16, page);
-        for (int64_t t = 0; t < block_size; t += LANES) {
-            v16f even[MAX_GROUP], odd[MAX_GROUP];
-            for (int64_t g = 0; g < group; g++) even[g] = odd[g] = (v16f){0};
+        for (int64_t t = 0; t < block_size; t += VL) {
+            vf even[MAX_GROUP], odd[MAX_GROUP];
+            for (int64_t g = 0; g < group; g++) even[g] = odd[g] = (vf){0};
             for (int64_t d = 0; d < head_dim; d += 2) {
-                const v16f k0 = load16(k_cache, k + d * block_size + t, bf16);
-                const v16f k1 = load16(k_cache, k + (d + 1) * block_size + t, bf16);
+                const vf k0 = loadv(k_cache, k + d * block_size + t, bf16);
+                const vf k1 = loadv(k_cache, k + (d + 1) * block_size + t, bf16);
                 for (int64_t g = 0; g < group; g++) {
                     even[g] += q[g * head_dim + d] * k0;
                     odd[g] += q[g * head_dim + d + 1] * k1;
                 }
             }
             for (int64_t g = 0; g < group; g++) {
-                v16f s = (even[g] + odd[g]) * scale;
+                vf s = (even[g] + odd[g]) * scale;
                 memcpy(scores + g * padded + (b - b_first) * block_size + t, &s, sizeof s);
             }
         }
@@ -118,26 +130,33 @@ static inline __attribute__((always_inline)) void attend(
         inv_sum[g] = 1.0f / sum;
     }
 
-    /* o[g] = sum_j p[g, j] V[j], visible keys only (a stale slot may hold anything, even NaN) */
-    v16f acc[MAX_GROUP][MAX_HEAD_DIM / LANES];
-    for (int64_t g = 0; g < group; g++)
-        for (int64_t c = 0; c < head_dim / LANES; c++) acc[g][c] = (v16f){0};
-    for (int64_t b = b_first; b < b_end; b++) {
-        const int64_t v = table[b] * block_stride + head_offset; /* [block_size, head_dim] */
-        if (b + 1 < b_end) prefetch_page(v_cache, table[b + 1] * block_stride + head_offset, bf16, page);
-        const int64_t j0 = (b - b_first) * block_size;
-        const int64_t t0 = lo > j0 ? lo - j0 : 0, t1 = hi - j0 < block_size ? hi - j0 : block_size;
-        for (int64_t t = t0; t < t1; t++)
-            for (int64_t c = 0; c < head_dim / LANES; c++) {
-                const v16f row = load16(v_cache, v + t * head_dim + c * LANES, bf16);
-                for (int64_t g = 0; g < group; g++) acc[g][c] += scores[g * padded + j0 + t] * row;
+    /* o[g] = sum_j p[g, j] V[j], visible keys only (a stale slot may hold anything, even NaN); in slices
+     * of `slice` vectors of head_dim (all of it unless PV_REGS says otherwise; see VL) */
+    int64_t slice = head_dim / VL;
+    if (PV_REGS)
+        while (slice > 1 && (slice * group > PV_REGS || (head_dim / VL) % slice)) slice /= 2;
+    for (int64_t d0 = 0; d0 < head_dim; d0 += slice * VL) {
+        vf acc[MAX_GROUP][MAX_HEAD_DIM / VL];
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t c = 0; c < slice; c++) acc[g][c] = (vf){0};
+        for (int64_t b = b_first; b < b_end; b++) {
+            const int64_t v = table[b] * block_stride + head_offset + d0; /* [block_size, head_dim] */
+            if (d0 == 0 && b + 1 < b_end)
+                prefetch_page(v_cache, table[b + 1] * block_stride + head_offset, bf16, page);
+            const int64_t j0 = (b - b_first) * block_size;
+            const int64_t t0 = lo > j0 ? lo - j0 : 0, t1 = hi - j0 < block_size ? hi - j0 : block_size;
+            for (int64_t t = t0; t < t1; t++)
+                for (int64_t c = 0; c < slice; c++) {
+                    const vf row = loadv(v_cache, v + t * head_dim + c * VL, bf16);
+                    for (int64_t g = 0; g < group; g++) acc[g][c] += scores[g * padded + j0 + t] * row;
+                }
+        }
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t c = 0; c < slice; c++) {
+                vf o = acc[g][c] * inv_sum[g];
+                memcpy(out + g * head_dim + d0 + c * VL, &o, sizeof o);
             }
     }
-    for (int64_t g = 0; g < group; g++)
-        for (int64_t c = 0; c < head_dim / LANES; c++) {
-            v16f o = acc[g][c] * inv_sum[g];
-            memcpy(out + g * head_dim + c * LANES, &o, sizeof o);
-        }
 }
 
 /* Returns 0; -2 for an unsupported shape (nothing written); -1 if a scratch buffer could not be allocated. */

@@ -1,0 +1,128 @@
+"""The float32 small-batch matmul kernel (engine/models/small_gemm.py): the same bits as the oneDNN prepacked
+matmul it replaces for decode steps (its k order and 1024-wide k blocks), output tails that are not a
+multiple of the panel, strided rows, bias, argument checks, and its use by the model."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.inputs import BatchInputs
+from engine.kv_cache import KVCache
+from engine.loader.dummy import get_preset
+from engine.models import prepacked, small_gemm
+from engine.models.layers import Linear
+from engine.models.registry import build_model
+from engine.models.small_gemm import SmallGemm
+from engine.native_build import KernelUnavailable
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def kernel() -> SmallGemm:
+    try:
+        return small_gemm.load()
+    except KernelUnavailable as e:
+        pytest.skip(f"the small-batch matmul kernel cannot be built here: {e}")
+
+
+# (out_features, in_features): the model's projections, a tail of 4 outputs, and k past one 1024 block
+SHAPES = [(960, 576), (576, 1536), (100, 300), (20, 2500)]
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 16, 17, 64])
+def test_matches_onednn_bit_for_bit_and_f_linear_closely(kernel: SmallGemm, n: int, k: int, m: int) -> None:
+    gen = torch.Generator().manual_seed(n * 7 + m)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    x = torch.randn(m, k, generator=gen)
+    ours = kernel.linear(x, kernel.pack(w), n, None)
+    torch.testing.assert_close(ours, F.linear(x, w), rtol=1e-4, atol=1e-4)
+    if prepacked.can_prepack(CPU, torch.float32):
+        assert torch.equal(ours, prepacked.linear(x, prepacked.prepack(w), None))
+
+
+def test_bias_and_strided_rows(kernel: SmallGemm) -> None:
+    gen = torch.Generator().manual_seed(0)
+    w, b = torch.randn(37, 64, generator=gen), torch.randn(37, generator=gen)
+    x = torch.randn(9, 100, generator=gen)[:, 10:74]  # rows 100 apart
+    ours = kernel.linear(x, kernel.pack(w), 37, b)
+    torch.testing.assert_close(ours, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_pack_layout(kernel: SmallGemm) -> None:
+    w = torch.arange(20 * 3, dtype=torch.float32).view(20, 3)
+    packed = kernel.pack(w)
+    assert packed.shape == (2, 3, 16)
+    assert torch.equal(packed[0], w[:16].T) and torch.equal(packed[1, :, :4], w[16:].T)
+    assert not packed[1, :, 4:].any()  # zero-padded past the last output
+
+
+def test_bad_arguments_are_refused(kernel: SmallGemm) -> None:
+    packed = kernel.pack(torch.randn(16, 8))
+    with pytest.raises(ValueError):
+        kernel.linear(torch.randn(2, 9), packed, 16, None)  # wrong in_features
+    with pytest.raises(ValueError):
+        kernel.linear(torch.randn(2, 8, dtype=torch.bfloat16), packed, 16, None)
+    with pytest.raises(ValueError):
+        kernel.linear(torch.randn(8, 2).T, packed, 16, None)  # columns not contiguous
+    with pytest.raises(ValueError):
+        kernel.linear(torch.randn(2, 8), packed, 17, None)  # more outputs than packed
+    with pytest.raises(ValueError):
+        kernel.pack(torch.randn(16, 8, dtype=torch.bfloat16))
+
+
+def test_linear_uses_the_kernel_for_few_rows_only(kernel: SmallGemm, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not prepacked.can_prepack(CPU, torch.float32):
+        pytest.skip("this torch build cannot prepack weights (no oneDNN)")
+    lin = Linear(32, 48, True, torch.float32, CPU)
+    w, b = torch.randn(48, 32), torch.randn(48)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+        assert lin.bias is not None
+        lin.bias.copy_(b)
+    lin.prepack(kernel)
+    calls: list[int] = []
+    real = kernel.linear
+
+    def counted(x: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(kernel, "linear", counted)
+    for m in (1, small_gemm.MAX_ROWS, small_gemm.MAX_ROWS + 1):
+        x = torch.randn(m, 32)
+        torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+    assert calls == [1, small_gemm.MAX_ROWS]  # more rows than MAX_ROWS go to oneDNN
+
+
+def test_model_decode_logits_are_the_same_bits_with_and_without_the_kernel(kernel: SmallGemm) -> None:
+    """A float32 prepacked model uses the kernel for a decode step (and its output head) and gets exactly
+    oneDNN's logits; bfloat16 models never use it."""
+    if not prepacked.can_prepack(CPU, torch.float32):
+        pytest.skip("this torch build cannot prepack weights (no oneDNN)")
+    cfg = dataclasses.replace(get_preset("smollm2-135m"), vocab_size=200, hidden_size=64, intermediate_size=160,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
+    model = build_model(cfg, torch.float32, CPU)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    model.prepack_weights()
+    assert model.uses_small_gemm
+    cache = KVCache(cfg.num_hidden_layers, 16, 16, cfg.num_key_value_heads, cfg.head_dim, torch.float32, CPU)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    model(BatchInputs.build(prompts, [0, 0], [[1], [2]], [True, True], 16), cache)
+    decode = BatchInputs.build([[12], [13]], [4, 3], [[1], [2]], [True, True], 16)
+    with_kernel = model(decode, cache)
+    model.small = None
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.small = None
+    assert torch.equal(with_kernel, model(decode, cache))
+    assert not build_model(cfg, torch.bfloat16, CPU).uses_small_gemm
