@@ -388,3 +388,22 @@ def test_kustomize_overlay_validates_against_kubernetes_schemas(overlay: str) ->
     broken["spec"]["template"]["spec"]["containers"][0]["readinessprobe"] = {}
     with pytest.raises(kv.ValidationError):
         kv.validate(broken, K8S_VERSIONS[-1], strict=True)
+
+
+def test_every_c_source_ships_in_the_package() -> None:
+    """The CPU kernels are compiled from their C sources on the serving machine: a non-editable install
+    (the Docker image's `pip install .`) must carry every one of them as package data."""
+    import tomllib
+
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    sources = sorted((ROOT / "engine").rglob("*.c"))
+    assert sources
+    for source in sources:
+        rel = source.relative_to(ROOT)
+        shipped = any(
+            fnmatch.fnmatch(str(rel.relative_to(Path(*package.split(".")))), pattern)
+            for package, patterns in package_data.items()
+            if rel.is_relative_to(Path(*package.split(".")))
+            for pattern in patterns
+        )
+        assert shipped, f"{rel} is not in pyproject's package-data"
