@@ -53,7 +53,8 @@ start() {  # start SYSTEM in the background on $PORT; sets PID and EXTRA
 }
 
 PID=""
-trap 'if [[ -n "$PID" ]]; then pkill -TERM -P "$PID" 2>/dev/null; kill -TERM "$PID" 2>/dev/null; fi' EXIT
+# NOTE: `|| true`: under `set -e` a failing command in the EXIT trap (nothing left to kill) sets the exit status
+trap 'if [[ -n "$PID" ]]; then pkill -TERM -P "$PID" 2>/dev/null || true; kill -TERM "$PID" 2>/dev/null || true; fi' EXIT
 for system in "${SYSTEMS[@]}"; do
     start "$system"
     model=()
@@ -70,6 +71,7 @@ for system in "${SYSTEMS[@]}"; do
     kill -TERM "$PID" 2>/dev/null || true
     pkill -TERM -P "$PID" 2>/dev/null || true
     wait "$PID" 2>/dev/null || true
+    PID=""
     sleep 2
 done
 $PY -m bench.summarize "$OUT"/*.json
