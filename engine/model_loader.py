@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gguf import ReaderTensor
 from torch import nn
 
 from engine.config import ModelConfig
@@ -151,11 +152,9 @@ class OpenedSource:
 def open_source(source: ModelSource, dtype: torch.dtype, device: torch.device) -> OpenedSource:
     if source.kind == "gguf":
         path = _path_of(source)
-        reader = open_gguf(path)
-        config = ModelConfig.from_gguf(reader, str(path))
-        gguf_tokenizer = Tokenizer.from_gguf(reader, str(path))
-        weights = iter_gguf_weights(reader, config, dtype, str(path))
-        return OpenedSource(config, gguf_tokenizer, _gguf_generation_defaults(gguf_tokenizer), weights)
+        parsed = _parse_gguf(path)
+        weights = iter_gguf_weights(parsed.tensors, parsed.config, dtype, str(path))
+        return OpenedSource(parsed.config, parsed.tokenizer, _gguf_generation_defaults(parsed.tokenizer), weights)
     if source.kind == "safetensors":
         path = _path_of(source)
         config = load_hf_config(path)
@@ -180,7 +179,7 @@ def _dummy_config(source: ModelSource) -> ModelConfig:
         return get_preset(source.preset)
     path = _path_of(source)
     if path.suffix.lower() == ".gguf":
-        return ModelConfig.from_gguf(open_gguf(path), str(path))
+        return _parse_gguf(path).config
     return ModelConfig.from_hf_dict(read_json(path), where=str(path))
 
 
@@ -188,7 +187,7 @@ def _tokenizer_of(source: ModelSource) -> Tokenizer | None:
     """The source's tokenizer. A dummy preset has no files: it borrows the default model's tokenizer
     (its ids fit every preset's vocabulary), so benchmarks can still turn text into prompts."""
     if source.path is not None and source.path.suffix.lower() == ".gguf":
-        return _gguf_tokenizer(str(source.path), source.path.stat().st_mtime_ns)
+        return _parse_gguf(source.path).tokenizer
     folder = source.folder
     if folder is not None and (folder / "tokenizer.json").is_file():
         return Tokenizer.from_pretrained(folder)
@@ -202,11 +201,29 @@ def _tokenizer_of(source: ModelSource) -> Tokenizer | None:
     return None
 
 
-@functools.lru_cache(maxsize=4)
-def _gguf_tokenizer(path: str, mtime_ns: int) -> Tokenizer:
-    """Parsing a GGUF's vocabulary takes seconds: a process that asks again (a benchmark client, a dummy
-    model borrowing the default tokenizer) gets the same read-only tokenizer. ``mtime_ns`` keys a rewrite."""
-    return Tokenizer.from_gguf(open_gguf(path), path)
+@dataclass(frozen=True)
+class ParsedGGUF:
+    """What loading needs from a GGUF file, read once: its config, its tokenizer, and its tensors (views of
+    the memory-mapped file, still quantized)."""
+
+    config: ModelConfig
+    tokenizer: Tokenizer
+    tensors: tuple[ReaderTensor, ...]
+
+
+def _parse_gguf(path: Path) -> ParsedGGUF:
+    """The file's parse, shared by every load of the same file (path, size and modification time) in this
+    process. gguf-py reads a vocabulary's ~100k strings one by one: ~10 s for the default model on a 2-core
+    machine, paid again by every engine a test suite or a benchmark builds. Only what loading uses is kept,
+    not the reader's ~1M metadata objects (160 MB)."""
+    stat = path.stat()
+    return _parse_gguf_cached(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _parse_gguf_cached(path: str, size: int, mtime_ns: int) -> ParsedGGUF:
+    reader = open_gguf(path)
+    return ParsedGGUF(ModelConfig.from_gguf(reader, path), Tokenizer.from_gguf(reader, path), tuple(reader.tensors))
 
 
 def _gguf_generation_defaults(tokenizer: Tokenizer) -> dict[str, Any]:

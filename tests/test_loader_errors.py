@@ -152,11 +152,8 @@ def test_unknown_gguf_tensor_is_refused(smollm2_reader: Any, smollm2_gguf_path: 
         def __getattr__(self, item: str) -> Any:
             return getattr(self._t, item)
 
-    class Reader:
-        tensors = [Renamed(smollm2_reader.tensors[1])]
-
     with pytest.raises(ModelLoadError, match="'blk.0.ffn_gate_exps.weight' has no Hugging Face equivalent"):
-        list(iter_gguf_weights(Reader(), config, where="x.gguf"))  # type: ignore[arg-type]
+        list(iter_gguf_weights([Renamed(smollm2_reader.tensors[1])], config, where="x.gguf"))
 
 
 def test_tokenizer_larger_than_vocab(tmp_path: Path, smollm2_reader: Any, smollm2_gguf_path: Path) -> None:

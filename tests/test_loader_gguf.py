@@ -29,7 +29,7 @@ def config(smollm2_reader: Any, smollm2_gguf_path: Path) -> ModelConfig:
 def test_every_tensor_equals_transformers(
     smollm2_reader: Any, config: ModelConfig, oracle_gguf_weights: dict[str, torch.Tensor]
 ) -> None:
-    ours = dict(iter_gguf_weights(smollm2_reader, config))
+    ours = dict(iter_gguf_weights(smollm2_reader.tensors, config))
     # tied embeddings: no lm_head in the file, transformers re-uses embed_tokens
     expected = {k: v for k, v in oracle_gguf_weights.items() if k != "lm_head.weight"}
     assert sorted(ours) == sorted(expected)
@@ -48,7 +48,7 @@ def test_q_and_k_are_unpermuted(smollm2_reader: Any, config: ModelConfig) -> Non
     re-applying llama.cpp's permutation to our q_proj gives back the raw GGUF rows."""
     raw = {t.name: t for t in smollm2_reader.tensors}
     ours = dict(
-        (n, w) for n, w in iter_gguf_weights(smollm2_reader, config) if n.startswith("model.layers.0.self_attn.")
+        (n, w) for n, w in iter_gguf_weights(smollm2_reader.tensors, config) if n.startswith("model.layers.0.self_attn.")
     )
     for gguf_name, hf_name, heads in (
         ("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight", config.num_attention_heads),
@@ -75,7 +75,7 @@ def test_reverse_permute_inverts_llama_cpp_permute(heads: int, head_dim: int, co
 
 
 def test_dtype_cast(smollm2_reader: Any, config: ModelConfig) -> None:
-    name, tensor = next(iter_gguf_weights(smollm2_reader, config, dtype=torch.bfloat16))
+    name, tensor = next(iter_gguf_weights(smollm2_reader.tensors, config, dtype=torch.bfloat16))
     assert name == "model.embed_tokens.weight" and tensor.dtype == torch.bfloat16
     assert tuple(tensor.shape) == (config.vocab_size, config.hidden_size)
 

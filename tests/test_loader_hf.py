@@ -90,7 +90,7 @@ def test_save_hf_folder_round_trips_the_gguf(
 ) -> None:
     config = ModelConfig.from_gguf(smollm2_reader, str(smollm2_gguf_path))
     tokenizer = Tokenizer.from_gguf(smollm2_reader, str(smollm2_gguf_path))
-    original = dict(iter_gguf_weights(smollm2_reader, config))
+    original = dict(iter_gguf_weights(smollm2_reader.tensors, config))
     save_hf_folder(
         tmp_path,
         config,

@@ -13,16 +13,17 @@ arrays are already row-major ``[out_features, in_features]``, which is the Huggi
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from engine.config import ModelConfig
+from engine.loader import gguf_blocks
 from engine.loader.errors import ModelLoadError
 
 _MISSING: Any = object()
@@ -108,6 +109,9 @@ def dequantize_tensor(reader_tensor: Any, where: str) -> torch.Tensor:
     qtype = GGMLQuantizationType(int(reader_tensor.tensor_type))
     shape = tuple(int(n) for n in reversed(reader_tensor.shape.tolist()))  # ne order -> row-major
     try:
+        decoded = gguf_blocks.decode(reader_tensor.data, qtype)  # the common block types, in torch (fast)
+        if decoded is not None:
+            return decoded.reshape(shape)
         if qtype in _FLOAT_TYPES:
             array = np.array(reader_tensor.data, dtype=_FLOAT_TYPES[qtype], copy=True)
         else:
@@ -122,16 +126,17 @@ def dequantize_tensor(reader_tensor: Any, where: str) -> torch.Tensor:
 
 
 def iter_gguf_weights(
-    reader: GGUFReader,
+    tensors: Iterable[ReaderTensor],
     config: ModelConfig,
     dtype: torch.dtype = torch.float32,
     where: str = "GGUF file",
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` for every weight, one tensor dequantized at a time, cast to ``dtype``.
+    """Yield ``(hf_name, tensor)`` for every weight of ``tensors`` (a reader's ``tensors``), one tensor
+    dequantized at a time, cast to ``dtype``.
 
     Unknown tensors raise ``ModelLoadError``: silently skipping one would leave a parameter random."""
     permute = config.architecture in _PERMUTED_ARCHITECTURES
-    for t in reader.tensors:
+    for t in tensors:
         hf_name = gguf_to_hf_name(t.name)
         if hf_name is None:
             raise ModelLoadError(f"{where}: tensor {t.name!r} has no Hugging Face equivalent in cbserve")
