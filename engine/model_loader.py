@@ -216,7 +216,10 @@ def _parse_gguf(path: Path) -> ParsedGGUF:
     process. gguf-py reads a vocabulary's ~100k strings one by one: ~10 s for the default model on a 2-core
     machine, paid again by every engine a test suite or a benchmark builds. Only what loading uses is kept,
     not the reader's ~1M metadata objects (160 MB)."""
-    stat = path.stat()
+    try:
+        stat = path.stat()
+    except OSError as e:
+        raise ModelLoadError(f"GGUF file {path} cannot be read: {e}") from e
     return _parse_gguf_cached(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
 
 
