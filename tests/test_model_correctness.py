@@ -325,6 +325,6 @@ def test_prepacked_model_refuses_to_load_again(llama_pair: tuple[Any, LlamaForCa
     if not model.prepack_weights():
         pytest.skip("this torch build cannot prepack weights (no oneDNN)")
     qkv = model.model.layers[0].self_attn.qkv_proj  # type: ignore[union-attr]
-    assert qkv.packed is not None and qkv.weight.numel() == 0  # the dense copy is freed
+    assert qkv.is_prepacked and qkv.weight.numel() == 0  # the dense copy is freed
     with pytest.raises(RuntimeError, match="after prepack_weights"):
         model.load_weights(hf_model.state_dict().items())

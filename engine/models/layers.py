@@ -30,9 +30,10 @@ def empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Par
 class Linear(nn.Module):
     """``y = x W^T (+ b)`` with ``W`` ``[out_features, in_features]``, uninitialised until loaded.
 
-    After ``prepack()`` (CPU), ``W`` lives only in oneDNN's blocked layout (engine/models/prepacked.py) and
-    ``weight`` is an empty placeholder; with ``small`` (float32), a second copy in 16-output panels serves
-    calls of at most ``small_gemm.MAX_ROWS`` rows (decode steps; engine/models/small_gemm.py)."""
+    After ``prepack()`` (CPU), ``weight`` is an empty placeholder and ``W`` lives in oneDNN's blocked layout
+    (engine/models/prepacked.py), or with ``small`` (float32) in the small kernel's 16-output panels
+    (engine/models/small_gemm.py): there alone where that kernel takes every batch, else as a second copy
+    that serves calls of at most ``small_gemm.MAX_ROWS`` rows (decode steps)."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device
@@ -45,18 +46,26 @@ class Linear(nn.Module):
         self.small: SmallGemm | None = None
         self.small_packed: torch.Tensor | None = None
 
-    def prepack(self, small: SmallGemm | None = None) -> None:
-        """Move ``W`` into the prepacked layout, freeing the dense copy; with ``small``, also into the small
-        kernel's panels."""
-        if self.packed is None:
+    @property
+    def is_prepacked(self) -> bool:
+        return self.packed is not None or self.small_packed is not None
+
+    def prepack(self, small: SmallGemm | None = None, onednn: bool = True) -> None:
+        """Move ``W`` into the small kernel's panels (with ``small``) and/or oneDNN's prepacked layout (with
+        ``onednn``), freeing the dense copy."""
+        if not self.is_prepacked:
             if small is not None:
                 self.small, self.small_packed = small, small.pack(self.weight.detach())
-            self.packed = prepacked.prepack(self.weight)
+            if onednn or small is None:
+                self.packed = prepacked.prepack(self.weight)
             self.weight = empty_param(0, dtype=self.weight.dtype, device=self.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small is not None and self.small_packed is not None and small_gemm.fits(x):
-            return self.small.linear(x, self.small_packed, self.out_features, self.bias)
+        if self.small is not None and self.small_packed is not None:
+            if self.packed is None:
+                return self.small.matmul(x, self.small_packed, self.out_features, self.bias)
+            if small_gemm.fits(x):
+                return self.small.linear(x, self.small_packed, self.out_features, self.bias)
         if self.packed is not None:
             return prepacked.linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)

@@ -152,24 +152,28 @@ class LlamaForCausalLM(nn.Module):
         """On a CPU with oneDNN, move every projection and the output head into oneDNN's prepacked layout
         (engine/models/prepacked.py); the embedding stays dense (an untied head's dense copy is freed).
         In float32 they are also packed for the small-batch kernel (engine/models/small_gemm.py), which
-        decode steps use: a second copy of the weights. Call after ``load_weights``, which cannot run
-        afterwards. Returns whether it packed."""
+        decode steps use: a second copy of the weights; where that kernel takes every batch (CPUs without
+        AVX-512) it is the only copy. Call after ``load_weights``, which cannot run afterwards. Returns
+        whether it packed."""
         if not prepacked.can_prepack(self.device, self.dtype):
             return False
-        if self.lm_head_packed is None and small_gemm.supports(self.device, self.dtype):
+        if self.is_prepacked:
+            return True
+        if small_gemm.supports(self.device, self.dtype):
             try:
                 self.small = small_gemm.load()
             except KernelUnavailable as e:
                 logger.warning("the small-batch matmul kernel is not used (%s); oneDNN runs decode steps", e)
+        onednn = self.small is None or not small_gemm.takes_every_batch()
         for module in self.modules():
             if isinstance(module, Linear):
-                module.prepack(self.small)
-        if self.lm_head_packed is None:
-            if self.small is not None:
-                self.lm_head_small = self.small.pack(self.lm_head.detach())
+                module.prepack(self.small, onednn)
+        if self.small is not None:
+            self.lm_head_small = self.small.pack(self.lm_head.detach())
+        if onednn:
             self.lm_head_packed = prepacked.prepack(self.lm_head)
-            if not self.config.tie_word_embeddings:
-                self.lm_head = empty_param(0, dtype=self.dtype, device=self.device)
+        if not self.config.tie_word_embeddings:
+            self.lm_head = empty_param(0, dtype=self.dtype, device=self.device)
         return True
 
     def use_cpu_ops(self) -> bool:
@@ -198,7 +202,7 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def is_prepacked(self) -> bool:
-        return self.lm_head_packed is not None
+        return self.lm_head_packed is not None or self.lm_head_small is not None
 
     @torch.inference_mode()
     def forward(
@@ -220,8 +224,11 @@ class LlamaForCausalLM(nn.Module):
             h = self.model.norm(x[rows])
         else:
             h, _ = self.model.norm.add_and_norm(x[rows], residual[rows])  # [num_logits, hidden]
-        if self.small is not None and self.lm_head_small is not None and small_gemm.fits(h):
-            return self.small.linear(h, self.lm_head_small, self.config.vocab_size, None)  # [num_logits, vocab]
+        if self.small is not None and self.lm_head_small is not None:
+            if self.lm_head_packed is None:
+                return self.small.matmul(h, self.lm_head_small, self.config.vocab_size, None)  # [num_logits, vocab]
+            if small_gemm.fits(h):
+                return self.small.linear(h, self.lm_head_small, self.config.vocab_size, None)
         if self.lm_head_packed is not None:
             return prepacked.linear(h, self.lm_head_packed, None).float()  # [num_logits, vocab]
         return F.linear(h, self.lm_head).float()  # [num_logits, vocab]

@@ -1,9 +1,12 @@
-"""float32 matmuls of a few rows (decode steps) in C (``csrc/small_gemm.c``) over weights packed in
-16-output panels: ``[ceil(N / 16), K, 16]``, zero-padded.
+"""float32 matmuls in C (``csrc/small_gemm.c``) over weights packed in 16-output panels:
+``[ceil(N / 16), K, 16]``, zero-padded.
 
 Why: at 16 rows oneDNN's prepacked float32 kernels reach well under the machine's FMA peak and memory
 bandwidth (docs/BENCHMARKS.md); streaming one panel per block of 16 rows, with every row's accumulator in
-a register, is compute-bound instead. Large batches (prefill) stay on oneDNN, which is at peak there.
+a register, is compute-bound instead. The kernel computes on 8-float (AVX2) vectors: on a CPU whose widest
+vectors are those it also beats oneDNN at prefill sizes (2,048 rows: 160 against 144 GFLOPS, at the FMA
+peak), so there it takes every batch and the weights are not kept in oneDNN's layout at all
+(``takes_every_batch``). With AVX-512, batches of more than ``MAX_ROWS`` rows stay on oneDNN.
 
 Each output is one fused multiply-add chain over ``k`` in order, then the bias.
 """
@@ -27,8 +30,16 @@ def supports(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def fits(x: torch.Tensor) -> bool:
-    """Whether ``x`` goes to the small kernel: 2-D float32 rows, contiguous, at most ``MAX_ROWS`` of them."""
+    """Whether ``x`` goes to the small kernel when oneDNN holds the weights too: 2-D float32 rows,
+    contiguous, at most ``MAX_ROWS`` of them."""
     return x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 and x.stride(1) == 1
+
+
+def takes_every_batch() -> bool:
+    """Whether the kernel serves every call, prefill included, and oneDNN's copy of the weights is not
+    made: on CPUs without AVX-512, where it is the faster of the two at every row count (``python -m
+    bench.cpu_matmul``; docs/BENCHMARKS.md)."""
+    return not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 class SmallGemm:
@@ -54,6 +65,14 @@ class SmallGemm:
         padded = torch.zeros(panels * PANEL, k, dtype=torch.float32)
         padded[:n] = weight
         return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+
+    def matmul(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """``linear`` for ``x`` of any shape ``[..., K]`` and any strides (copied to contiguous rows first if
+        need be): ``[..., out_features]``."""
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(1) != 1:
+            rows = rows.contiguous()
+        return self.linear(rows, packed, out_features, bias).view(*x.shape[:-1], out_features)
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T + b`` for ``x`` ``[M, K]`` float32 (rows contiguous) and ``packed`` from ``pack``."""
