@@ -36,7 +36,7 @@ SHAPES = [(960, 576), (576, 1536), (100, 300), (20, 2500)]
 
 
 @pytest.mark.parametrize(("n", "k"), SHAPES)
-@pytest.mark.parametrize("m", [1, 5, 6, 7, 16, 17, 64])
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 16, 17, 24, 25, 64, 65, 130])
 def test_matches_onednn_bit_for_bit_and_f_linear_closely(kernel: SmallGemm, n: int, k: int, m: int) -> None:
     gen = torch.Generator().manual_seed(n * 7 + m)
     w = torch.randn(n, k, generator=gen) * 0.05
@@ -45,6 +45,18 @@ def test_matches_onednn_bit_for_bit_and_f_linear_closely(kernel: SmallGemm, n: i
     torch.testing.assert_close(ours, F.linear(x, w), rtol=1e-4, atol=1e-4)
     if prepacked.can_prepack(CPU, torch.float32):
         assert torch.equal(ours, prepacked.linear(x, prepacked.prepack(w), None))
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_a_rows_result_does_not_depend_on_the_batch(kernel: SmallGemm, n: int, k: int) -> None:
+    """Few rows read the panel in short chunks of k, many in one pass (csrc/small_gemm.c): the FMA chains
+    are the same, so each row gets the same bits at every batch size."""
+    gen = torch.Generator().manual_seed(n + k)
+    w, b = kernel.pack(torch.randn(n, k, generator=gen) * 0.05), torch.randn(n, generator=gen)
+    x = torch.randn(140, k, generator=gen)
+    whole = kernel.linear(x, w, n, b)
+    for m in (1, 6, 23, 24, 25, 64, 65, 139):
+        assert torch.equal(kernel.linear(x[:m], w, n, b), whole[:m]), m
 
 
 def test_bias_and_strided_rows(kernel: SmallGemm) -> None:
