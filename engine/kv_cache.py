@@ -21,6 +21,8 @@ import os
 
 import torch
 
+from engine import huge_pages
+
 
 def _dtype_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
@@ -68,9 +70,12 @@ class KVCache:
         self.dtype = dtype
         self.device = torch.device(device)
         # NOTE: one allocation so that a block copy (copy-on-write fork) is one indexing op over all layers.
-        self.kv = torch.zeros(
-            (num_layers, 2, num_blocks, num_kv_heads * head_dim * block_size), dtype=dtype, device=self.device
-        )  # [num_layers, 2, num_blocks, block_numel]
+        # On the CPU it is on huge pages: decode attention reads a sequence's blocks from all over it.
+        shape = (num_layers, 2, num_blocks, num_kv_heads * head_dim * block_size)
+        if self.device.type == "cpu":
+            self.kv = huge_pages.empty(shape, dtype).zero_()  # [num_layers, 2, num_blocks, block_numel]
+        else:
+            self.kv = torch.zeros(shape, dtype=dtype, device=self.device)
         self.k_caches: list[torch.Tensor] = [
             self.kv[i, 0].view(num_blocks, num_kv_heads, head_dim, block_size) for i in range(num_layers)
         ]

@@ -50,12 +50,13 @@ class Linear(nn.Module):
     def is_prepacked(self) -> bool:
         return self.packed is not None or self.small_packed is not None
 
-    def prepack(self, small: SmallGemm | None = None, onednn: bool = True) -> None:
-        """Move ``W`` into the small kernel's panels (with ``small``) and/or oneDNN's prepacked layout (with
-        ``onednn``), freeing the dense copy."""
+    def prepack(self, small: SmallGemm | None = None, onednn: bool = True, out: torch.Tensor | None = None) -> None:
+        """Move ``W`` into the small kernel's panels (with ``small``; into ``out`` if given, of
+        ``SmallGemm.packed_shape``) and/or oneDNN's prepacked layout (with ``onednn``), freeing the dense
+        copy."""
         if not self.is_prepacked:
             if small is not None:
-                self.small, self.small_packed = small, small.pack(self.weight.detach())
+                self.small, self.small_packed = small, small.pack(self.weight.detach(), out)
             if onednn or small is None:
                 self.packed = prepacked.prepack(self.weight)
             self.weight = empty_param(0, dtype=self.weight.dtype, device=self.weight.device)

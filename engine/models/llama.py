@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import huge_pages
 from engine.attention.decode_kernel import DecodeKernel
 from engine.attention.paged import PagedAttentionMetadata, paged_attention
 from engine.config import ModelConfig
@@ -165,11 +166,16 @@ class LlamaForCausalLM(nn.Module):
             except KernelUnavailable as e:
                 logger.warning("the small-batch matmul kernel is not used (%s); oneDNN runs decode steps", e)
         onednn = self.small is None or not small_gemm.takes_every_batch()
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.prepack(self.small, onednn)
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        panels: list[torch.Tensor | None] = [None] * (len(linears) + 1)
+        if self.small is not None:  # all panels in one allocation on huge pages (engine/huge_pages.py)
+            shapes = [SmallGemm.packed_shape(m.out_features, m.in_features) for m in linears]
+            shapes.append(SmallGemm.packed_shape(self.config.vocab_size, self.config.hidden_size))
+            panels = list(huge_pages.empty_many(shapes, torch.float32))
+        for module, out in zip(linears, panels, strict=False):
+            module.prepack(self.small, onednn, out)
         if self.small is not None:
-            self.lm_head_small = self.small.pack(self.lm_head.detach())
+            self.lm_head_small = self.small.pack(self.lm_head.detach(), panels[-1])
         if onednn:
             self.lm_head_packed = prepacked.prepack(self.lm_head)
         if not self.config.tie_word_embeddings:

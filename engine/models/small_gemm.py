@@ -56,15 +56,27 @@ class SmallGemm:
             raise RuntimeError("small_gemm.c and small_gemm.py disagree on the panel width")
 
     @staticmethod
-    def pack(weight: torch.Tensor) -> torch.Tensor:
-        """``weight`` ``[N, K]`` float32 -> ``[ceil(N / 16), K, 16]`` (a new contiguous tensor)."""
+    def packed_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
+        return -(-out_features // PANEL), in_features, PANEL
+
+    @staticmethod
+    def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``weight`` ``[N, K]`` float32 -> ``[ceil(N / 16), K, 16]``, into ``out`` (contiguous, of that
+        shape: ``packed_shape``) or a new tensor."""
         if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
             raise ValueError(f"expected a 2-D float32 CPU weight, got {weight.dtype} {tuple(weight.shape)}")
         n, k = weight.shape
-        panels = -(-n // PANEL)
-        padded = torch.zeros(panels * PANEL, k, dtype=torch.float32)
-        padded[:n] = weight
-        return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+        shape = SmallGemm.packed_shape(n, k)
+        if out is None:
+            out = torch.empty(shape, dtype=torch.float32)
+        elif out.shape != shape or out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous float32 tensor of shape {shape}")
+        full = n // PANEL  # panels without padding
+        out[:full].copy_(weight[: full * PANEL].view(full, PANEL, k).transpose(1, 2))
+        if full < shape[0]:
+            out[full].zero_()
+            out[full, :, : n - full * PANEL].copy_(weight[full * PANEL :].T)
+        return out
 
     def matmul(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
         """``linear`` for ``x`` of any shape ``[..., K]`` and any strides (copied to contiguous rows first if

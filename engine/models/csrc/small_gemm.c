@@ -134,17 +134,3 @@ void cbserve_small_gemm(float *out, int64_t ldo, const float *x, int64_t ldx, co
         }
     }
 }
-
-/* W [N, K] row-major -> packed [ceil(N / 16)][K][16], zero-padded */
-void cbserve_small_gemm_pack(float *packed, const float *w, int64_t N, int64_t K) {
-    const int64_t panels = (N + PANEL - 1) / PANEL;
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
-        float *dst = packed + p * K * PANEL;
-        for (int64_t k = 0; k < K; k++)
-            for (int j = 0; j < PANEL; j++) {
-                const int64_t row = p * PANEL + j;
-                dst[k * PANEL + j] = row < N ? w[row * K + k] : 0.0f;
-            }
-    }
-}
