@@ -156,6 +156,25 @@ def test_tiny_last_token_logits(tiny: dict[str, Any], mode: Mode) -> None:
     assert (logits - tiny["ref_logits"]).abs().max().item() <= 1e-3
 
 
+def test_prefill_runs_the_last_layers_mlp_on_the_logits_rows_only(tiny: dict[str, Any]) -> None:
+    """A prefill of several prompts computes every layer's K/V for every token, but the last layer's o_proj
+    and MLP only for the rows that need logits (their logits are what test_tiny_last_token_logits checks)."""
+    ours: LlamaForCausalLM = tiny["ours"]
+    seen: list[tuple[int, int]] = []
+    hooks = [
+        layer.mlp.register_forward_hook(lambda _m, args, _out, i=i: seen.append((i, args[0].shape[0])))
+        for i, layer in enumerate(ours.model.layers)  # type: ignore[union-attr]
+    ]
+    try:
+        prompt_logits(ours, _cache_for(ours, tiny["prompts"], 4), tiny["prompts"], "batched")
+    finally:
+        for h in hooks:
+            h.remove()
+    tokens, last = sum(len(p) for p in tiny["prompts"]), len(ours.model.layers) - 1
+    assert [n for i, n in seen if i < last] == [tokens] * last
+    assert [n for i, n in seen if i == last] == [len(tiny["prompts"])]
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_tiny_greedy_tokens_match_generate(tiny: dict[str, Any], mode: Mode) -> None:
     ours: LlamaForCausalLM = tiny["ours"]

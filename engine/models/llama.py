@@ -104,13 +104,17 @@ class DecoderLayer(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: PagedAttentionMetadata,
+        rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (this layer's MLP output, h before it); h after the layer is their sum."""
+        """Returns (this layer's MLP output, h before it); h after the layer is their sum. With ``rows``,
+        every token's K/V is still written, but only those rows go on past the attention (and are returned)."""
         if residual is None:
             normed, residual = self.input_layernorm(x), x
         else:
             normed, residual = self.input_layernorm.add_and_norm(x, residual)  # h = residual + x
         attn = self.self_attn(normed, rotary, rotation, k_cache, v_cache, meta)
+        if rows is not None:
+            attn, residual = attn[rows], residual[rows]
         normed, residual = self.post_attention_layernorm.add_and_norm(attn, residual)  # h = h + attn
         return self.mlp(normed), residual
 
@@ -223,13 +227,22 @@ class LlamaForCausalLM(nn.Module):
         rotation = self.rotary.prepare(inputs.positions)
         x = F.embedding(inputs.input_ids, self.model.embed_tokens)  # [num_tokens, hidden]
         residual: torch.Tensor | None = None
-        for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, self.rotary, rotation, kv_cache.k_caches[i], kv_cache.v_caches[i], meta)
         rows = inputs.logits_indices
+        # Past the last layer's attention only the rows that need logits matter (llama.cpp's "skip unused
+        # tokens"): a prefill chunk's other rows skip its o_proj and MLP.
+        pruned = rows.shape[0] < inputs.input_ids.shape[0] and len(self.model.layers) > 0
+        last = len(self.model.layers) - 1
+        for i, layer in enumerate(self.model.layers):
+            layer_rows = rows if pruned and i == last else None
+            x, residual = layer(
+                x, residual, self.rotary, rotation, kv_cache.k_caches[i], kv_cache.v_caches[i], meta, layer_rows
+            )
+        if not pruned:
+            x, residual = x[rows], None if residual is None else residual[rows]
         if residual is None:  # no layers
-            h = self.model.norm(x[rows])
+            h = self.model.norm(x)
         else:
-            h, _ = self.model.norm.add_and_norm(x[rows], residual[rows])  # [num_logits, hidden]
+            h, _ = self.model.norm.add_and_norm(x, residual)  # [num_logits, hidden]
         if self.small is not None and self.lm_head_small is not None:
             if self.lm_head_packed is None:
                 return self.small.matmul(h, self.lm_head_small, self.config.vocab_size, None)  # [num_logits, vocab]
