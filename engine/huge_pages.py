@@ -7,67 +7,43 @@ a 16-row decode step's matmuls and 11-25% less for its decode attention on the 2
 (docs/BENCHMARKS.md).
 
 Linux gives huge pages to anonymous memory either always or, as most distributions ship it, only where the
-process asks with ``madvise(MADV_HUGEPAGE)`` (``/sys/kernel/mm/transparent_hugepage/enabled``: madvise).
-``empty`` allocates with 2 MiB alignment and asks before the first touch. Where the kernel refuses (no THP,
-not Linux) the tensor is the same, only on small pages.
+process asks with ``madvise(MADV_HUGEPAGE)`` (``/sys/kernel/mm/transparent_hugepage/enabled``: madvise),
+and only to pages not touched yet. ``empty`` therefore maps fresh private memory of its own (``mmap``, not
+the heap, whose freed blocks are already touched), aligns the tensor to 2 MiB and asks before the first
+touch. Where there is no ``MADV_HUGEPAGE`` (not Linux) it is a plain ``torch.empty``; where the kernel
+refuses (THP off) the memory is the same, only on small pages.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import logging
 import math
-import sys
-from collections.abc import Callable, Sequence
+import mmap
+from collections.abc import Sequence
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
-
-
-@functools.cache
-def _madvise() -> Callable[[int, int, int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    name = ctypes.util.find_library("c")
-    try:
-        fn = ctypes.CDLL(name, use_errno=True).madvise if name else None
-    except (OSError, AttributeError):
-        return None
-    if fn is not None:
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        fn.restype = ctypes.c_int
-    return fn
-
-
-def _advise(address: int, nbytes: int) -> bool:
-    """Ask for huge pages under the whole 2 MiB pages in ``[address, address + nbytes)``; whether the
-    kernel accepted."""
-    madvise = _madvise()
-    start = -(-address // HUGE_PAGE) * HUGE_PAGE
-    end = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
-    if madvise is None or end <= start:
-        return False
-    return madvise(start, end - start, MADV_HUGEPAGE) == 0
+MADV_HUGEPAGE: int | None = getattr(mmap, "MADV_HUGEPAGE", None)
 
 
 def empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.empty(shape, dtype)`` on the CPU, 2 MiB-aligned and on huge pages where the kernel grants
-    them (its memory not yet touched). Tensors under 2 MiB are plain ``torch.empty``."""
+    """An uninitialised CPU tensor of ``shape`` (zeros, in fact: fresh anonymous memory), 2 MiB-aligned and on
+    huge pages where the kernel grants them. Tensors under 2 MiB are plain ``torch.empty``."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if nbytes < HUGE_PAGE or _madvise() is None:
+    if nbytes < HUGE_PAGE or MADV_HUGEPAGE is None:
         return torch.empty(tuple(shape), dtype=dtype)
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # room to align the start
-    offset = -raw.data_ptr() % HUGE_PAGE
-    t = raw[offset : offset + nbytes].view(dtype).view(tuple(shape))
-    if not _advise(t.data_ptr(), nbytes):
-        logger.debug("madvise(MADV_HUGEPAGE) refused; %d MB stay on small pages", nbytes >> 20)
-    return t
+    # NOTE: MAP_PRIVATE: the module's default, MAP_SHARED, is shmem, which THP's "enabled" setting does not cover.
+    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(buf, dtype=torch.uint8)  # shares the mapping and keeps it alive
+    offset = -raw.data_ptr() % HUGE_PAGE  # the mapping starts on a 4 KiB page: so does offset
+    try:
+        buf.madvise(MADV_HUGEPAGE, offset, nbytes // HUGE_PAGE * HUGE_PAGE)
+    except OSError as e:
+        logger.debug("madvise(MADV_HUGEPAGE) refused (%s); %d MB stay on small pages", e, nbytes >> 20)
+    return raw[offset : offset + nbytes].view(dtype).view(tuple(shape))
 
 
 def empty_many(shapes: Sequence[Sequence[int]], dtype: torch.dtype) -> list[torch.Tensor]:

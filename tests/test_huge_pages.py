@@ -45,7 +45,7 @@ def anon_huge_kb(address: int) -> int:
 def test_empty_is_aligned_and_shaped() -> None:
     t = huge_pages.empty((3, 1 << 20), torch.float32)  # 12 MiB
     assert t.shape == (3, 1 << 20) and t.dtype == torch.float32 and t.is_contiguous()
-    if huge_pages._madvise() is not None:
+    if huge_pages.MADV_HUGEPAGE is not None:
         assert t.data_ptr() % huge_pages.HUGE_PAGE == 0
     t.fill_(1.5)
     assert t.sum().item() == 1.5 * 3 * (1 << 20)
@@ -65,7 +65,10 @@ def test_empty_many_is_one_allocation_of_disjoint_contiguous_tensors() -> None:
 
 @pytest.mark.skipif(thp_mode() not in ("always", "madvise"), reason="transparent huge pages are off here")
 def test_memory_is_backed_by_huge_pages() -> None:
+    for _ in range(3):  # freed heap memory, already touched, is what it must not be given
+        torch.empty(18 << 20, dtype=torch.uint8).fill_(7)
     t = huge_pages.empty((16 << 20,), torch.uint8)
+    assert not t.any()  # fresh memory
     t.fill_(1)  # first touch: the kernel faults in 2 MiB pages
     assert anon_huge_kb(t.data_ptr()) >= 2048
 
