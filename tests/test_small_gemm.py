@@ -89,16 +89,19 @@ def test_bad_arguments_are_refused(kernel: SmallGemm) -> None:
         kernel.pack(torch.randn(16, 8, dtype=torch.bfloat16))
 
 
-def test_linear_uses_the_kernel_for_few_rows_only(kernel: SmallGemm, monkeypatch: pytest.MonkeyPatch) -> None:
-    if not prepacked.can_prepack(CPU, torch.float32):
-        pytest.skip("this torch build cannot prepack weights (no oneDNN)")
+def _loaded_linear() -> tuple[Linear, torch.Tensor, torch.Tensor]:
+    """A 32 -> 48 Linear with a bias, loaded with random weights: (layer, W, b)."""
     lin = Linear(32, 48, True, torch.float32, CPU)
     w, b = torch.randn(48, 32), torch.randn(48)
     with torch.no_grad():
         lin.weight.copy_(w)
         assert lin.bias is not None
         lin.bias.copy_(b)
-    lin.prepack(kernel)
+    return lin, w, b
+
+
+def _count_kernel_calls(kernel: SmallGemm, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The row counts of every ``kernel.linear`` call from now on."""
     calls: list[int] = []
     real = kernel.linear
 
@@ -107,6 +110,15 @@ def test_linear_uses_the_kernel_for_few_rows_only(kernel: SmallGemm, monkeypatch
         return real(x, *args)
 
     monkeypatch.setattr(kernel, "linear", counted)
+    return calls
+
+
+def test_linear_uses_the_kernel_for_few_rows_only(kernel: SmallGemm, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not prepacked.can_prepack(CPU, torch.float32):
+        pytest.skip("this torch build cannot prepack weights (no oneDNN)")
+    lin, w, b = _loaded_linear()
+    lin.prepack(kernel)
+    calls = _count_kernel_calls(kernel, monkeypatch)
     for m in (1, small_gemm.MAX_ROWS, small_gemm.MAX_ROWS + 1):
         x = torch.randn(m, 32)
         torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
@@ -118,22 +130,10 @@ def test_without_onednn_every_call_goes_to_the_kernel(kernel: SmallGemm, monkeyp
     3-D inputs and strided ones."""
     if not prepacked.can_prepack(CPU, torch.float32):
         pytest.skip("this torch build cannot prepack weights (no oneDNN)")
-    lin = Linear(32, 48, True, torch.float32, CPU)
-    w, b = torch.randn(48, 32), torch.randn(48)
-    with torch.no_grad():
-        lin.weight.copy_(w)
-        assert lin.bias is not None
-        lin.bias.copy_(b)
+    lin, w, b = _loaded_linear()
     lin.prepack(kernel, onednn=False)
     assert lin.packed is None and lin.weight.numel() == 0 and lin.is_prepacked
-    calls: list[int] = []
-    real = kernel.linear
-
-    def counted(x: torch.Tensor, *args: Any) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return real(x, *args)
-
-    monkeypatch.setattr(kernel, "linear", counted)
+    calls = _count_kernel_calls(kernel, monkeypatch)
     for x in (torch.randn(1, 32), torch.randn(300, 32), torch.randn(3, 5, 32), torch.randn(32, 7).T):
         torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
     assert calls == [1, 300, 15, 7]
