@@ -149,9 +149,9 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, dtype, device
         )
-        self.lm_head_packed: torch.Tensor | None = None
         self.small: SmallGemm | None = None
-        self.lm_head_small: torch.Tensor | None = None
+        # The output head as a prepacked Linear once ``prepack_weights`` ran (its weights moved like any other).
+        self.packed_head: Linear | None = None
 
     def prepack_weights(self) -> bool:
         """On a CPU with oneDNN, move every projection and the output head into oneDNN's prepacked layout
@@ -170,18 +170,16 @@ class LlamaForCausalLM(nn.Module):
             except KernelUnavailable as e:
                 logger.warning("the small-batch matmul kernel is not used (%s); oneDNN runs decode steps", e)
         onednn = self.small is None or not small_gemm.takes_every_batch()
-        linears = [m for m in self.modules() if isinstance(m, Linear)]
-        panels: list[torch.Tensor | None] = [None] * (len(linears) + 1)
+        head = Linear(self.config.hidden_size, self.config.vocab_size, False, self.dtype, self.device)
+        head.weight = nn.Parameter(self.lm_head.detach(), requires_grad=False)  # the (tied) head's weights
+        self.packed_head = head
+        linears = [m for m in self.modules() if isinstance(m, Linear)]  # the head included
+        panels: list[torch.Tensor | None] = [None] * len(linears)
         if self.small is not None:  # all panels in one allocation on huge pages (engine/huge_pages.py)
             shapes = [SmallGemm.packed_shape(m.out_features, m.in_features) for m in linears]
-            shapes.append(SmallGemm.packed_shape(self.config.vocab_size, self.config.hidden_size))
             panels = list(huge_pages.empty_many(shapes, torch.float32))
-        for module, out in zip(linears, panels, strict=False):
+        for module, out in zip(linears, panels, strict=True):
             module.prepack(self.small, onednn, out)
-        if self.small is not None:
-            self.lm_head_small = self.small.pack(self.lm_head.detach(), panels[-1])
-        if onednn:
-            self.lm_head_packed = prepacked.prepack(self.lm_head)
         if not self.config.tie_word_embeddings:
             self.lm_head = empty_param(0, dtype=self.dtype, device=self.device)
         return True
@@ -212,7 +210,17 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def is_prepacked(self) -> bool:
-        return self.lm_head_packed is not None or self.lm_head_small is not None
+        return self.packed_head is not None
+
+    @property
+    def lm_head_packed(self) -> torch.Tensor | None:
+        """The output head in oneDNN's layout, if it was put there."""
+        return None if self.packed_head is None else self.packed_head.packed
+
+    @property
+    def lm_head_small(self) -> torch.Tensor | None:
+        """The output head in the small kernel's panels, if it was put there."""
+        return None if self.packed_head is None else self.packed_head.small_packed
 
     @torch.inference_mode()
     def forward(
@@ -243,13 +251,8 @@ class LlamaForCausalLM(nn.Module):
             h = self.model.norm(x)
         else:
             h, _ = self.model.norm.add_and_norm(x, residual)  # [num_logits, hidden]
-        if self.small is not None and self.lm_head_small is not None:
-            if self.lm_head_packed is None:
-                return self.small.matmul(h, self.lm_head_small, self.config.vocab_size, None)  # [num_logits, vocab]
-            if small_gemm.fits(h):
-                return self.small.linear(h, self.lm_head_small, self.config.vocab_size, None)
-        if self.lm_head_packed is not None:
-            return prepacked.linear(h, self.lm_head_packed, None).float()  # [num_logits, vocab]
+        if self.packed_head is not None:
+            return self.packed_head(h).float()  # [num_logits, vocab]
         return F.linear(h, self.lm_head).float()  # [num_logits, vocab]
 
     # ------------------------------------------------------------------ weights
