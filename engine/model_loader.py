@@ -97,7 +97,8 @@ def load_model(
     """Load ``model`` (see ``resolve_model``) and its tokenizer. Raises ``ModelLoadError`` subclasses naming
     the file at fault, ``TokenizerMismatchError`` when the tokenizer has more ids than the embedding.
     ``prepack``: on the CPU, put the weights in oneDNN's prepacked layout (engine/models/prepacked.py) and
-    run the element-wise steps in the fused CPU ops (engine/models/cpu_ops.py)."""
+    run the element-wise steps in the fused CPU ops (engine/models/cpu_ops.py); in float32, decode steps'
+    layers then run in one C call (engine/models/decode_stack.py)."""
     from engine.models.registry import build_model  # NOTE: imported here: models import engine.config
 
     source = resolve_model(model, load_format)
@@ -113,6 +114,7 @@ def load_model(
         if prepack:
             net.prepack_weights()
             net.use_cpu_ops()
+            net.use_decode_stack()
     net.eval()
     return LoadedModel(
         config=config,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -59,6 +60,26 @@ def _cache_dir() -> Path:
     return Path(root) / "cbserve" / "kernels"
 
 
+_LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def _sources(source_path: Path, seen: set[Path] | None = None) -> list[bytes]:
+    """The source and, recursively, every file it includes with ``#include "..."`` (relative to it): all
+    go into the cache key, so a change in an included kernel rebuilds its includer."""
+    seen = set() if seen is None else seen
+    path = source_path.resolve()
+    if path in seen:
+        return []
+    seen.add(path)
+    text = path.read_bytes()
+    parts = [text]
+    for name in _LOCAL_INCLUDE.findall(text):
+        included = path.parent / name.decode()
+        if included.is_file():
+            parts.extend(_sources(included, seen))
+    return parts
+
+
 def build(source_path: Path, cc: str | None = None) -> Path:
     """Compile ``source_path`` (or find its build in the cache) and return the shared object's path."""
     cc = cc or _compiler()
@@ -66,10 +87,10 @@ def build(source_path: Path, cc: str | None = None) -> Path:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailable(f"cannot run the C compiler {cc!r}: {e}") from e
-    source = source_path.read_bytes()
+    sources = _sources(source_path)
     recipe = " ".join(COMPILE_FLAGS + ["&&"] + LINK_FLAGS + LIBS)
     key = hashlib.sha256(
-        b"\0".join([source, recipe.encode(), version.encode(), _cpu_signature().encode()])
+        b"\0".join([*sources, recipe.encode(), version.encode(), _cpu_signature().encode()])
     ).hexdigest()[:16]
     target = _cache_dir() / f"{source_path.stem}-{key}.so"
     if target.is_file():

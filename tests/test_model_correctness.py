@@ -134,6 +134,10 @@ def tiny(request: pytest.FixtureRequest) -> dict[str, Any]:
     hf_model = _tiny_hf_model(request.param)
     with_ops = _ours_from(hf_model)
     with_ops.use_cpu_ops()
+    stacked = _ours_from(hf_model)  # as the engine sets up a float32 CPU model
+    stacked.prepack_weights()
+    stacked.use_cpu_ops()
+    stacked.use_decode_stack()
     gen = torch.Generator().manual_seed(7)
     vocab = hf_model.config.vocab_size
     prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
@@ -142,6 +146,7 @@ def tiny(request: pytest.FixtureRequest) -> dict[str, Any]:
         "hf": hf_model,
         "ours": _ours_from(hf_model),
         "with_cpu_ops": with_ops,
+        "stacked": stacked,
         "prompts": prompts,
         "ref_logits": _hf_last_logits(hf_model, prompts),
         "ref_tokens": _hf_greedy_one_by_one(hf_model, prompts),
@@ -193,6 +198,20 @@ def test_tiny_greedy_tokens_with_the_cpu_decode_kernel_and_ops(tiny: dict[str, A
     kernel = cpu_kernel_or_skip()
     cache = _cache_for(ours, tiny["prompts"], 16)
     tokens = run_greedy(ours, cache, tiny["prompts"], NEW_TOKENS, mode, decode_kernel=kernel)
+    assert tokens == tiny["ref_tokens"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tiny_greedy_tokens_through_the_decode_stack(tiny: dict[str, Any], mode: Mode) -> None:
+    """Prepacked weights, the fused ops and decode steps' layers in one C call (engine/models/decode_stack.py):
+    Llama's scaled RoPE, Mistral's window and Qwen2's biases inside the stack; Qwen3's q/k norms keep it
+    layer by layer."""
+    ours: LlamaForCausalLM = tiny["stacked"]
+    if ours.decode_stack is None and tiny["kind"] != "qwen3_qk_norm":
+        pytest.skip("the decode stack cannot be used here (no oneDNN or no C compiler)")
+    kernel = cpu_kernel_or_skip()
+    tokens = run_greedy(ours, _cache_for(ours, tiny["prompts"], 16), tiny["prompts"], NEW_TOKENS, mode,
+                        decode_kernel=kernel)  # fmt: skip
     assert tokens == tiny["ref_tokens"]
 
 
@@ -291,9 +310,10 @@ def smollm2(oracle_model: Any, oracle_tokenizer: Any) -> dict[str, Any]:
         packed = _ours_from(oracle_model)
         packed.prepack_weights()
         packed.use_cpu_ops()
+        packed.use_decode_stack()
         return {
             "ours": _ours_from(oracle_model),
-            "packed": packed,  # what the engine runs on a CPU: prepacked oneDNN weights, fused CPU ops
+            "packed": packed,  # what the engine runs on a CPU: prepacked weights, fused CPU ops, the decode stack
             "prompts": prompts,
             "ref_logits": _hf_last_logits(oracle_model, prompts),
             "ref_tokens": [row[width:].tolist() for row in out],
@@ -302,7 +322,8 @@ def smollm2(oracle_model: Any, oracle_tokenizer: Any) -> dict[str, Any]:
         torch.set_num_threads(before)
 
 
-# "cpu": what the engine runs on a CPU (prepacked weights, the fused CPU ops, decode attention in the C kernel);
+# "cpu": what the engine runs on a CPU (prepacked weights, the fused CPU ops, decode attention in the C kernel,
+# decode steps' layers in one C call);
 # "reference": dense F.linear weights and SDPA (the path CUDA takes).
 PATHS = ["cpu", "reference"]
 

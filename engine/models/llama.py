@@ -31,8 +31,9 @@ from engine.config import ModelConfig
 from engine.inputs import BatchInputs
 from engine.kv_cache import KVCache
 from engine.loader.errors import ModelLoadError
-from engine.models import cpu_ops, prepacked, small_gemm
+from engine.models import cpu_ops, decode_stack, prepacked, small_gemm
 from engine.models.cpu_ops import CpuOps
+from engine.models.decode_stack import BoundDecodeStack
 from engine.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, RotaryInputs, empty_param
 from engine.models.small_gemm import SmallGemm
 from engine.native_build import KernelUnavailable
@@ -152,6 +153,7 @@ class LlamaForCausalLM(nn.Module):
         self.small: SmallGemm | None = None
         # The output head as a prepacked Linear once ``prepack_weights`` ran (its weights moved like any other).
         self.packed_head: Linear | None = None
+        self.decode_stack: BoundDecodeStack | None = None  # set by ``use_decode_stack``
 
     def prepack_weights(self) -> bool:
         """On a CPU with oneDNN, move every projection and the output head into oneDNN's prepacked layout
@@ -200,6 +202,32 @@ class LlamaForCausalLM(nn.Module):
                 module.cpu_ops = ops
         return True
 
+    def use_decode_stack(self) -> bool:
+        """Run the layers of decode steps in one C call (engine/models/decode_stack.py) where they would
+        otherwise be the small kernel's matmuls, the fused CPU ops and the CPU decode kernel: float32 on the
+        CPU, after ``prepack_weights`` and ``use_cpu_ops``, without per-head q/k norms. Returns whether it
+        is used (else the reason is logged where the kernel could not be built)."""
+        if self.small is None or not self.uses_cpu_ops or self.config.qk_norm or self.dtype != torch.float32:
+            return False
+        try:
+            self.decode_stack = decode_stack.load().bind(self)
+        except KernelUnavailable as e:
+            logger.warning("decode steps run layer by layer (%s)", e)
+            return False
+        return True
+
+    def _runs_decode_stack(self, inputs: BatchInputs, decode_kernel: DecodeKernel | None) -> bool:
+        """Whether this step goes to the decode stack: every sequence computes one token, decode attention
+        is the CPU kernel's, and every projection would take the small kernel (``Linear.forward``)."""
+        num_seqs = inputs.num_seqs
+        return (
+            self.decode_stack is not None
+            and decode_kernel is not None
+            and decode_kernel.name == "cpu"
+            and 0 < num_seqs == inputs.num_decode_seqs == inputs.num_tokens
+            and (small_gemm.takes_every_batch() or num_seqs <= small_gemm.MAX_ROWS)
+        )
+
     @property
     def uses_cpu_ops(self) -> bool:
         return self.rotary.cpu_ops is not None
@@ -229,13 +257,20 @@ class LlamaForCausalLM(nn.Module):
         """Compute the batch's new tokens, writing their K/V into ``inputs.slot_mapping`` slots, and return
         fp32 logits ``[len(inputs.logits_indices), vocab_size]`` for the ``logits_indices`` rows only.
         ``decode_kernel``: the decode-attention kernel (engine/attention/backend.py), or None for SDPA."""
+        rows = inputs.logits_indices
+        if self.decode_stack is not None and self.packed_head is not None and self._runs_decode_stack(
+            inputs, decode_kernel
+        ):
+            x = F.embedding(inputs.input_ids, self.model.embed_tokens)  # [num_seqs, hidden]
+            h = self.decode_stack(x, inputs, kv_cache)  # [num_seqs, hidden], after the final norm
+            h = h.index_select(0, rows)  # [num_logits, hidden] in the caller's order (the batch is by length)
+            return self.packed_head(h).float()  # [num_logits, vocab]
         meta = PagedAttentionMetadata.build(
             inputs, self.config.num_queries_per_kv, self.dtype, self.config.sliding_window, decode_kernel
         )
         rotation = self.rotary.prepare(inputs.positions)
         x = F.embedding(inputs.input_ids, self.model.embed_tokens)  # [num_tokens, hidden]
         residual: torch.Tensor | None = None
-        rows = inputs.logits_indices
         # Past the last layer's attention only the rows that need logits matter (llama.cpp's "skip unused
         # tokens"): a prefill chunk's other rows skip its o_proj and MLP.
         pruned = rows.shape[0] < inputs.input_ids.shape[0] and len(self.model.layers) > 0

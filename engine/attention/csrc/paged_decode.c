@@ -50,6 +50,10 @@
 #define PV_REGS 12
 #endif
 
+/* compiled from its own body alone (never inlined, cloned or specialised for a caller): the decode stack
+ * (engine/models/csrc/decode_stack.c) includes this file and gets the same bits */
+#define NOIPA static __attribute__((noipa))
+
 typedef float vf __attribute__((vector_size(VL * sizeof(float))));
 typedef uint16_t vh __attribute__((vector_size(VL * sizeof(uint16_t))));
 typedef uint32_t vu __attribute__((vector_size(VL * sizeof(uint32_t))));
@@ -159,6 +163,51 @@ static inline __attribute__((always_inline)) void attend(
     }
 }
 
+/* Whether the kernel takes this shape. */
+static int supported(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size) {
+    return block_size % LANES == 0 && head_dim % LANES == 0 && head_dim <= MAX_HEAD_DIM && num_kv_heads >= 1 &&
+           num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= MAX_GROUP;
+}
+
+/* Floats of scratch one work item over a sequence of `seq_len` keys needs. */
+static int64_t scores_size(int64_t group, int64_t seq_len, int64_t block_size) {
+    return group * (seq_len + 2 * block_size);
+}
+
+/* Work item (s, h): the `group` query heads of sequence s that share KV head h. `scores`: at least
+ * scores_size(group, seq_lens[s], block_size) floats. */
+NOIPA void attend_item(float *out, const float *q, int64_t q_seq_stride, const void *k_cache, const void *v_cache,
+                        int kv_is_bf16, const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                        int64_t sliding_window, int64_t s, int64_t h, float *scores) {
+    const int64_t group = num_heads / num_kv_heads, seq_len = seq_lens[s];
+    const int64_t block_stride = num_kv_heads * head_dim * block_size, head_stride = head_dim * block_size;
+    const int64_t first = sliding_window > 0 && seq_len > sliding_window ? seq_len - sliding_window : 0;
+    const float *qs = q + s * q_seq_stride + h * group * head_dim;
+    float *os = out + (s * num_heads + h * group) * head_dim;
+    const int64_t *table = block_tables + s * table_stride;
+#define ATTEND(GROUP, HEAD_DIM)                                                                       \
+    attend(os, qs, k_cache, v_cache, kv_is_bf16, table, first, seq_len, GROUP, HEAD_DIM, block_size,      \
+           block_stride, h * head_stride, scale, scores)
+#define ATTEND_GROUPS(HEAD_DIM)                                                                       \
+    switch (group) {                                                                                  \
+    case 1: ATTEND(1, HEAD_DIM); break;                                                               \
+    case 2: ATTEND(2, HEAD_DIM); break;                                                               \
+    case 3: ATTEND(3, HEAD_DIM); break;                                                               \
+    case 4: ATTEND(4, HEAD_DIM); break;                                                               \
+    case 8: ATTEND(8, HEAD_DIM); break;                                                               \
+    default: ATTEND(group, HEAD_DIM);                                                                 \
+    }
+    if (head_dim == 64)
+        ATTEND_GROUPS(64)
+    else if (head_dim == 128)
+        ATTEND_GROUPS(128)
+    else
+        ATTEND(group, head_dim);
+#undef ATTEND_GROUPS
+#undef ATTEND
+}
+
 /* Returns 0; -2 for an unsupported shape (nothing written); -1 if a scratch buffer could not be allocated. */
 int cbserve_paged_decode_attention(
     float *out,                  /* [num_seqs, num_heads, head_dim] */
@@ -172,46 +221,44 @@ int cbserve_paged_decode_attention(
     const int64_t *seq_lens,     /* [num_seqs], KV length including the new token, >= 1 */
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
     float scale, int64_t sliding_window /* <= 0: none */) {
-    if (block_size % LANES != 0 || head_dim % LANES != 0 || head_dim > MAX_HEAD_DIM || num_kv_heads < 1 ||
-        num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > MAX_GROUP)
-        return -2;
+    if (!supported(num_heads, num_kv_heads, head_dim, block_size)) return -2;
     const int64_t group = num_heads / num_kv_heads;
-    const int64_t block_stride = num_kv_heads * head_dim * block_size, head_stride = head_dim * block_size;
     int failed = 0;
 
 #pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
     for (int64_t item = 0; item < num_seqs * num_kv_heads; item++) {
-        const int64_t s = item / num_kv_heads, h = item % num_kv_heads, seq_len = seq_lens[s];
-        const int64_t first = sliding_window > 0 && seq_len > sliding_window ? seq_len - sliding_window : 0;
-        float *scores = malloc(sizeof(float) * (size_t)(group * (seq_len - first + 2 * block_size)));
+        const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
+        float *scores = malloc(sizeof(float) * (size_t)scores_size(group, seq_lens[s], block_size));
         if (scores == NULL) {
             failed = 1;
             continue;
         }
-        const float *qs = q + s * q_seq_stride + h * group * head_dim;
-        float *os = out + (s * num_heads + h * group) * head_dim;
-        const int64_t *table = block_tables + s * table_stride;
-#define ATTEND(GROUP, HEAD_DIM)                                                                       \
-    attend(os, qs, k_cache, v_cache, kv_is_bf16, table, first, seq_len, GROUP, HEAD_DIM, block_size,      \
-           block_stride, h * head_stride, scale, scores)
-#define ATTEND_GROUPS(HEAD_DIM)                                                                       \
-    switch (group) {                                                                                  \
-    case 1: ATTEND(1, HEAD_DIM); break;                                                               \
-    case 2: ATTEND(2, HEAD_DIM); break;                                                               \
-    case 3: ATTEND(3, HEAD_DIM); break;                                                               \
-    case 4: ATTEND(4, HEAD_DIM); break;                                                               \
-    case 8: ATTEND(8, HEAD_DIM); break;                                                               \
-    default: ATTEND(group, HEAD_DIM);                                                                 \
-    }
-        if (head_dim == 64)
-            ATTEND_GROUPS(64)
-        else if (head_dim == 128)
-            ATTEND_GROUPS(128)
-        else
-            ATTEND(group, head_dim);
+        attend_item(out, q, q_seq_stride, k_cache, v_cache, kv_is_bf16, block_tables, table_stride, seq_lens,
+                    num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window, s, h, scores);
         free(scores);
     }
     return failed ? -1 : 0;
+}
+
+/* Token i's keys and values into row slot % block_size of block slot / block_size (K transposed). */
+NOIPA void write_token_kv(void *k_cache, void *v_cache, const void *k, const void *v, int64_t slot,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t elem_size) {
+    const int64_t block_stride = num_kv_heads * head_dim * block_size, head_stride = head_dim * block_size;
+    const int64_t block = slot / block_size, row = slot % block_size;
+    for (int64_t h = 0; h < num_kv_heads; h++) {
+        const int64_t page = block * block_stride + h * head_stride, src = h * head_dim;
+        if (elem_size == 2) {
+            uint16_t *kc = (uint16_t *)k_cache + page + row;
+            const uint16_t *ks = (const uint16_t *)k + src;
+            for (int64_t d = 0; d < head_dim; d++) kc[d * block_size] = ks[d];
+            memcpy((uint16_t *)v_cache + page + row * head_dim, (const uint16_t *)v + src, 2 * head_dim);
+        } else {
+            float *kc = (float *)k_cache + page + row;
+            const float *ks = (const float *)k + src;
+            for (int64_t d = 0; d < head_dim; d++) kc[d * block_size] = ks[d];
+            memcpy((float *)v_cache + page + row * head_dim, (const float *)v + src, 4 * head_dim);
+        }
+    }
 }
 
 /* Store the batch's new keys and values in their cache slots (the batch's one write per layer, before it
@@ -227,25 +274,10 @@ int cbserve_write_kv(
     if (elem_size != 2 && elem_size != 4) return -2;
     for (int64_t i = 0; i < num_tokens; i++)
         if (slots[i] < 0 || slots[i] >= num_blocks * block_size) return -3;
-    const int64_t block_stride = num_kv_heads * head_dim * block_size, head_stride = head_dim * block_size;
 #pragma omp parallel for schedule(static) if (num_tokens * num_kv_heads * head_dim >= (1 << 16))
-    for (int64_t i = 0; i < num_tokens; i++) {
-        const int64_t block = slots[i] / block_size, row = slots[i] % block_size;
-        for (int64_t h = 0; h < num_kv_heads; h++) {
-            const int64_t page = block * block_stride + h * head_stride;
-            const int64_t src_k = i * k_token_stride + h * head_dim, src_v = i * v_token_stride + h * head_dim;
-            if (elem_size == 2) {
-                uint16_t *kc = (uint16_t *)k_cache + page + row;
-                const uint16_t *ks = (const uint16_t *)k + src_k;
-                for (int64_t d = 0; d < head_dim; d++) kc[d * block_size] = ks[d];
-                memcpy((uint16_t *)v_cache + page + row * head_dim, (const uint16_t *)v + src_v, 2 * head_dim);
-            } else {
-                float *kc = (float *)k_cache + page + row;
-                const float *ks = (const float *)k + src_k;
-                for (int64_t d = 0; d < head_dim; d++) kc[d * block_size] = ks[d];
-                memcpy((float *)v_cache + page + row * head_dim, (const float *)v + src_v, 4 * head_dim);
-            }
-        }
-    }
+    for (int64_t i = 0; i < num_tokens; i++)
+        write_token_kv(k_cache, v_cache, (const char *)k + i * k_token_stride * elem_size,
+                       (const char *)v + i * v_token_stride * elem_size, slots[i], num_kv_heads, head_dim,
+                       block_size, elem_size);
     return 0;
 }

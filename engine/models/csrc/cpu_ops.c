@@ -20,6 +20,9 @@
 #define PARALLEL_MIN_ELEMENTS 32768 /* below this a step's op runs on the calling thread alone */
 #define LANES 16
 #define INLINE static inline __attribute__((always_inline))
+/* A function compiled from its own body alone (never inlined, cloned or specialised for a caller): the
+ * decode stack (decode_stack.c) includes this file and calls these, and gets the same bits. */
+#define NOIPA static __attribute__((noipa))
 
 typedef float v16f __attribute__((vector_size(LANES * sizeof(float))));
 typedef uint32_t v16u __attribute__((vector_size(LANES * sizeof(uint32_t))));
@@ -172,6 +175,17 @@ INLINE void rotary_head(void *x, const void *c, const void *s, int64_t half, con
     }
 }
 
+/* float32 rows, for the decode stack and the entry points below alike */
+NOIPA void rms_norm_f32(float *out, float *residual, const float *x, const float *weight, int64_t cols, float eps) {
+    rms_norm_row(out, residual, x, weight, cols, eps, 0);
+}
+
+NOIPA void silu_and_mul_f32(float *out, const float *gate, const float *up, int64_t inter) {
+    silu_and_mul_row(out, gate, up, inter, 0);
+}
+
+NOIPA void rotary_f32(float *x, const float *c, const float *s, int64_t half) { rotary_head(x, c, s, half, 0); }
+
 /* byte offset of element i of a tensor of this dtype */
 #define AT(p, i) ((char *)(p) + (i) * (bf16 ? 2 : 4))
 #define CAT(p, i) ((const char *)(p) + (i) * (bf16 ? 2 : 4))
@@ -185,7 +199,7 @@ void cbserve_rms_norm(void *out, int64_t out_stride, void *residual, const void 
         if (bf16)
             rms_norm_row(AT(out, r * out_stride), res, CAT(x, r * x_stride), weight, cols, eps, 1);
         else
-            rms_norm_row(AT(out, r * out_stride), res, CAT(x, r * x_stride), weight, cols, eps, 0);
+            rms_norm_f32((float *)out + r * out_stride, res, (const float *)x + r * x_stride, weight, cols, eps);
     }
 }
 
@@ -198,7 +212,7 @@ void cbserve_silu_and_mul(void *out, const void *gate_up, int64_t gu_stride, int
         if (bf16)
             silu_and_mul_row(AT(out, r * inter), g, u, inter, 1);
         else
-            silu_and_mul_row(AT(out, r * inter), g, u, inter, 0);
+            silu_and_mul_f32((float *)out + r * inter, g, u, inter);
     }
 }
 
@@ -215,7 +229,7 @@ void cbserve_rotary(void *x, int64_t x_stride, int64_t tokens, int64_t heads, in
             if (bf16)
                 rotary_head(xh, c, s, head_dim / 2, 1);
             else
-                rotary_head(xh, c, s, head_dim / 2, 0);
+                rotary_f32(xh, c, s, head_dim / 2);
         }
     }
 }

@@ -32,6 +32,9 @@
 #define SHORT_CHUNK 64 /* k steps: 4 KB of panel, prefetched one chunk ahead */
 #define PREFETCH_AHEAD 16 /* k steps (64-byte lines of the panel) ahead with many rows */
 #define INLINE static inline __attribute__((always_inline))
+/* compiled from its own body alone (never inlined, cloned or specialised for a caller): the decode stack
+ * (decode_stack.c) includes this file and gets the same bits */
+#define NOIPA static __attribute__((noipa))
 
 typedef float v8f __attribute__((vector_size(8 * sizeof(float))));
 
@@ -116,21 +119,25 @@ static void group_times_panel(float *out, int64_t ldo, const float *x, int64_t l
 
 int cbserve_small_gemm_panel(void) { return PANEL; }
 
+/* panel p of the output: out[:, 16p : 16p + n] for all M rows, in groups of GROUP rows */
+NOIPA void rows_times_panel(float *out, int64_t ldo, const float *x, int64_t ldx, const float *packed,
+                             const float *bias, int64_t M, int64_t N, int64_t K, int64_t p) {
+    const int64_t chunk = M <= CHUNKED_ROWS ? SHORT_CHUNK : K_BLOCK;
+    const int64_t prefetch = M <= CHUNKED_ROWS ? SHORT_CHUNK : PREFETCH_AHEAD;
+    const int n = (int)(N - p * PANEL < PANEL ? N - p * PANEL : PANEL);
+    const float *panel = packed + p * K * PANEL;
+    const float *b = bias ? bias + p * PANEL : NULL;
+    for (int64_t m0 = 0; m0 < M; m0 += GROUP) {
+        const int64_t rows = M - m0 < GROUP ? M - m0 : GROUP;
+        group_times_panel(out + m0 * ldo + p * PANEL, ldo, x + m0 * ldx, ldx, panel, b, K, n, rows, chunk,
+                          prefetch);
+    }
+}
+
 /* out [M, N] (row stride ldo) = x [M, K] (row stride ldx) times packed W^T, plus bias [N] if not NULL */
 void cbserve_small_gemm(float *out, int64_t ldo, const float *x, int64_t ldx, const float *packed,
                         const float *bias, int64_t M, int64_t N, int64_t K) {
     const int64_t panels = (N + PANEL - 1) / PANEL;
-    const int64_t chunk = M <= CHUNKED_ROWS ? SHORT_CHUNK : K_BLOCK;
-    const int64_t prefetch = M <= CHUNKED_ROWS ? SHORT_CHUNK : PREFETCH_AHEAD;
 #pragma omp parallel for schedule(static) if (panels > 1 && M * N * K >= (1 << 18))
-    for (int64_t p = 0; p < panels; p++) {
-        const int n = (int)(N - p * PANEL < PANEL ? N - p * PANEL : PANEL);
-        const float *panel = packed + p * K * PANEL;
-        const float *b = bias ? bias + p * PANEL : NULL;
-        for (int64_t m0 = 0; m0 < M; m0 += GROUP) {
-            const int64_t rows = M - m0 < GROUP ? M - m0 : GROUP;
-            group_times_panel(out + m0 * ldo + p * PANEL, ldo, x + m0 * ldx, ldx, panel, b, K, n, rows, chunk,
-                              prefetch);
-        }
-    }
+    for (int64_t p = 0; p < panels; p++) rows_times_panel(out, ldo, x, ldx, packed, bias, M, N, K, p);
 }
