@@ -6,15 +6,18 @@ Its agreement with transformers is checked by tests/test_model_correctness.py (t
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import random
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from model_harness import cpu_kernel_or_skip
 
+from engine import native_build
 from engine.attention.cpu_kernel import PagedDecodeKernel
 from engine.config import ModelConfig
 from engine.engine import Engine
@@ -207,3 +210,26 @@ def test_the_engine_decodes_through_it_with_the_same_tokens(
         model.decode_stack = stack
     assert [o.generated_ids for o in stacked.values()] == [o.generated_ids for o in layered.values()]
     assert all(len(o.generated_ids) == 12 for o in stacked.values())
+
+
+def test_a_change_in_an_included_kernel_rebuilds_the_stack(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """decode_stack.c includes the other kernels' sources: the build cache is keyed on them too, so an edit
+    to small_gemm.c can never load a stale decode stack."""
+    try:
+        native_build._compiler()
+    except native_build.KernelUnavailable as e:
+        pytest.skip(str(e))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    (tmp_path / "inc").mkdir()
+    helper = tmp_path / "inc" / "helper.c"
+    helper.write_text("static int helper(void) { return 1; }\n")
+    main = tmp_path / "main.c"
+    main.write_text('#include "inc/helper.c"\nint answer(void) { return helper(); }\n')
+    first = native_build.build(main)
+    assert native_build.build(main) == first  # cached
+    helper.write_text("static int helper(void) { return 2; }\n")
+    second = native_build.build(main)
+    assert second != first
+    assert ctypes.CDLL(str(second)).answer() == 2
