@@ -381,8 +381,9 @@ class ContinuousBatchingManager:
             li += 1
         if not rows:
             return []
-        index = torch.tensor(row_logits, device=logits.device)
-        tokens = self.sampler.sample(logits.index_select(0, index), rows)
+        if row_logits != list(range(logits.shape[0])):  # forks repeat a row; skipped rows drop one
+            logits = logits.index_select(0, torch.tensor(row_logits, device=logits.device))
+        tokens = self.sampler.sample(logits, rows)
         return [tokens[a:b] for a, b in spans]
 
     def _forks_now(self, seq: _Sequence) -> bool:

@@ -11,7 +11,7 @@ import torch
 from engine.generation.config import GenerationConfig
 from engine.generation.rng import RequestRNG
 from engine.generation.rows import SamplingRow
-from engine.generation.sampler import Sampler
+from engine.generation.sampler import Sampler, argmax_rows
 
 V = 256
 
@@ -186,3 +186,20 @@ def test_input_logits_are_not_modified() -> None:
 def test_shape_mismatch_is_an_error() -> None:
     with pytest.raises(ValueError):
         Sampler(V).sample(_logits(2), [_row()])
+
+
+@pytest.mark.parametrize("vocab", [49152, 3000, 2048, 1500, 7])
+def test_argmax_rows_is_torch_argmax_with_ties_masks_and_a_short_last_block(vocab: int) -> None:
+    """The greedy pick reads block maxima first (sampler.argmax_rows); it must still be the FIRST index of
+    the row's maximum, wherever the maximum and its ties fall."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(8, vocab, generator=gen)
+    top = logits.max().item() + 1.0
+    logits[1, [vocab - 1]] = top  # the maximum in the (short) last block
+    logits[2, [vocab // 3, vocab - 1]] = top  # a tie across blocks
+    logits[3, [min(5, vocab - 1), min(6, vocab - 1)]] = top  # a tie inside one block
+    logits[4, : vocab // 2] = float("-inf")  # masked tokens
+    logits[5] = 0.0  # every token tied
+    logits[6, 0] = top  # the very first token
+    assert torch.equal(argmax_rows(logits), logits.argmax(dim=1))
+    assert argmax_rows(logits)[5].item() == 0

@@ -21,6 +21,29 @@ from engine.outputs import TokenLogprob
 __all__ = ["SampledToken", "Sampler", "SamplingRow"]
 
 
+ARGMAX_BLOCK = 1024
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=1)``, the first index of each row's maximum, for rows without NaN, in two cheap
+    passes: PyTorch's CPU argmax over a vocabulary is slow (16 x 49,152: 1.2 ms against 0.08 ms for
+    ``amax`` on the benchmark machine). The maxima of blocks of ``ARGMAX_BLOCK`` columns, the first block
+    holding the row's maximum, then argmax inside that block alone."""
+    num_rows, vocab = logits.shape
+    whole = vocab // ARGMAX_BLOCK
+    if whole < 2:
+        return logits.argmax(dim=1)
+    blocks = logits[:, : whole * ARGMAX_BLOCK].view(num_rows, whole, ARGMAX_BLOCK)
+    block_max = blocks.amax(dim=2)  # [R, whole]
+    if vocab > whole * ARGMAX_BLOCK:  # a shorter last block
+        block_max = torch.cat((block_max, logits[:, whole * ARGMAX_BLOCK :].amax(dim=1, keepdim=True)), dim=1)
+    row_max = block_max.amax(dim=1, keepdim=True)  # [R, 1]
+    start = (block_max == row_max).to(torch.uint8).argmax(dim=1) * ARGMAX_BLOCK  # [R]: its first block
+    # NOTE: in a shorter last block the clamped columns repeat the last one, after it: argmax stays first.
+    columns = (start[:, None] + torch.arange(ARGMAX_BLOCK, device=logits.device)).clamp_(max=vocab - 1)
+    return start + logits.gather(1, columns).argmax(dim=1)  # [R]
+
+
 class Sampler:
     """``sample(logits [R, V] float32, rows) -> list[SampledToken]``, one per row, in order.
 
@@ -74,8 +97,12 @@ class Sampler:
         greedy = [i for i, r in enumerate(rows) if r.config.is_greedy and errors[i] is None]
         sampled = [i for i, r in enumerate(rows) if not r.config.is_greedy and errors[i] is None]
         if greedy:
-            g = torch.tensor(greedy, dtype=torch.int64, device=logits.device)
-            for i, t in zip(greedy, logits.index_select(0, g).argmax(dim=-1).tolist(), strict=True):
+            if len(greedy) < len(rows):
+                picked = torch.tensor(greedy, dtype=torch.int64, device=logits.device)
+                greedy_logits = logits.index_select(0, picked)
+            else:
+                greedy_logits = logits
+            for i, t in zip(greedy, argmax_rows(greedy_logits).tolist(), strict=True):
                 tokens[i] = int(t)
         if sampled:
             for i, t in zip(sampled, self._sample_rows(logits, rows, sampled), strict=True):
