@@ -1,0 +1,18 @@
+"""bench/decode_stack_ab.py runs both sides on the default model and prints one line per side."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import decode_stack_ab
+
+
+def test_prints_both_sides(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = decode_stack_ab.main(["--runs", "2", "--prompts", "3", "--prompt-len", "20", "--new-tokens", "3"])
+    out = capsys.readouterr().out
+    if rc == 1:
+        pytest.skip(out.strip())
+    assert rc == 0
+    lines = out.strip().splitlines()
+    assert [line.split(" whole run")[0].strip() for line in lines] == ["layer by layer", "decode stack"]
+    assert all("3-sequence decode forward: best" in line for line in lines)
