@@ -218,15 +218,24 @@ class LlamaForCausalLM(nn.Module):
 
     def _runs_decode_stack(self, inputs: BatchInputs, decode_kernel: DecodeKernel | None) -> bool:
         """Whether this step goes to the decode stack: every sequence computes one token, decode attention
-        is the CPU kernel's, and every projection would take the small kernel (``Linear.forward``)."""
+        is the CPU kernel's, and every projection would take the small kernel (``Linear.forward``: all of
+        them where oneDNN holds no copy of the weights, else at most ``small_gemm.MAX_ROWS`` rows)."""
         num_seqs = inputs.num_seqs
         return (
             self.decode_stack is not None
             and decode_kernel is not None
             and decode_kernel.name == "cpu"
             and 0 < num_seqs == inputs.num_decode_seqs == inputs.num_tokens
-            and (small_gemm.takes_every_batch() or num_seqs <= small_gemm.MAX_ROWS)
+            and (self.lm_head_packed is None or num_seqs <= small_gemm.MAX_ROWS)
         )
+
+    def _decode_with_stack(self, inputs: BatchInputs, kv_cache: KVCache) -> torch.Tensor:
+        """``forward`` of a step that ``_runs_decode_stack``: the layers and the final norm in one C call."""
+        assert self.decode_stack is not None and self.packed_head is not None  # use_decode_stack set both
+        x = F.embedding(inputs.input_ids, self.model.embed_tokens)  # [num_seqs, hidden]
+        h = self.decode_stack(x, inputs, kv_cache)  # [num_seqs, hidden], after the final norm
+        h = h.index_select(0, inputs.logits_indices)  # [num_logits, hidden] in the caller's order
+        return self.packed_head(h).float()  # [num_logits, vocab]
 
     @property
     def uses_cpu_ops(self) -> bool:
@@ -257,14 +266,9 @@ class LlamaForCausalLM(nn.Module):
         """Compute the batch's new tokens, writing their K/V into ``inputs.slot_mapping`` slots, and return
         fp32 logits ``[len(inputs.logits_indices), vocab_size]`` for the ``logits_indices`` rows only.
         ``decode_kernel``: the decode-attention kernel (engine/attention/backend.py), or None for SDPA."""
+        if self._runs_decode_stack(inputs, decode_kernel):
+            return self._decode_with_stack(inputs, kv_cache)
         rows = inputs.logits_indices
-        if self.decode_stack is not None and self.packed_head is not None and self._runs_decode_stack(
-            inputs, decode_kernel
-        ):
-            x = F.embedding(inputs.input_ids, self.model.embed_tokens)  # [num_seqs, hidden]
-            h = self.decode_stack(x, inputs, kv_cache)  # [num_seqs, hidden], after the final norm
-            h = h.index_select(0, rows)  # [num_logits, hidden] in the caller's order (the batch is by length)
-            return self.packed_head(h).float()  # [num_logits, vocab]
         meta = PagedAttentionMetadata.build(
             inputs, self.config.num_queries_per_kv, self.dtype, self.config.sliding_window, decode_kernel
         )
