@@ -4,8 +4,9 @@
     finished = stop_and_publish(batch, tokens); scheduler.update(batch, tokens, finished)
 
 Requests and cancellations cross into the engine thread through a thread-safe inbox; outputs cross back
-onto one queue per request (an asyncio queue through ``loop.call_soon_threadsafe`` for the server, a plain
-queue for the synchronous API). Nothing else is shared.
+onto one queue per request (an asyncio queue for the server, handed over once per loop iteration in one
+``loop.call_soon_threadsafe`` for all of them, see engine/request_handle.py; a plain queue for the
+synchronous API). Nothing else is shared.
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ class ContinuousBatchingManager:
         self._groups: dict[str, _Group] = {}  # unfinished groups, engine thread only
         self._ready: queue.Queue[str] = queue.Queue()
         self._sync_sinks: dict[str, SyncSink] = {}
+        self._unflushed: list[Sink] = []  # sinks put to since the last flush, engine thread only
         self._step_observers: list[Callable[[int], None]] = []
         self._finish_observers: list[Callable[[GenerationOutput], None]] = []
         self._stats = self._snapshot(running=False)
@@ -319,18 +321,21 @@ class ContinuousBatchingManager:
         try:
             while not self._stop.is_set():
                 self._drain_inbox()
+                self._flush_outputs()
                 if not self.scheduler.has_unfinished_requests():
                     self._publish_stats()
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
                     continue
                 self.step()
+                self._flush_outputs()
         except BaseException as exc:  # NOTE: a bug in the loop itself: make it visible, fail everyone.
             logger.exception("engine loop died")
             self._dead = exc
         finally:
             self._stop.set()
             self._fail_everything("the engine stopped" + self._death_reason())
+            self._flush_outputs()
             self._publish_stats(running=False)
 
     def step(self) -> None:
@@ -628,6 +633,13 @@ class ContinuousBatchingManager:
             if group.num_finished >= group.n:
                 self._groups.pop(group.request_id, None)
         group.sink.put(out)
+        self._unflushed.append(group.sink)
+
+    def _flush_outputs(self) -> None:
+        """Hand over what this iteration published: one wake-up per event loop, not one per output."""
+        sinks, self._unflushed = self._unflushed, []
+        for sink in sinks:
+            sink.flush()
 
     def _generation_state(self, group: _Group, index: int) -> RequestGenerationState:
         return RequestGenerationState(

@@ -227,6 +227,48 @@ def test_async_stream_matches_reference(engine, prompts, reference):
     assert got == reference[:6]
 
 
+def test_async_streams_wake_the_loop_once_per_step(engine, prompts, reference):
+    """Every output of a step crosses to the event loop in one wake-up, in order and complete."""
+    manager = engine.init_continuous_batching()
+    manager.start()
+    wakeups = 0
+
+    async def one(i: int) -> list[int]:
+        handle = manager.submit(
+            prompts[i],
+            engine.generation_defaults.merged(max_new_tokens=MAX_NEW[i], do_sample=False, ignore_eos=True),
+        )
+        ids: list[int] = []
+        async for out in handle:
+            ids.extend(out.delta_ids)
+            assert out.generated_ids == ids
+        return ids
+
+    async def main() -> list[list[int]]:
+        nonlocal wakeups
+        loop = asyncio.get_running_loop()
+        real = loop.call_soon_threadsafe
+
+        def counting(callback, *args, **kwargs):  # type: ignore[no-untyped-def]
+            nonlocal wakeups
+            if threading.current_thread() is manager._thread:
+                wakeups += 1
+            return real(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign, assignment]
+        return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(8))), timeout=120)
+
+    steps0 = manager.num_steps
+    try:
+        got = asyncio.run(main())
+    finally:
+        manager.stop(timeout=30)
+    assert got == reference[:8]
+    outputs = sum(len(ids) for ids in got)
+    # one wake-up per step at most (plus the iterations that only drained the inbox), far fewer than outputs
+    assert 0 < wakeups <= manager.num_steps - steps0 + 2 < outputs
+
+
 def test_evict_request_from_cache_drops_its_blocks(engine, prompts):
     prompt = prompts[13]  # long enough for several full blocks
     manager = engine.init_continuous_batching()
