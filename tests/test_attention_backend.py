@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -111,7 +112,8 @@ def test_builds_are_cached_per_source(monkeypatch: pytest.MonkeyPatch, tmp_path:
     assert first.is_file() and first.parent == tmp_path / "cbserve" / "kernels"
     mtime = first.stat().st_mtime_ns
     assert cpu_kernel.build() == first and first.stat().st_mtime_ns == mtime  # found, not rebuilt
-    changed = tmp_path / "paged_decode.c"
+    sources = shutil.copytree(cpu_kernel.SOURCE.parent, tmp_path / "csrc")  # with the files it includes
+    changed = sources / cpu_kernel.SOURCE.name
     changed.write_text(cpu_kernel.SOURCE.read_text() + "\n/* changed */\n")
     monkeypatch.setattr(cpu_kernel, "SOURCE", changed)
     assert cpu_kernel.build() != first  # a changed source never loads a stale build

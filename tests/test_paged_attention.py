@@ -1,6 +1,6 @@
 """Paged attention against a dense causal reference: random K/V contexts written into random non-contiguous
-blocks, mixed prefill / decode / chunk-continuation batches, GQA, sliding window -- with decode attention
-in SDPA and in the CPU kernel (engine/attention/csrc/paged_decode.c)."""
+blocks, mixed prefill / decode / chunk-continuation batches, GQA, sliding window -- in SDPA and in the CPU
+kernels (engine/attention/csrc/paged_decode.c for decode, paged_prefill.c for prefill)."""
 
 from __future__ import annotations
 
@@ -256,3 +256,63 @@ def test_cpu_kernel_says_which_shapes_it_cannot_run() -> None:
     assert "head_dim 72" in str(kernel.unsupported(72, 16, 3, torch.float32))
     assert "float16" in str(kernel.unsupported(64, 16, 3, torch.float16))
     assert "query heads" in str(kernel.unsupported(64, 16, 64, torch.float32))
+
+
+# ---------------------------------------------------------------------- the CPU prefill kernel
+PREFILLS = [(0, 70), (0, 16), (0, 17), (5, 1), (40, 33), (16, 16), (3, 50), (90, 7), (0, 1)]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (32, 8), (28, 4), (16, 2)])
+@pytest.mark.parametrize("head_dim", [16, 48, 64, 128])
+def test_cpu_prefill_kernel_matches_the_reference(heads: int, kv_heads: int, head_dim: int) -> None:
+    """Fresh prompts and continuation chunks of 1 to 70 tokens (tiles of 16 queries, whole and partial),
+    next to decoding sequences; head_dim 48 takes value slices of 16 floats, the others of 32."""
+    run_case(PREFILLS + [(7, 1), (30, 1)], heads, kv_heads, head_dim=head_dim, block_size=16, kernel=cpu_kernel_or_skip())
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 17, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_prefill_kernel_sliding_window_and_bfloat16(window: int, dtype: torch.dtype) -> None:
+    run_case(PREFILLS, 8, 2, head_dim=64, block_size=16, sliding_window=window, dtype=dtype, kernel=cpu_kernel_or_skip())
+
+
+@pytest.mark.parametrize("block_size", [32, 64])
+def test_cpu_prefill_kernel_larger_blocks(block_size: int) -> None:
+    run_case(PREFILLS, 6, 2, head_dim=64, block_size=block_size, kernel=cpu_kernel_or_skip())
+
+
+def test_cpu_prefill_kernel_never_reads_slots_beyond_the_sequence() -> None:
+    """A prompt's last page past its length may hold anything (NaN here): no query ever weighs it."""
+    run_case(PREFILLS, 4, 2, head_dim=64, block_size=16, kernel=cpu_kernel_or_skip(), stale=float("nan"))
+    run_case(PREFILLS, 4, 2, head_dim=64, block_size=16, kernel=cpu_kernel_or_skip(), stale=float("nan"), sliding_window=9)
+
+
+def test_cpu_prefill_kernel_takes_every_prefill_sequence_in_one_part() -> None:
+    kernel = cpu_kernel_or_skip()
+    inputs = BatchInputs.build(
+        [[1], [1, 2, 3], [4], [5, 6]], [7, 0, 2, 4], [[0, 1], [2], [3], [4, 5]], [True] * 4, 4
+    )
+    meta = PagedAttentionMetadata.build(inputs, 2, torch.float32, None, kernel)
+    assert meta.prefill == [] and not meta.is_decode
+    part = meta.prefill_part
+    assert part is not None and (part.start, part.end) == (2, 7)  # after the two decoding sequences
+    assert part.query_starts.tolist() == [0, 3, 5]
+    assert part.seq_lens.tolist() == [3, 6]
+    assert part.block_tables.shape == (2, 2)  # trimmed to the longest's pages
+    assert part.block_tables[0, 0] == 2 and part.block_tables[1].tolist() == [4, 5]
+
+
+def test_cpu_prefill_kernel_refuses_query_ranges_that_do_not_fit() -> None:
+    kernel = cpu_kernel_or_skip()
+    k_cache = torch.zeros(4, 2, 64, 16)
+    v_cache = torch.zeros(4, 2, 16, 64)
+    q = torch.randn(10, 4, 64)
+    tables = torch.tensor([[0, 1], [2, 3]])
+    ok = kernel.prefill(q, k_cache, v_cache, tables, torch.tensor([0, 4, 10]), torch.tensor([20, 6]), 0.125, None)
+    assert ok.shape == (10, 4, 64)
+    with pytest.raises(ValueError, match="does not fit"):  # 6 queries in a sequence of 5 keys
+        kernel.prefill(q, k_cache, v_cache, tables, torch.tensor([0, 4, 10]), torch.tensor([20, 5]), 0.125, None)
+    with pytest.raises(ValueError, match="does not fit"):  # 40 keys need 3 pages, the table has 2
+        kernel.prefill(q, k_cache, v_cache, tables, torch.tensor([0, 4, 10]), torch.tensor([40, 6]), 0.125, None)
+    with pytest.raises(ValueError, match="cover"):
+        kernel.prefill(q, k_cache, v_cache, tables, torch.tensor([0, 4, 9]), torch.tensor([20, 6]), 0.125, None)

@@ -1,5 +1,5 @@
-"""The CPU decode-attention kernel (``csrc/paged_decode.c``): built with the system C compiler on first use,
-cached on disk, called through ``ctypes`` (engine/native_build.py).
+"""The CPU attention kernels (``csrc/cpu_attention.c``: ``paged_decode.c`` and ``paged_prefill.c``): built
+with the system C compiler on first use, cached on disk, called through ``ctypes`` (engine/native_build.py).
 
 Why C: on the CPU, decode attention is bound by reading the KV pages. The PyTorch path gathers every
 sequence's pages into a padded copy and then runs SDPA over it -- three passes over the cache per layer,
@@ -11,6 +11,11 @@ callers that choose the backend automatically fall back to the PyTorch path on t
 The same library writes each step's new K/V into their cache slots (``write_kv``): one pass over the new
 tokens instead of two ``index_put_`` calls per layer. In a bfloat16 decode step of 16 sequences on the
 benchmark machine (py-spy), the writes took 4.4 ms of 44 ms through ``index_put_`` and 0.24 ms here.
+
+And it runs the prefill part of a batch (``prefill``): every sequence's new queries over its pages, causal,
+in one call per layer instead of one SDPA call per sequence, each K/V page read once per tile of 16 queries
+(16 prompts of 128 tokens, one layer of SmolLM2 on the 2-core benchmark machine: 3.8-4.2 ms against SDPA's
+6.2-8.5 ms).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 from engine.native_build import BuildOnce, KernelUnavailable
 from engine.native_build import build as build_library
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.c"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 __all__ = ["KernelUnavailable", "PagedDecodeKernel", "build", "load"]
@@ -35,7 +40,8 @@ def build(cc: str | None = None) -> Path:
 
 
 class PagedDecodeKernel:
-    """``ctypes`` binding of ``cbserve_paged_decode_attention`` (a ``DecodeKernel``)."""
+    """``ctypes`` binding of ``cbserve_paged_decode_attention`` (a ``DecodeKernel``), of
+    ``cbserve_paged_prefill_attention`` (a ``PrefillKernel``) and of ``cbserve_write_kv``."""
 
     name = "cpu"
 
@@ -52,6 +58,11 @@ class PagedDecodeKernel:
         write.restype = ctypes.c_int
         write.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, i64]
         self._write = write
+        prefill = self._lib.cbserve_paged_prefill_attention
+        prefill.restype = ctypes.c_int
+        prefill.argtypes = [ptr, ptr, i64, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64]
+        prefill.argtypes += [ctypes.c_float, i64]
+        self._prefill = prefill
         self.lanes = int(self._lib.cbserve_lanes())
         self.max_group = int(self._lib.cbserve_max_group())
         self.max_head_dim = int(self._lib.cbserve_max_head_dim())
@@ -116,6 +127,53 @@ class PagedDecodeKernel:
             )
         if rc != 0:
             raise MemoryError("paged decode attention: out of memory for its scratch buffers")
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+    def prefill(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]: the sequences' new queries, one after another
+        k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, head_dim, block_size]
+        v_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+        block_tables: torch.Tensor,  # [num_seqs, >= pages] int64
+        query_starts: torch.Tensor,  # [num_seqs + 1] int64: sequence s's queries are rows starts[s]:starts[s+1]
+        seq_lens: torch.Tensor,  # [num_seqs] int64: KV length with the new tokens (already in the cache)
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """Causal attention of each sequence's new queries over its pages (the query of row ``i`` of a
+        sequence of ``q_len`` new tokens sits at position ``seq_len - q_len + i``): ``[num_tokens, num_heads,
+        head_dim]`` in q's dtype."""
+        num_tokens, num_heads, head_dim = q.shape
+        num_blocks, num_kv_heads, _, block_size = k_cache.shape
+        num_seqs = seq_lens.shape[0]
+        qf = q.float()
+        if qf.stride(2) != 1 or qf.stride(1) != head_dim:
+            qf = qf.contiguous()
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype):
+            raise ValueError("the K and V caches must be contiguous tensors of one dtype")
+        for name, x in (("block_tables", block_tables), ("query_starts", query_starts), ("seq_lens", seq_lens)):
+            if x.dtype != torch.int64:
+                raise ValueError(f"{name} must be int64")
+        if query_starts.shape != (num_seqs + 1,) or block_tables.shape[0] != num_seqs:
+            raise ValueError("one block table and one query range per sequence")
+        if int(query_starts[0]) != 0 or int(query_starts[-1]) != num_tokens:
+            raise ValueError(f"the query ranges must cover the {num_tokens} query rows")
+        tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+        starts, lens = query_starts.contiguous(), seq_lens.contiguous()
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
+        rc = self._prefill(
+            out.data_ptr(), qf.data_ptr(), qf.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            int(k_cache.dtype == torch.bfloat16), tables.data_ptr(), tables.stride(0), starts.data_ptr(),
+            lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window or 0,
+        )  # fmt: skip
+        if rc == -2:
+            raise KernelUnavailable(
+                f"unsupported shape: heads {num_heads}/{num_kv_heads}, head_dim {head_dim}, block {block_size}"
+            )
+        if rc == -5:
+            raise ValueError("a sequence's query count or length does not fit its length or block table")
+        if rc != 0:
+            raise MemoryError("paged prefill attention: out of memory for its scratch buffers")
         return out if q.dtype == torch.float32 else out.to(q.dtype)
 
     def write_kv(

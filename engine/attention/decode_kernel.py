@@ -1,10 +1,11 @@
 """What paged attention asks of a decode-attention kernel (the CPU C kernel of ``cpu_kernel.py``, the GPU
 Triton kernel of ``triton_decode.py``): one query per sequence over its KV pages, read in place through
-the block table, and the step's new K/V written into their slots."""
+the block table, and the step's new K/V written into their slots. A kernel that is also a
+``PrefillKernel`` (the CPU one) runs the prefill part of a batch too."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -38,4 +39,22 @@ class DecodeKernel(Protocol):
         sliding_window: int | None,
     ) -> torch.Tensor:
         """``[num_seqs, num_heads, head_dim]`` in q's dtype."""
+        ...
+
+
+@runtime_checkable
+class PrefillKernel(Protocol):
+    def prefill(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]: the sequences' new queries, one after another
+        k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, head_dim, block_size]
+        v_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+        block_tables: torch.Tensor,  # [num_seqs, pages of the longest] int64
+        query_starts: torch.Tensor,  # [num_seqs + 1] int64: sequence s's queries are rows starts[s]:starts[s+1]
+        seq_lens: torch.Tensor,  # [num_seqs] int64: KV length with the new tokens (already in the cache)
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """Causal attention of each sequence's new queries over its pages: ``[num_tokens, num_heads,
+        head_dim]`` in q's dtype."""
         ...

@@ -8,11 +8,13 @@ The batch has two parts (``BatchInputs`` lays the decoding sequences out first):
   CUDA. Without one (``--attention-backend sdpa``, no compiler, no Triton), the sequences are split into
   at most ``MAX_DECODE_GROUPS`` runs of similar KV length; each run gathers its pages and makes one SDPA
   call with the query heads that share a KV head folded into the query axis (GQA without repeating K/V).
-- **prefill** (several new tokens per sequence): one SDPA call per sequence, unpadded (a step holds a few
-  prompt chunks; padding them to the longest cost twice the work). A fresh prompt attends over its own new
-  K/V, plain causal, nothing gathered; a continuation chunk gathers its pages and uses an additive mask that
-  allows key ``j`` for a query at position ``p`` iff ``j <= p`` and ``j`` is a real key (and
-  ``j > p - sliding_window`` when the model has one).
+- **prefill** (several new tokens per sequence): where the decode kernel also runs prefill (the CPU one,
+  ``PrefillKernel``), every prefilling sequence in one call per layer, its queries over its pages in
+  place. Otherwise one SDPA call per sequence, unpadded (a step holds a few prompt chunks; padding them to
+  the longest cost twice the work). A fresh prompt attends over its own new K/V, plain causal, nothing
+  gathered; a continuation chunk gathers its pages and uses an additive mask that allows key ``j`` for a
+  query at position ``p`` iff ``j <= p`` and ``j`` is a real key (and ``j > p - sliding_window`` when the
+  model has one).
 
 The split matters: padding every decode query to the longest prefill chunk of a mixed batch would multiply
 the attention work by that chunk's length. The new tokens' K/V are written into their slots first (by the
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention.decode_kernel import DecodeKernel
+from engine.attention.decode_kernel import DecodeKernel, PrefillKernel
 from engine.inputs import BatchInputs
 
 
@@ -113,6 +115,17 @@ class PrefillSeq:
 
 
 @dataclass(frozen=True)
+class PrefillPart:
+    """Every sequence computing several tokens (batch rows ``start:end``), for a ``PrefillKernel``."""
+
+    start: int
+    end: int
+    block_tables: torch.Tensor  # [num_seqs, num_pages] int64
+    query_starts: torch.Tensor  # [num_seqs + 1] int64, relative to ``start``
+    seq_lens: torch.Tensor  # [num_seqs] int64
+
+
+@dataclass(frozen=True)
 class PagedAttentionMetadata:
     """The per-batch tensors every layer's attention reads. Build with :meth:`build`."""
 
@@ -124,10 +137,12 @@ class PagedAttentionMetadata:
     num_queries_per_kv: int
     sliding_window: int | None = None
     decode_kernel: DecodeKernel | None = None  # the kernel for the decode part, if one was chosen
+    # the prefill part for the decode kernel when it runs prefill too (``prefill`` is empty then)
+    prefill_part: PrefillPart | None = None
 
     @property
     def is_decode(self) -> bool:
-        return not self.prefill
+        return not self.prefill and self.prefill_part is None
 
     @classmethod
     def build(
@@ -142,7 +157,8 @@ class PagedAttentionMetadata:
         With ``decode_kernel`` the decode part runs in that kernel, unpadded."""
         block_size = inputs.block_size
         decode = _decode_parts(inputs, dtype, sliding_window, decode_kernel is not None)
-        prefill = _prefill_seqs(inputs, dtype, sliding_window)
+        prefill_part = _prefill_part(inputs) if isinstance(decode_kernel, PrefillKernel) else None
+        prefill = [] if prefill_part is not None else _prefill_seqs(inputs, dtype, sliding_window)
         slots = inputs.slot_mapping
         return cls(
             slots=slots,
@@ -153,7 +169,26 @@ class PagedAttentionMetadata:
             num_queries_per_kv=num_queries_per_kv,
             sliding_window=sliding_window,
             decode_kernel=decode_kernel,
+            prefill_part=prefill_part,
         )
+
+
+def _prefill_part(inputs: BatchInputs) -> PrefillPart | None:
+    """The rows, tables and query ranges of every prefilling sequence (after the decoding ones)."""
+    if not inputs.prefill_query_lens:
+        return None
+    first, start = inputs.num_decode_seqs, inputs.num_decode_seqs  # a decoding sequence holds one row
+    starts = [0]
+    for q_len in inputs.prefill_query_lens:
+        starts.append(starts[-1] + q_len)
+    num_pages = -(-max(inputs.prefill_seq_lens) // inputs.block_size)
+    return PrefillPart(
+        start=start,
+        end=start + starts[-1],
+        block_tables=inputs.block_tables[first:, :num_pages],
+        query_starts=torch.tensor(starts, dtype=torch.int64),
+        seq_lens=inputs.seq_lens[first:],
+    )
 
 
 def _decode_parts(
@@ -264,6 +299,16 @@ def paged_attention(
         else _decode_attention(q[p.start : p.end], k_cache, v_cache, p, group, scale)
         for p in meta.decode
     ]
+    if meta.prefill_part is not None:
+        part = meta.prefill_part
+        prefill_kernel = meta.decode_kernel
+        assert isinstance(prefill_kernel, PrefillKernel)
+        parts.append(
+            prefill_kernel.prefill(
+                q[part.start : part.end], k_cache, v_cache, part.block_tables, part.query_starts,
+                part.seq_lens, scale, window,
+            )  # fmt: skip
+        )
     for p in meta.prefill:
         rows = slice(p.start, p.end)
         parts.append(_prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, p, scale))
