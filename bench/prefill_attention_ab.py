@@ -1,0 +1,90 @@
+"""A/B of prefill attention on the CPU: the prefill kernel (engine/attention/csrc/paged_prefill.c) against
+one SDPA call per sequence, interleaved in one process on one engine, so that a noisy machine's slow
+minutes hit both sides alike.
+
+    python -m bench.prefill_attention_ab [--runs 6] [--prompts 16] [--prompt-len 128]
+
+Each run prefills ``--prompts`` random prompts in one step (``generate_batch`` with one new token) with the
+kernel switched on or off; the side that goes first alternates. Prints, for each side, the best and the
+median of the whole step and of the time spent in the model's attention calls (K/V writes included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engine.attention import paged
+from engine.attention.decode_kernel import PrefillKernel
+from engine.engine import Engine
+from engine.models import llama
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--runs", type=int, default=6)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    engine = Engine.from_pretrained(args.model, dtype="float32", device="cpu")
+    if not isinstance(engine.decode_kernel, PrefillKernel):
+        print("no CPU prefill kernel here (no C compiler, or a shape it does not take)")
+        return 1
+    rng = random.Random(0)
+    vocab = engine.model.config.vocab_size
+
+    kernel_part = paged._prefill_part
+    sides: dict[str, Callable[[Any], Any]] = {
+        "sdpa per sequence": lambda inputs: None,
+        "prefill kernel": kernel_part,
+    }
+    attention_s = [0.0]
+    real_attention = llama.paged_attention
+
+    def timed_attention(*a: Any, **k: Any) -> torch.Tensor:
+        start = time.perf_counter()
+        try:
+            return real_attention(*a, **k)
+        finally:
+            attention_s[0] += time.perf_counter() - start
+
+    step: dict[str, list[float]] = {name: [] for name in sides}
+    attention: dict[str, list[float]] = {name: [] for name in sides}
+    kwargs = dict(progress_bar=False, max_new_tokens=1, do_sample=False, ignore_eos=True)
+    llama.paged_attention = timed_attention  # type: ignore[assignment]
+    try:
+        for run in range(args.runs):
+            for name in list(sides) if run % 2 == 0 else list(sides)[::-1]:
+                paged._prefill_part = sides[name]  # type: ignore[assignment]
+                prompts = [
+                    [rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)
+                ]
+                attention_s[0] = 0.0
+                start = time.perf_counter()
+                engine.generate_batch(prompts, **kwargs)
+                step[name].append(time.perf_counter() - start)
+                attention[name].append(attention_s[0])
+    finally:
+        paged._prefill_part = kernel_part  # type: ignore[assignment]
+        llama.paged_attention = real_attention  # type: ignore[assignment]
+    for name in sides:
+        s, a = step[name], attention[name]
+        print(
+            f"{name:17s} prefill of {args.prompts} x {args.prompt_len}: best {min(s):.3f} s, median "
+            f"{statistics.median(s):.3f} s;  attention: best {1e3 * min(a):.1f} ms, median "
+            f"{1e3 * statistics.median(a):.1f} ms"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
