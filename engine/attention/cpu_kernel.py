@@ -93,14 +93,7 @@ class PagedDecodeKernel:
         dtype."""
         num_seqs, num_heads, head_dim = q.shape
         num_blocks, num_kv_heads, _, block_size = k_cache.shape
-        qf = q.float()
-        if qf.stride(2) != 1 or qf.stride(1) != head_dim:
-            qf = qf.contiguous()
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype):
-            raise ValueError("the K and V caches must be contiguous tensors of one dtype")
-        if block_tables.dtype != torch.int64 or seq_lens.dtype != torch.int64:
-            raise ValueError("block_tables and seq_lens must be int64")
-        tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+        qf, tables = _checked_inputs(q, k_cache, v_cache, block_tables, seq_lens)
         lens = seq_lens.contiguous()
         out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
         rc = self._fn(
@@ -121,12 +114,7 @@ class PagedDecodeKernel:
             scale,
             sliding_window or 0,
         )
-        if rc == -2:
-            raise KernelUnavailable(
-                f"unsupported shape: heads {num_heads}/{num_kv_heads}, head_dim {head_dim}, block {block_size}"
-            )
-        if rc != 0:
-            raise MemoryError("paged decode attention: out of memory for its scratch buffers")
+        _raise_for(rc, "decode", q.shape, k_cache.shape)
         return out if q.dtype == torch.float32 else out.to(q.dtype)
 
     def prefill(
@@ -146,19 +134,13 @@ class PagedDecodeKernel:
         num_tokens, num_heads, head_dim = q.shape
         num_blocks, num_kv_heads, _, block_size = k_cache.shape
         num_seqs = seq_lens.shape[0]
-        qf = q.float()
-        if qf.stride(2) != 1 or qf.stride(1) != head_dim:
-            qf = qf.contiguous()
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype):
-            raise ValueError("the K and V caches must be contiguous tensors of one dtype")
-        for name, x in (("block_tables", block_tables), ("query_starts", query_starts), ("seq_lens", seq_lens)):
-            if x.dtype != torch.int64:
-                raise ValueError(f"{name} must be int64")
+        qf, tables = _checked_inputs(q, k_cache, v_cache, block_tables, seq_lens)
+        if query_starts.dtype != torch.int64:
+            raise ValueError("query_starts must be int64")
         if query_starts.shape != (num_seqs + 1,) or block_tables.shape[0] != num_seqs:
             raise ValueError("one block table and one query range per sequence")
         if int(query_starts[0]) != 0 or int(query_starts[-1]) != num_tokens:
             raise ValueError(f"the query ranges must cover the {num_tokens} query rows")
-        tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
         starts, lens = query_starts.contiguous(), seq_lens.contiguous()
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
         rc = self._prefill(
@@ -166,14 +148,9 @@ class PagedDecodeKernel:
             int(k_cache.dtype == torch.bfloat16), tables.data_ptr(), tables.stride(0), starts.data_ptr(),
             lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window or 0,
         )  # fmt: skip
-        if rc == -2:
-            raise KernelUnavailable(
-                f"unsupported shape: heads {num_heads}/{num_kv_heads}, head_dim {head_dim}, block {block_size}"
-            )
         if rc == -5:
             raise ValueError("a sequence's query count or length does not fit its length or block table")
-        if rc != 0:
-            raise MemoryError("paged prefill attention: out of memory for its scratch buffers")
+        _raise_for(rc, "prefill", q.shape, k_cache.shape)
         return out if q.dtype == torch.float32 else out.to(q.dtype)
 
     def write_kv(
@@ -207,6 +184,34 @@ class PagedDecodeKernel:
             raise ValueError(f"a slot is outside the cache's {num_blocks * block_size} slots")
         if rc != 0:
             raise KernelUnavailable(f"write_kv: unsupported element size {k.element_size()}")
+
+
+def _checked_inputs(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What both attention kernels check and pass: float32 queries with contiguous heads, contiguous caches
+    of one dtype, int64 tables (rows contiguous) and lengths. Returns (queries, tables)."""
+    head_dim = q.shape[-1]
+    qf = q.float()
+    if qf.stride(-1) != 1 or qf.stride(-2) != head_dim:
+        qf = qf.contiguous()
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype):
+        raise ValueError("the K and V caches must be contiguous tensors of one dtype")
+    if block_tables.dtype != torch.int64 or seq_lens.dtype != torch.int64:
+        raise ValueError("block_tables and seq_lens must be int64")
+    return qf, block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+
+
+def _raise_for(rc: int, what: str, q_shape: torch.Size, k_cache_shape: torch.Size) -> None:
+    """The error of a kernel's return code (0: none): -2 a shape it does not take, else out of memory."""
+    if rc == -2:
+        _, num_heads, head_dim = q_shape
+        _, num_kv_heads, _, block_size = k_cache_shape
+        raise KernelUnavailable(
+            f"unsupported shape: heads {num_heads}/{num_kv_heads}, head_dim {head_dim}, block {block_size}"
+        )
+    if rc != 0:
+        raise MemoryError(f"paged {what} attention: out of memory for its scratch buffers")
 
 
 # The kernel, built once per process; raises ``KernelUnavailable`` with the reason when it cannot be.

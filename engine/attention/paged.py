@@ -116,8 +116,9 @@ class PrefillSeq:
 
 @dataclass(frozen=True)
 class PrefillPart:
-    """Every sequence computing several tokens (batch rows ``start:end``), for a ``PrefillKernel``."""
+    """Every sequence computing several tokens (batch rows ``start:end``), for ``kernel``."""
 
+    kernel: PrefillKernel
     start: int
     end: int
     block_tables: torch.Tensor  # [num_seqs, num_pages] int64
@@ -157,7 +158,7 @@ class PagedAttentionMetadata:
         With ``decode_kernel`` the decode part runs in that kernel, unpadded."""
         block_size = inputs.block_size
         decode = _decode_parts(inputs, dtype, sliding_window, decode_kernel is not None)
-        prefill_part = _prefill_part(inputs) if isinstance(decode_kernel, PrefillKernel) else None
+        prefill_part = _prefill_part(inputs, decode_kernel) if isinstance(decode_kernel, PrefillKernel) else None
         prefill = [] if prefill_part is not None else _prefill_seqs(inputs, dtype, sliding_window)
         slots = inputs.slot_mapping
         return cls(
@@ -173,18 +174,20 @@ class PagedAttentionMetadata:
         )
 
 
-def _prefill_part(inputs: BatchInputs) -> PrefillPart | None:
-    """The rows, tables and query ranges of every prefilling sequence (after the decoding ones)."""
+def _prefill_part(inputs: BatchInputs, kernel: PrefillKernel) -> PrefillPart | None:
+    """The rows, tables and query ranges of every prefilling sequence (after the decoding ones, which hold
+    one row each: the first prefilling sequence and its first row have the same index)."""
     if not inputs.prefill_query_lens:
         return None
-    first, start = inputs.num_decode_seqs, inputs.num_decode_seqs  # a decoding sequence holds one row
+    first = inputs.num_decode_seqs
     starts = [0]
     for q_len in inputs.prefill_query_lens:
         starts.append(starts[-1] + q_len)
     num_pages = -(-max(inputs.prefill_seq_lens) // inputs.block_size)
     return PrefillPart(
-        start=start,
-        end=start + starts[-1],
+        kernel=kernel,
+        start=first,
+        end=first + starts[-1],
         block_tables=inputs.block_tables[first:, :num_pages],
         query_starts=torch.tensor(starts, dtype=torch.int64),
         seq_lens=inputs.seq_lens[first:],
@@ -301,10 +304,8 @@ def paged_attention(
     ]
     if meta.prefill_part is not None:
         part = meta.prefill_part
-        prefill_kernel = meta.decode_kernel
-        assert isinstance(prefill_kernel, PrefillKernel)
         parts.append(
-            prefill_kernel.prefill(
+            part.kernel.prefill(
                 q[part.start : part.end], k_cache, v_cache, part.block_tables, part.query_starts,
                 part.seq_lens, scale, window,
             )  # fmt: skip
