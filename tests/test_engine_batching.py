@@ -11,6 +11,7 @@ import pytest
 
 from engine.engine import Engine
 from engine.errors import ContextLengthExceededError, EngineDeadError, InvalidRequestError
+from engine.manager import ContinuousBatchingManager
 from engine.outputs import RequestStatus
 from scheduler.errors import RequestTooLargeError
 from scheduler.request import FinishReason
@@ -202,23 +203,27 @@ def test_stopped_loop_fails_new_requests_at_once(engine, prompts):
         manager.add_request(prompts[0], max_new_tokens=2)
 
 
+async def stream_one(
+    engine: Engine, manager: ContinuousBatchingManager, prompt: list[int], max_new: int
+) -> list[int]:
+    """One greedy request through the asyncio API: its token ids, each delta checked against the whole."""
+    handle = manager.submit(
+        prompt, engine.generation_defaults.merged(max_new_tokens=max_new, do_sample=False, ignore_eos=True)
+    )
+    ids: list[int] = []
+    async for out in handle:
+        ids.extend(out.delta_ids)
+        assert out.generated_ids == ids
+    return ids
+
+
 def test_async_stream_matches_reference(engine, prompts, reference):
     manager = engine.init_continuous_batching()
     manager.start()
 
-    async def one(i: int) -> list[int]:
-        handle = manager.submit(
-            prompts[i],
-            engine.generation_defaults.merged(max_new_tokens=MAX_NEW[i], do_sample=False, ignore_eos=True),
-        )
-        ids: list[int] = []
-        async for out in handle:
-            ids.extend(out.delta_ids)
-            assert out.generated_ids == ids
-        return ids
-
     async def main() -> list[list[int]]:
-        return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(6))), timeout=120)
+        streams = (stream_one(engine, manager, prompts[i], MAX_NEW[i]) for i in range(6))
+        return await asyncio.wait_for(asyncio.gather(*streams), timeout=120)
 
     try:
         got = asyncio.run(main())
@@ -233,17 +238,6 @@ def test_async_streams_wake_the_loop_once_per_step(engine, prompts, reference):
     manager.start()
     wakeups = 0
 
-    async def one(i: int) -> list[int]:
-        handle = manager.submit(
-            prompts[i],
-            engine.generation_defaults.merged(max_new_tokens=MAX_NEW[i], do_sample=False, ignore_eos=True),
-        )
-        ids: list[int] = []
-        async for out in handle:
-            ids.extend(out.delta_ids)
-            assert out.generated_ids == ids
-        return ids
-
     async def main() -> list[list[int]]:
         nonlocal wakeups
         loop = asyncio.get_running_loop()
@@ -256,7 +250,8 @@ def test_async_streams_wake_the_loop_once_per_step(engine, prompts, reference):
             return real(callback, *args, **kwargs)
 
         loop.call_soon_threadsafe = counting  # type: ignore[method-assign, assignment]
-        return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(8))), timeout=120)
+        streams = (stream_one(engine, manager, prompts[i], MAX_NEW[i]) for i in range(8))
+        return await asyncio.wait_for(asyncio.gather(*streams), timeout=120)
 
     steps0 = manager.num_steps
     try:
