@@ -24,6 +24,7 @@ from engine.attention import paged
 from engine.attention.decode_kernel import PrefillKernel
 from engine.engine import Engine
 from engine.models import llama
+from engine.outputs import RequestStatus
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     vocab = engine.model.config.vocab_size
 
     kernel_part = paged._prefill_part
-    sides: dict[str, Callable[[Any], Any]] = {
-        "sdpa per sequence": lambda inputs: None,
+    sides: dict[str, Callable[..., Any]] = {
+        "sdpa per sequence": lambda *args: None,
         "prefill kernel": kernel_part,
     }
     attention_s = [0.0]
@@ -70,7 +71,10 @@ def main(argv: list[str] | None = None) -> int:
                 ]
                 attention_s[0] = 0.0
                 start = time.perf_counter()
-                engine.generate_batch(prompts, **kwargs)
+                results = engine.generate_batch(prompts, **kwargs)
+                failed = [out.error for out in results.values() if out.status is not RequestStatus.FINISHED]
+                if failed:
+                    raise RuntimeError(f"{name}: a prefill failed: {failed[0]}")
                 step[name].append(time.perf_counter() - start)
                 attention[name].append(attention_s[0])
     finally:

@@ -20,4 +20,6 @@ def test_prints_both_sides_and_restores_the_kernel(capsys: pytest.CaptureFixture
     lines = out.strip().splitlines()
     assert [line.split(" prefill of")[0].strip() for line in lines] == ["sdpa per sequence", "prefill kernel"]
     assert all("3 x 20: best" in line and "attention: best" in line for line in lines)
+    # both sides really ran their attention (a side whose prefill fails raises instead of printing)
+    assert all(float(line.split("attention: best ")[1].split(" ms")[0]) > 0 for line in lines)
     assert paged._prefill_part is part and llama.paged_attention is attention
