@@ -1,0 +1,161 @@
+"""The float32 ceiling of a serving workload on this CPU: the output tokens/s that no float32 server can beat
+here, because the run's matrix multiplications alone, at this machine's fused multiply-add peak, take that
+long.
+
+    python -m bench.cpu_ceiling results/DIR/*.json          # saved runs (--save-result): each one's ceiling
+    python -m bench.cpu_ceiling --num-prompts 32 --random-input-len 128 --random-output-len 64
+
+The peak is measured, not looked up: a C loop of independent FMA chains in registers on every thread
+(bench/csrc/fma_peak.c), best of ``--rounds``. The work is counted from the model's config and each request's
+prompt and output lengths, and only what any implementation must compute: every prompt token and every
+generated token but the last goes through every layer (in the last layer a prompt token that needs no logits
+needs only its key and value), one row of the output head per generated token, and causal attention. With
+``--times N`` each run also says what N times its own throughput would need, as a share of the ceiling:
+above 100% no float32 server can do it on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import ModelConfig
+from engine.loader.dummy import PRESETS, get_preset
+from engine.loader.source import DEFAULT_MODEL, resolve_model
+from engine.model_loader import open_source
+from engine.native_build import BuildOnce
+
+SOURCE = Path(__file__).parent / "csrc" / "fma_peak.c"
+
+
+def _bind(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    lib.fma_peak_run.argtypes = [ctypes.c_long, ctypes.c_int]
+    lib.fma_peak_run.restype = ctypes.c_double
+    return lib
+
+
+load = BuildOnce(SOURCE, _bind)
+
+
+def fma_peak_gflops(threads: int, seconds: float = 0.5, rounds: int = 5) -> float:
+    """The best GFLOPS of ``rounds`` runs of the FMA loop on ``threads`` threads, each ~``seconds`` long."""
+    lib = load()
+    iterations = 1 << 16
+    while True:  # size a round to ~seconds (the first call also starts the OpenMP threads)
+        start = time.perf_counter()
+        lib.fma_peak_run(iterations, threads)
+        if time.perf_counter() - start >= seconds / 4 or iterations >= 1 << 40:
+            break
+        iterations *= 4
+    iterations = max(1, int(iterations * seconds / max(time.perf_counter() - start, 1e-9)))
+    best = 0.0
+    for _ in range(rounds):
+        start = time.perf_counter()
+        flops = lib.fma_peak_run(iterations, threads)
+        best = max(best, flops / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+@dataclass(frozen=True)
+class Work:
+    """Floating-point operations a run must do, by kind."""
+
+    linear: float  # the layers' projections and the output head
+    attention: float  # q.k and p.v
+
+    @property
+    def total(self) -> float:
+        return self.linear + self.attention
+
+
+def request_work(config: ModelConfig, prompt_len: int, output_len: int) -> Work:
+    """The least work of one request: ``prompt_len`` tokens in, ``output_len`` tokens out (0 for a failed one)."""
+    if output_len <= 0:
+        return Work(0.0, 0.0)
+    h, hd, layers = config.hidden_size, config.head_dim, config.num_hidden_layers
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    full = h * (q + 2 * kv) + q * h + h * 2 * config.intermediate_size + config.intermediate_size * h
+    kv_only = h * 2 * kv
+    fed = prompt_len + output_len - 1  # tokens through the layers: the last generated one never is
+    logit_rows = output_len  # the last prompt token's and every fed-back token's
+    linear_macs = fed * (layers - 1) * full + logit_rows * full + (prompt_len - 1) * kv_only
+    linear_macs += logit_rows * h * config.vocab_size
+    # causal attention: the token at position t attends t + 1 keys, q.k and p.v over every query head
+    keys_all = fed * (fed + 1) // 2
+    keys_logit_rows = keys_all - (prompt_len - 1) * prompt_len // 2  # last layer: only the rows with logits
+    attention_macs = 2 * config.num_attention_heads * hd * ((layers - 1) * keys_all + keys_logit_rows)
+    return Work(2.0 * linear_macs, 2.0 * attention_macs)
+
+
+def run_work(config: ModelConfig, input_lens: list[int], output_lens: list[int]) -> Work:
+    parts = [request_work(config, p, o) for p, o in zip(input_lens, output_lens, strict=True)]
+    return Work(sum(w.linear for w in parts), sum(w.attention for w in parts))
+
+
+def model_config(model: str) -> ModelConfig:
+    if model in PRESETS:
+        return get_preset(model)
+    return open_source(resolve_model(model), torch.float32, torch.device("cpu")).config
+
+
+def report(
+    label: str, work: Work, output_tokens: int, peak_gflops: float, measured: float | None, times: float
+) -> str:
+    floor_s = work.total / (peak_gflops * 1e9)
+    ceiling = output_tokens / floor_s if floor_s > 0 else float("inf")
+    lines = [
+        f"{label}: {output_tokens} output tokens, {work.linear / 1e12:.3f} TFLOP of matmuls + "
+        f"{work.attention / 1e12:.3f} of attention = {floor_s:.2f} s at the peak: ceiling {ceiling:.1f} tok/s"
+    ]
+    if measured is not None:
+        lines.append(f"  served {measured:.1f} tok/s = {100 * measured / ceiling:.0f}% of the ceiling")
+        wanted = times * measured
+        lines.append(
+            f"  {times:g}x that = {wanted:.1f} tok/s = {100 * wanted / ceiling:.0f}% of the ceiling"
+            + (" (beyond what float32 can do here)" if wanted > ceiling else "")
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "runs", nargs="*", help="saved runs (bench --save-result JSON): their prompt and output lengths"
+    )
+    p.add_argument("--model", default=DEFAULT_MODEL, help="a model name, path or dummy preset (its shapes)")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--random-input-len", type=int, default=128)
+    p.add_argument("--random-output-len", type=int, default=64)
+    p.add_argument(
+        "--times", type=float, default=4.0, help="what this multiple of each run's throughput needs"
+    )
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--seconds", type=float, default=0.5, help="length of one round of the FMA loop")
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args(argv)
+    config = model_config(args.model)
+    peak = fma_peak_gflops(args.threads, args.seconds, args.rounds)
+    print(f"FMA peak: {peak:.1f} GFLOPS on {args.threads} threads (float32, best of {args.rounds})")
+    if not args.runs:
+        n = args.num_prompts
+        work = run_work(config, [args.random_input_len] * n, [args.random_output_len] * n)
+        print(report("workload", work, n * args.random_output_len, peak, None, args.times))
+        return 0
+    for path in args.runs:
+        doc: dict[str, Any] = json.loads(Path(path).read_text())
+        work = run_work(config, [int(x) for x in doc["input_lens"]], [int(x) for x in doc["output_lens"]])
+        label = str(doc.get("label") or Path(path).stem)
+        print(report(label, work, sum(doc["output_lens"]), peak, float(doc["output_throughput"]), args.times))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
