@@ -46,13 +46,16 @@ def empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     return raw[offset : offset + nbytes].view(dtype).view(tuple(shape))
 
 
-def empty_many(shapes: Sequence[Sequence[int]], dtype: torch.dtype) -> list[torch.Tensor]:
-    """Contiguous tensors of ``shapes``, back to back in one ``empty`` allocation (one alignment's slack for
-    all of them)."""
-    sizes = [math.prod(s) for s in shapes]
-    arena = empty((sum(sizes),), dtype)
-    out, start = [], 0
-    for shape, size in zip(shapes, sizes, strict=True):
-        out.append(arena[start : start + size].view(tuple(shape)))
-        start += size
-    return out
+def empty_many(shapes: Sequence[Sequence[int]], dtype: torch.dtype | Sequence[torch.dtype]) -> list[torch.Tensor]:
+    """Contiguous tensors of ``shapes`` (of ``dtype``, or each of its own), back to back in one ``empty``
+    allocation (one alignment's slack for all of them), each starting on a 64-byte boundary."""
+    dtypes = [dtype] * len(shapes) if isinstance(dtype, torch.dtype) else list(dtype)
+    sizes = [math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in zip(shapes, dtypes, strict=True)]
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + -(-size // 64) * 64)
+    arena = empty((starts[-1],), torch.uint8)
+    return [
+        arena[start : start + size].view(d).view(tuple(shape))
+        for shape, d, start, size in zip(shapes, dtypes, starts[:-1], sizes, strict=True)
+    ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from gguf import ReaderTensor
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.loader.block_codes import BlockCodes
 from engine.loader.dummy import get_preset, iter_dummy_weights
 from engine.loader.errors import ModelLoadError, TokenizerMismatchError
 from engine.loader.gguf import iter_gguf_weights, open_gguf
@@ -112,7 +113,7 @@ def load_model(
     with torch.no_grad():
         net.load_weights(opened.weights)
         if prepack:
-            net.prepack_weights()
+            net.prepack_weights(opened.blocks)
             net.use_cpu_ops()
             net.use_decode_stack()
     net.eval()
@@ -149,14 +150,19 @@ class OpenedSource:
     tokenizer: Tokenizer | None
     generation_defaults: dict[str, Any]
     weights: Iterator[tuple[str, torch.Tensor]]
+    # float32 GGUF: the block-quantized matrices as stored, filled in as ``weights`` is read (for the
+    # small-batch kernel's quantized panels; engine/loader/block_codes.py)
+    blocks: dict[str, BlockCodes] = field(default_factory=dict)
 
 
 def open_source(source: ModelSource, dtype: torch.dtype, device: torch.device) -> OpenedSource:
     if source.kind == "gguf":
         path = _path_of(source)
         parsed = _parse_gguf(path)
-        weights = iter_gguf_weights(parsed.tensors, parsed.config, dtype, str(path))
-        return OpenedSource(parsed.config, parsed.tokenizer, _gguf_generation_defaults(parsed.tokenizer), weights)
+        blocks: dict[str, BlockCodes] = {}
+        weights = iter_gguf_weights(parsed.tensors, parsed.config, dtype, str(path), blocks)
+        defaults = _gguf_generation_defaults(parsed.tokenizer)
+        return OpenedSource(parsed.config, parsed.tokenizer, defaults, weights, blocks)
     if source.kind == "safetensors":
         path = _path_of(source)
         config = load_hf_config(path)

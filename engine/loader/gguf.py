@@ -12,6 +12,7 @@ arrays are already row-major ``[out_features, in_features]``, which is the Huggi
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -24,6 +25,7 @@ from gguf.quants import dequantize
 
 from engine.config import ModelConfig
 from engine.loader import gguf_blocks
+from engine.loader.block_codes import BlockCodes
 from engine.loader.errors import ModelLoadError
 
 _MISSING: Any = object()
@@ -125,14 +127,33 @@ def dequantize_tensor(reader_tensor: Any, where: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array).reshape(shape))
 
 
+def split_tensor(reader_tensor: Any, where: str) -> BlockCodes | None:
+    """A 2-D GGUF tensor of one of gguf_blocks' types as its codes, scales and offsets in Hugging Face
+    shape; None for other types and shapes."""
+    qtype = GGMLQuantizationType(int(reader_tensor.tensor_type))
+    shape = tuple(int(n) for n in reversed(reader_tensor.shape.tolist()))  # ne order -> row-major
+    if len(shape) != 2 or not gguf_blocks.supports(qtype):
+        return None
+    try:
+        codes = gguf_blocks.split(reader_tensor.data, qtype)
+    except Exception as e:
+        raise ModelLoadError(f"{where}: tensor {reader_tensor.name} ({qtype.name}) is corrupt: {e}") from e
+    if codes is None or tuple(codes.shape) != shape:
+        raise ModelLoadError(f"{where}: tensor {reader_tensor.name} ({qtype.name}) does not hold {shape} weights")
+    return codes
+
+
 def iter_gguf_weights(
     tensors: Iterable[ReaderTensor],
     config: ModelConfig,
     dtype: torch.dtype = torch.float32,
     where: str = "GGUF file",
+    blocks: dict[str, BlockCodes] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every weight of ``tensors`` (a reader's ``tensors``), one tensor
-    dequantized at a time, cast to ``dtype``.
+    dequantized at a time, cast to ``dtype``. With ``blocks`` (and ``dtype`` float32), a matrix stored in
+    Q4_0, Q4_1 or Q8_0 blocks is also put there under its name, as codes, scales and offsets whose
+    ``dequantize()`` is the yielded tensor, bit for bit.
 
     Unknown tensors raise ``ModelLoadError``: silently skipping one would leave a parameter random."""
     permute = config.architecture in _PERMUTED_ARCHITECTURES
@@ -140,8 +161,12 @@ def iter_gguf_weights(
         hf_name = gguf_to_hf_name(t.name)
         if hf_name is None:
             raise ModelLoadError(f"{where}: tensor {t.name!r} has no Hugging Face equivalent in cbserve")
-        w = dequantize_tensor(t, where)
+        codes = split_tensor(t, where) if blocks is not None and dtype == torch.float32 else None
+        w = dequantize_tensor(t, where) if codes is None else codes.dequantize()
         if permute and (".attn_q." in t.name or ".attn_k." in t.name):
             heads = config.num_attention_heads if ".attn_q." in t.name else config.num_key_value_heads
             w = reverse_permute_qk(w, heads)
+            codes = None if codes is None else codes.map_rows(functools.partial(reverse_permute_qk, num_heads=heads))
+        if blocks is not None and codes is not None:
+            blocks[hf_name] = codes
         yield hf_name, w.to(dtype)

@@ -21,6 +21,7 @@ import torch
 
 from engine.inputs import BatchInputs
 from engine.kv_cache import KVCache
+from engine.models.small_gemm import qblock_bytes
 from engine.native_build import BuildOnce
 
 if TYPE_CHECKING:
@@ -33,10 +34,15 @@ _ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 class _Layer(ctypes.Structure):
     _fields_ = [
-        (name, _ptr)
-        for name in (
-            "input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "down", "k_cache", "v_cache",
-        )
+        *(
+            (name, _ptr)
+            for name in (
+                "input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "down", "k_cache",
+                "v_cache",
+            )
+        ),
+        *((name, _ptr) for name in ("qkv_q", "o_q", "gate_up_q", "down_q")),
+        *((name, _i64) for name in ("qkv_q_offsets", "o_q_offsets", "gate_up_q_offsets", "down_q_offsets")),
     ]  # fmt: skip
 
 
@@ -55,6 +61,11 @@ class _Model(ctypes.Structure):
 
 def _ptr_of(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def _has_offsets(qpacked: torch.Tensor | None) -> int:
+    """1 where quantized panels hold offsets (weights d * q + m), else 0."""
+    return int(qpacked is not None and qpacked.shape[-1] == qblock_bytes(offsets=True))
 
 
 class DecodeStack:
@@ -98,6 +109,8 @@ class BoundDecodeStack:
                 _ptr_of(attn.qkv_proj.bias), _ptr_of(attn.o_proj.small_packed), _ptr_of(attn.o_proj.bias),
                 _ptr_of(layer.post_attention_layernorm.weight), _ptr_of(mlp.gate_up_proj.small_packed),
                 _ptr_of(mlp.down_proj.small_packed), k_cache.data_ptr(), v_cache.data_ptr(),
+                *(_ptr_of(m.small_qpacked) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
+                *(_has_offsets(m.small_qpacked) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
             )  # fmt: skip
         rotary = model.rotary
         desc = _Model(

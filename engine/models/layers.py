@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.loader.block_codes import BlockCodes
 from engine.models import prepacked, small_gemm
 from engine.models.cpu_ops import CpuOps
 from engine.models.small_gemm import SmallGemm
@@ -33,7 +34,10 @@ class Linear(nn.Module):
     After ``prepack()`` (CPU), ``weight`` is an empty placeholder and ``W`` lives in oneDNN's blocked layout
     (engine/models/prepacked.py), or with ``small`` (float32) in the small kernel's 16-output panels
     (engine/models/small_gemm.py): there alone where that kernel takes every batch, else as a second copy
-    that serves calls of at most ``small_gemm.MAX_ROWS`` rows (decode steps)."""
+    that serves calls of at most ``small_gemm.MAX_ROWS`` rows (decode steps). A weight loaded from a
+    quantized checkpoint also keeps its blocks (``small_qpacked``) for calls of at most
+    ``small_gemm.QUANTIZED_MAX_ROWS`` rows, where reading a third to a quarter of the bytes pays more than
+    expanding them costs: the same bits."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device
@@ -45,23 +49,36 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.small: SmallGemm | None = None
         self.small_packed: torch.Tensor | None = None
+        self.small_qpacked: torch.Tensor | None = None  # the blocks, when the checkpoint stored W in them
 
     @property
     def is_prepacked(self) -> bool:
         return self.packed is not None or self.small_packed is not None
 
-    def prepack(self, small: SmallGemm | None = None, onednn: bool = True, out: torch.Tensor | None = None) -> None:
+    def prepack(
+        self,
+        small: SmallGemm | None = None,
+        onednn: bool = True,
+        out: torch.Tensor | None = None,
+        codes: BlockCodes | None = None,
+        qout: torch.Tensor | None = None,
+    ) -> None:
         """Move ``W`` into the small kernel's panels (with ``small``; into ``out`` if given, of
         ``SmallGemm.packed_shape``) and/or oneDNN's prepacked layout (with ``onednn``), freeing the dense
-        copy."""
+        copy. With ``small`` and ``codes`` (``W`` as a checkpoint stored it in blocks: ``codes.dequantize()``
+        equal to ``W``), the blocks too, into ``qout`` if given (``SmallGemm.qpacked_shape``)."""
         if not self.is_prepacked:
             if small is not None:
                 self.small, self.small_packed = small, small.pack(self.weight.detach(), out)
+                if codes is not None:
+                    self.small_qpacked = small.pack_blocks(codes, qout)
             if onednn or small is None:
                 self.packed = prepacked.prepack(self.weight)
             self.weight = empty_param(0, dtype=self.weight.dtype, device=self.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small is not None and self.small_qpacked is not None and small_gemm.fits_quantized(x):
+            return self.small.linear(x, self.small_qpacked, self.out_features, self.bias)
         if self.small is not None and self.small_packed is not None:
             if self.packed is None:
                 return self.small.matmul(x, self.small_packed, self.out_features, self.bias)

@@ -17,7 +17,7 @@ time, q and k are rotated in one op, and the attention's batch metadata is built
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import cast
 
 import torch
@@ -30,6 +30,7 @@ from engine.attention.paged import PagedAttentionMetadata, paged_attention
 from engine.config import ModelConfig
 from engine.inputs import BatchInputs
 from engine.kv_cache import KVCache
+from engine.loader.block_codes import BlockCodes
 from engine.loader.errors import ModelLoadError
 from engine.models import cpu_ops, decode_stack, prepacked, small_gemm
 from engine.models.cpu_ops import CpuOps
@@ -155,13 +156,16 @@ class LlamaForCausalLM(nn.Module):
         self.packed_head: Linear | None = None
         self.decode_stack: BoundDecodeStack | None = None  # set by ``use_decode_stack``
 
-    def prepack_weights(self) -> bool:
+    def prepack_weights(self, blocks: Mapping[str, BlockCodes] | None = None) -> bool:
         """On a CPU with oneDNN, move every projection and the output head into oneDNN's prepacked layout
         (engine/models/prepacked.py); the embedding stays dense (an untied head's dense copy is freed).
         In float32 they are also packed for the small-batch kernel (engine/models/small_gemm.py), which
         decode steps use: a second copy of the weights; where that kernel takes every batch (CPUs without
-        AVX-512) it is the only copy. Call after ``load_weights``, which cannot run afterwards. Returns
-        whether it packed."""
+        AVX-512) it is the only copy. A matrix whose checkpoint tensors are in ``blocks`` (by Hugging Face
+        name, as the GGUF loader gives them), and whose loaded weights are their ``dequantize()`` bit for
+        bit, is also packed in its blocks for steps of a few rows: the same results from a third to a
+        quarter of the bytes. Call after ``load_weights``, which cannot run afterwards. Returns whether it
+        packed."""
         if not prepacked.can_prepack(self.device, self.dtype):
             return False
         if self.is_prepacked:
@@ -177,14 +181,44 @@ class LlamaForCausalLM(nn.Module):
         self.packed_head = head
         linears = [m for m in self.modules() if isinstance(m, Linear)]  # the head included
         panels: list[torch.Tensor | None] = [None] * len(linears)
+        codes: list[BlockCodes | None] = [None] * len(linears)
+        qpanels: list[torch.Tensor | None] = [None] * len(linears)
         if self.small is not None:  # all panels in one allocation on huge pages (engine/huge_pages.py)
+            codes = self._block_codes(linears, blocks or {})
             shapes = [SmallGemm.packed_shape(m.out_features, m.in_features) for m in linears]
-            panels = list(huge_pages.empty_many(shapes, torch.float32))
-        for module, out in zip(linears, panels, strict=True):
-            module.prepack(self.small, onednn, out)
+            qshapes = [
+                SmallGemm.qpacked_shape(m.out_features, m.in_features, c.offsets is not None)
+                for m, c in zip(linears, codes, strict=True)
+                if c is not None
+            ]
+            dtypes = [torch.float32] * len(shapes) + [torch.uint8] * len(qshapes)
+            arena = iter(huge_pages.empty_many([*shapes, *qshapes], dtypes))
+            panels = [next(arena) for _ in shapes]
+            qpanels = [None if c is None else next(arena) for c in codes]
+        for module, out, c, qout in zip(linears, panels, codes, qpanels, strict=True):
+            module.prepack(self.small, onednn, out, c, qout)
         if not self.config.tie_word_embeddings:
             self.lm_head = empty_param(0, dtype=self.dtype, device=self.device)
         return True
+
+    def _block_codes(self, linears: list[Linear], blocks: Mapping[str, BlockCodes]) -> list[BlockCodes | None]:
+        """Per Linear: its weight as ``blocks`` hold it (the fused ones' parts in row order), or None where a
+        part is missing, parts mix kinds, or the blocks do not give the loaded weight bit for bit."""
+        parts: dict[int, list[tuple[int, int, BlockCodes]]] = {}
+        for name, (param, start, end) in self._weight_slots().items():
+            if name in blocks:
+                parts.setdefault(param.data_ptr(), []).append((start, end, blocks[name]))
+        result: list[BlockCodes | None] = []
+        for module in linears:
+            pieces = sorted(parts.get(module.weight.data_ptr(), []), key=lambda piece: piece[0])
+            starts = [0] + [end for _, end, _ in pieces]
+            whole = bool(pieces) and [s for s, _, _ in pieces] == starts[:-1] and starts[-1] == module.out_features
+            joined = BlockCodes.cat([c for _, _, c in pieces]) if whole else None
+            if joined is not None and torch.equal(joined.dequantize(), module.weight.detach()):
+                result.append(joined)
+            else:
+                result.append(None)
+        return result
 
     def use_cpu_ops(self) -> bool:
         """Run RMSNorm (with its residual add), the rotary embedding and the MLP's activation in the fused

@@ -25,7 +25,8 @@
 
 #include <omp.h>
 
-/* One decoder layer's weights, float32: matrices in small_gemm.c's packed panels. */
+/* One decoder layer's weights, float32: matrices in small_gemm.c's packed panels; where the checkpoint
+ * stored a matrix in blocks, its quantized panels too (else NULL), which steps of at most ROWS sequences use. */
 typedef struct {
     const float *input_norm;    /* [hidden] */
     const float *qkv;           /* [q_size + 2 * kv_size] x [hidden], packed */
@@ -37,6 +38,8 @@ typedef struct {
     const float *down;          /* [hidden] x [intermediate], packed */
     float *k_cache;             /* [num_blocks, num_kv_heads, head_dim, block_size] */
     float *v_cache;             /* [num_blocks, num_kv_heads, block_size, head_dim] */
+    const uint8_t *qkv_q, *o_q, *gate_up_q, *down_q; /* quantized panels or NULL */
+    int64_t qkv_q_offsets, o_q_offsets, gate_up_q_offsets, down_q_offsets; /* 1: d * q + m, 0: d * q */
 } cbserve_layer;
 
 typedef struct {
@@ -47,12 +50,20 @@ typedef struct {
     const float *final_norm;       /* [hidden] */
 } cbserve_model;
 
-/* y[:, 0:N] = x W^T (+ b) for M rows: the output panels shared out among the threads of the region. */
+/* y[:, 0:N] = x W^T (+ b) for M rows: the output panels shared out among the threads of the region; from
+ * the quantized panels where there are some and M <= ROWS (small_gemm.py's QUANTIZED_MAX_ROWS) */
 static void gemm_shared(float *out, int64_t ldo, const float *x, int64_t ldx, const float *packed,
-                        const float *bias, int64_t M, int64_t N, int64_t K) {
+                        const uint8_t *qpacked, int64_t offsets, const float *bias, int64_t M, int64_t N,
+                        int64_t K) {
     const int64_t panels = (N + PANEL - 1) / PANEL;
+    if (qpacked != NULL && M <= ROWS) {
 #pragma omp for schedule(static)
-    for (int64_t p = 0; p < panels; p++) rows_times_panel(out, ldo, x, ldx, packed, bias, M, N, K, p);
+        for (int64_t p = 0; p < panels; p++)
+            rows_times_qpanel(out, ldo, x, ldx, qpacked, (int)offsets, bias, M, N, K, p, NULL);
+    } else {
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) rows_times_panel(out, ldo, x, ldx, packed, bias, M, N, K, p);
+    }
 }
 
 /* Returns 0; -2: a shape the kernels do not take; -3: a slot outside the cache; -4: a position outside the
@@ -82,6 +93,11 @@ int cbserve_decode_stack(const cbserve_model *m, const cbserve_layer *layers,
                 return -5;
         max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
     }
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const cbserve_layer *w = &layers[l];
+        if (((w->qkv_q || w->gate_up_q) && H % QBLOCK) || (w->o_q && q_size % QBLOCK) || (w->down_q && I % QBLOCK))
+            return -2;
+    }
     const int threads = omp_get_max_threads();
     const int64_t scratch = scores_size(group, max_len, bs);
     float *buffer = malloc(sizeof(float) * (size_t)(S * (3 * H + qkv_size + q_size + 3 * I) + threads * scratch));
@@ -104,7 +120,7 @@ int cbserve_decode_stack(const cbserve_model *m, const cbserve_layer *layers,
                     rms_norm_f32(normed + r * H, residual + r * H, y + r * H, w->input_norm, H, m->eps);
                 }
             }
-            gemm_shared(qkv, qkv_size, normed, H, w->qkv, w->qkv_bias, S, qkv_size, H);
+            gemm_shared(qkv, qkv_size, normed, H, w->qkv, w->qkv_q, w->qkv_q_offsets, w->qkv_bias, S, qkv_size, H);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < S; t++) {
                 float *row = qkv + t * qkv_size;
@@ -117,15 +133,15 @@ int cbserve_decode_stack(const cbserve_model *m, const cbserve_layer *layers,
             for (int64_t item = 0; item < S * nkv; item++)
                 attend_item(attn, qkv, qkv_size, w->k_cache, w->v_cache, 0, block_tables, table_stride, seq_lens,
                             nh, nkv, hd, bs, m->scale, m->sliding_window, item / nkv, item % nkv, my_scores);
-            gemm_shared(y, H, attn, q_size, w->o, w->o_bias, S, H, q_size);
+            gemm_shared(y, H, attn, q_size, w->o, w->o_q, w->o_q_offsets, w->o_bias, S, H, q_size);
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < S; r++)
                 rms_norm_f32(normed + r * H, residual + r * H, y + r * H, w->post_norm, H, m->eps);
-            gemm_shared(gate_up, 2 * I, normed, H, w->gate_up, NULL, S, 2 * I, H);
+            gemm_shared(gate_up, 2 * I, normed, H, w->gate_up, w->gate_up_q, w->gate_up_q_offsets, NULL, S, 2 * I, H);
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < S; r++)
                 silu_and_mul_f32(act + r * I, gate_up + r * 2 * I, gate_up + r * 2 * I + I, I);
-            gemm_shared(y, H, act, I, w->down, NULL, S, H, I);
+            gemm_shared(y, H, act, I, w->down, w->down_q, w->down_q_offsets, NULL, S, H, I);
         }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < S; r++) {
