@@ -29,8 +29,12 @@
  *
  *   qpacked W: [ceil(N / 16)][K / 32][32 * 16 int8 | 16 float d | 16 float m]
  *
- * A call expands each panel into float32 in a per-thread scratch panel and runs the float32 kernel over it:
- * the same bits as the float32 panels, from 1.1 (d * q) or 1.25 (d * q + m) bytes a weight instead of 4.
+ * A call expands the weights to float32 just before they are used -- with at most ROWS rows in registers,
+ * right before their multiply-adds; with at most GROUP rows QCHUNK k at a time into an L1 buffer that every
+ * row block reads; with more, a whole panel into a per-thread scratch panel -- and runs the float32 chains
+ * over them: the same bits as the float32 panels, from 1.125 (d * q) or 1.25 (d * q + m) bytes a weight
+ * instead of 4. Expanding costs a few instructions per 8 weights, so it pays only where reading the weights
+ * is the limit: few rows (small_gemm.py's QUANTIZED_MAX_ROWS).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -225,7 +229,7 @@ INLINE void rows_times_qblocks(v8f *acc, const float *x, int64_t ldx, const uint
         const v8f d0 = load8((const float *)(block + QBLOCK * PANEL)), d1 = load8((const float *)(block + QBLOCK * PANEL) + 8);
         const v8f m0 = offsets ? load8((const float *)(block + QBLOCK * PANEL) + PANEL) : (v8f){0};
         const v8f m1 = offsets ? load8((const float *)(block + QBLOCK * PANEL) + PANEL + 8) : (v8f){0};
-        __builtin_prefetch(block + 2 * block_bytes, 0, 3);
+        __builtin_prefetch(block + 2 * block_bytes, 0, 3); /* two blocks ahead: codes, then scales */
         __builtin_prefetch(block + 2 * block_bytes + 64 * 4, 0, 3);
         for (int k = 0; k < QBLOCK; k++) {
             v8f w0 = expand8(codes + k * PANEL, d0, m0, offsets);
@@ -257,8 +261,8 @@ static void block_times_qblocks(v8f *acc, const float *x, int64_t ldx, const uin
     }
 }
 
-/* group_times_panel over a quantized panel, QCHUNK k at a time expanded into chunk[QCHUNK * 16]: the same
- * chains (restarted every K_BLOCK k) over the same weights, so the same bits */
+/* group_times_panel over a quantized panel (more than ROWS rows: QCHUNK k at a time expanded into
+ * chunk[QCHUNK * 16]): the same chains (restarted every K_BLOCK k) over the same weights, so the same bits */
 static void group_times_qpanel(float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *src,
                                int offsets, const float *bias, int64_t K, int n, int64_t M, float *chunk) {
     v8f acc[GROUP_BLOCKS][2 * ROWS], sum[GROUP_BLOCKS][2 * ROWS];
@@ -267,12 +271,14 @@ static void group_times_qpanel(float *out, int64_t ldo, const float *x, int64_t 
         const int64_t kb1 = K - kb < K_BLOCK ? K : kb + K_BLOCK;
         if (M <= ROWS) { /* one register block: no chunk, each weight expanded where it is used */
             block_times_qblocks(acc[0], x, ldx, src, kb / QBLOCK, kb1 / QBLOCK, offsets, 1, M);
-        } else for (int64_t k0 = kb; k0 < kb1; k0 += QCHUNK) {
-            const int64_t k1 = kb1 - k0 < QCHUNK ? kb1 : k0 + QCHUNK;
-            expand_qpanel(chunk, src, k0, k1, offsets);
-            for (int64_t b = 0; b < blocks; b++) {
-                const int64_t m0 = b * ROWS, rows = M - m0 < ROWS ? M - m0 : ROWS;
-                block_times_chunk(acc[b], x + m0 * ldx + k0, ldx, chunk, 0, k1 - k0, 0, k0 == kb, rows);
+        } else {
+            for (int64_t k0 = kb; k0 < kb1; k0 += QCHUNK) {
+                const int64_t k1 = kb1 - k0 < QCHUNK ? kb1 : k0 + QCHUNK;
+                expand_qpanel(chunk, src, k0, k1, offsets);
+                for (int64_t b = 0; b < blocks; b++) {
+                    const int64_t m0 = b * ROWS, rows = M - m0 < ROWS ? M - m0 : ROWS;
+                    block_times_chunk(acc[b], x + m0 * ldx + k0, ldx, chunk, 0, k1 - k0, 0, k0 == kb, rows);
+                }
             }
         }
         for (int64_t b = 0; b < blocks; b++)
