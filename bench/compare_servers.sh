@@ -9,7 +9,8 @@
 #
 # Environment: CONCURRENCIES (default "1 8 16 32"), INPUT_LEN (128), OUTPUT_LEN (64), LLAMACPP_PYTHON
 # (the python that has llama-cpp-python[server]; default .venv/bin/python), TIMEOUT per run (900 s).
-# Then: .venv/bin/python -m bench.summarize OUTDIR/*.json
+# At the end it prints the table (bench.summarize) and each run against this CPU's float32 ceiling
+# (bench.cpu_ceiling, also saved as OUTDIR/ceiling.txt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:?usage: bench/compare_servers.sh OUTDIR [SYSTEM ...]}"; shift
@@ -75,3 +76,4 @@ for system in "${SYSTEMS[@]}"; do
     sleep 2
 done
 $PY -m bench.summarize "$OUT"/*.json
+$PY -m bench.cpu_ceiling "$OUT"/*.json | tee "$OUT/ceiling.txt"
