@@ -108,6 +108,26 @@ static void block_times_chunk(v8f *acc, const float *x, int64_t ldx, const float
     }
 }
 
+/* the chains of one K_BLOCK (acc) added to the sums of the earlier ones, in order */
+INLINE void add_block_sums(v8f sum[][2 * ROWS], v8f acc[][2 * ROWS], int64_t blocks, int first) {
+    for (int64_t b = 0; b < blocks; b++)
+        for (int j = 0; j < 2 * ROWS; j++) sum[b][j] = first ? acc[b][j] : sum[b][j] + acc[b][j];
+}
+
+/* out[m, 0:n] = the sums of row m plus the bias, for M rows */
+static void store_group(float *out, int64_t ldo, v8f sum[][2 * ROWS], const float *bias, int n, int64_t M) {
+    float padded_bias[PANEL] = {0};
+    if (bias) memcpy(padded_bias, bias, (size_t)n * sizeof(float));
+    for (int64_t m = 0; m < M; m++) {
+        v8f lo = sum[m / ROWS][2 * (m % ROWS)], hi = sum[m / ROWS][2 * (m % ROWS) + 1];
+        if (bias) {
+            lo += load8(padded_bias);
+            hi += load8(padded_bias + 8);
+        }
+        store_n(out + m * ldo, lo, hi, n);
+    }
+}
+
 /* out[m, 0:n] = bias + sum over k of x[m, k] * panel[k, 0:n] for a group of M <= GROUP rows */
 static void group_times_panel(float *out, int64_t ldo, const float *x, int64_t ldx, const float *panel,
                               const float *bias, int64_t K, int n, int64_t M, int64_t chunk, int64_t prefetch) {
@@ -122,19 +142,9 @@ static void group_times_panel(float *out, int64_t ldo, const float *x, int64_t l
                 block_times_chunk(acc[b], x + m0 * ldx, ldx, panel, k0, k1, prefetch, k0 == kb, rows);
             }
         }
-        for (int64_t b = 0; b < blocks; b++)
-            for (int j = 0; j < 2 * ROWS; j++) sum[b][j] = kb ? sum[b][j] + acc[b][j] : acc[b][j];
+        add_block_sums(sum, acc, blocks, kb == 0);
     }
-    float padded_bias[PANEL] = {0};
-    if (bias) memcpy(padded_bias, bias, (size_t)n * sizeof(float));
-    for (int64_t m = 0; m < M; m++) {
-        v8f lo = sum[m / ROWS][2 * (m % ROWS)], hi = sum[m / ROWS][2 * (m % ROWS) + 1];
-        if (bias) {
-            lo += load8(padded_bias);
-            hi += load8(padded_bias + 8);
-        }
-        store_n(out + m * ldo, lo, hi, n);
-    }
+    store_group(out, ldo, sum, bias, n, M);
 }
 
 int cbserve_small_gemm_panel(void) { return PANEL; }
@@ -281,19 +291,9 @@ static void group_times_qpanel(float *out, int64_t ldo, const float *x, int64_t 
                 }
             }
         }
-        for (int64_t b = 0; b < blocks; b++)
-            for (int j = 0; j < 2 * ROWS; j++) sum[b][j] = kb ? sum[b][j] + acc[b][j] : acc[b][j];
+        add_block_sums(sum, acc, blocks, kb == 0);
     }
-    float padded_bias[PANEL] = {0};
-    if (bias) memcpy(padded_bias, bias, (size_t)n * sizeof(float));
-    for (int64_t m = 0; m < M; m++) {
-        v8f lo = sum[m / ROWS][2 * (m % ROWS)], hi = sum[m / ROWS][2 * (m % ROWS) + 1];
-        if (bias) {
-            lo += load8(padded_bias);
-            hi += load8(padded_bias + 8);
-        }
-        store_n(out + m * ldo, lo, hi, n);
-    }
+    store_group(out, ldo, sum, bias, n, M);
 }
 
 /* panel p of the output from quantized panels. Up to ROWS rows each weight is expanded in registers where
