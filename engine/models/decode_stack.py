@@ -21,7 +21,7 @@ import torch
 
 from engine.inputs import BatchInputs
 from engine.kv_cache import KVCache
-from engine.models.small_gemm import qblock_bytes
+from engine.models.small_gemm import has_offsets
 from engine.native_build import BuildOnce
 
 if TYPE_CHECKING:
@@ -63,11 +63,6 @@ def _ptr_of(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _has_offsets(qpacked: torch.Tensor | None) -> int:
-    """1 where quantized panels hold offsets (weights d * q + m), else 0."""
-    return int(qpacked is not None and qpacked.shape[-1] == qblock_bytes(offsets=True))
-
-
 class DecodeStack:
     """``ctypes`` binding of ``cbserve_decode_stack``; ``bind`` it to a model once, call it per step."""
 
@@ -104,13 +99,13 @@ class BoundDecodeStack:
             k_cache, v_cache = kv_cache.k_caches[i], kv_cache.v_caches[i]
             if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
                 raise ValueError("the decode stack needs contiguous K and V caches")
+            quantized = [m.small_qpacked for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             layers[i] = _Layer(
                 _ptr_of(layer.input_layernorm.weight), _ptr_of(attn.qkv_proj.small_packed),
                 _ptr_of(attn.qkv_proj.bias), _ptr_of(attn.o_proj.small_packed), _ptr_of(attn.o_proj.bias),
                 _ptr_of(layer.post_attention_layernorm.weight), _ptr_of(mlp.gate_up_proj.small_packed),
                 _ptr_of(mlp.down_proj.small_packed), k_cache.data_ptr(), v_cache.data_ptr(),
-                *(_ptr_of(m.small_qpacked) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
-                *(_has_offsets(m.small_qpacked) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
+                *(_ptr_of(q) for q in quantized), *(int(q is not None and has_offsets(q)) for q in quantized),
             )  # fmt: skip
         rotary = model.rotary
         desc = _Model(

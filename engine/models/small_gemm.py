@@ -73,6 +73,8 @@ class SmallGemm:
         self._qgemm.restype = ctypes.c_int
         if int(lib.cbserve_small_gemm_panel()) != PANEL:
             raise RuntimeError("small_gemm.c and small_gemm.py disagree on the panel width")
+        if int(lib.cbserve_small_gemm_rows()) != QUANTIZED_MAX_ROWS:  # the rows whose weights stay in registers
+            raise RuntimeError("small_gemm.c's register block and QUANTIZED_MAX_ROWS disagree")
         lib.cbserve_small_gemm_qblock_bytes.argtypes = [ctypes.c_int]
         lib.cbserve_small_gemm_qblock_bytes.restype = i64
         if [lib.cbserve_small_gemm_qblock_bytes(o) for o in (0, 1)] != [qblock_bytes(False), qblock_bytes(True)]:
@@ -146,7 +148,7 @@ class SmallGemm:
             raise ValueError(f"expected 2-D float32 CPU rows, got {x.dtype} {tuple(x.shape)} {x.stride()}")
         m, k = x.shape
         quantized = packed.dtype == torch.uint8
-        offsets = quantized and packed.dim() == 3 and packed.shape[2] == qblock_bytes(True)
+        offsets = quantized and packed.dim() == 3 and has_offsets(packed)
         expected = SmallGemm.qpacked_shape(out_features, k, offsets) if quantized else None
         fits = packed.shape == expected and k % BLOCK == 0 if quantized else packed.shape[1:] == (k, PANEL)
         if packed.dim() != 3 or not fits or packed.shape[0] * PANEL < out_features:
@@ -163,6 +165,11 @@ class SmallGemm:
         ):  # fmt: skip
             raise MemoryError("small-batch matmul: out of memory for a scratch panel")
         return out
+
+
+def has_offsets(qpacked: torch.Tensor) -> bool:
+    """Whether quantized panels (``pack_blocks``) hold offsets: weights ``d * q + m`` rather than ``d * q``."""
+    return qpacked.shape[-1] == qblock_bytes(True)
 
 
 def qblock_bytes(offsets: bool) -> int:

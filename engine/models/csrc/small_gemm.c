@@ -148,6 +148,7 @@ static void group_times_panel(float *out, int64_t ldo, const float *x, int64_t l
 }
 
 int cbserve_small_gemm_panel(void) { return PANEL; }
+int cbserve_small_gemm_rows(void) { return ROWS; }
 
 /* out[:, 0:n] = x times one panel ([K][16] floats) plus its bias (16, or NULL), in groups of GROUP rows */
 NOIPA void rows_times_panel_data(float *out, int64_t ldo, const float *x, int64_t ldx, const float *panel,
@@ -321,14 +322,16 @@ int cbserve_small_gemm_q(float *out, int64_t ldo, const float *x, int64_t ldx, c
     int failed = 0;
 #pragma omp parallel if (panels > 1 && M * N * K >= (1 << 18))
     {
-        float *scratch = malloc(sizeof(float) * (size_t)(K * PANEL));
-        if (scratch == NULL) {
+        /* up to ROWS rows the weights are expanded in registers: no scratch */
+        float *scratch = M <= ROWS ? NULL : malloc(sizeof(float) * (size_t)(K * PANEL));
+        if (M > ROWS && scratch == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++)
-            if (scratch != NULL) rows_times_qpanel(out, ldo, x, ldx, qpacked, offsets, bias, M, N, K, p, scratch);
+            if (M <= ROWS || scratch != NULL)
+                rows_times_qpanel(out, ldo, x, ldx, qpacked, offsets, bias, M, N, K, p, scratch);
         free(scratch);
     }
     return failed ? -1 : 0;
