@@ -3,6 +3,7 @@ the CLI on a saved run."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -15,19 +16,9 @@ from engine.config import ModelConfig
 from engine.loader.dummy import get_preset
 from engine.native_build import KernelUnavailable
 
-TINY = ModelConfig(
-    architecture="llama",
-    vocab_size=10,
-    hidden_size=8,
-    intermediate_size=16,
-    num_hidden_layers=3,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=4,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    max_position_embeddings=64,
-)
+# a model small enough to count by hand: 3 layers, 2 query heads over 1 KV head of 4
+TINY = dataclasses.replace(get_preset("smollm2-135m"), vocab_size=10, hidden_size=8, intermediate_size=16,
+                           num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=4)  # fmt: skip
 
 
 def token_by_token(cfg: ModelConfig, prompt_len: int, output_len: int) -> tuple[int, int]:
