@@ -36,7 +36,7 @@ LABEL org.opencontainers.image.title="cbserve" \
       org.opencontainers.image.description="Continuous-batching LLM inference server (OpenAI-compatible API)" \
       org.opencontainers.image.licenses="Apache-2.0" \
       io.cbserve.torch-variant="${TORCH_VARIANT}"
-# gcc (with libc headers) builds the CPU decode-attention kernel (engine/attention/csrc) for the host's own
+# gcc (with libc headers) builds the CPU decode-attention kernel (engine/executor/attention/csrc) for the host's own
 # CPU at first start, cached in ~/.cache/cbserve/kernels; without it, decode attention falls back to SDPA.
 # Debian's versions move with the base image, so they are not pinned.
 # hadolint ignore=DL3008

@@ -7,7 +7,7 @@ PORT ?= 8000
 MODEL ?= default
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint typecheck unit clean
+.PHONY: install serve test lint typecheck unit pytest clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -25,16 +25,23 @@ install: $(STAMP)
 serve: install
 	$(BIN)/cbserve serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
+# ruff, and the layering contracts of pyproject.toml's [tool.importlinter] (one-way layers, no cycles).
 lint: install
-	$(BIN)/ruff check kvcache scheduler engine server bench tests
+	$(BIN)/ruff check kvcache scheduler engine server bench cli tests
+	$(BIN)/lint-imports
 
 typecheck: install
 	$(BIN)/mypy
 
+# The inner loop: every test not marked slow (no real model, subprocess or deploy tool), in about two minutes.
 unit: install
-	$(BIN)/python -m pytest -q -x tests
+	$(BIN)/python -m pytest -q -m "not slow" tests
 
-test: lint typecheck unit
+# Everything, as CI runs it.
+pytest: install
+	$(BIN)/python -m pytest -q tests
+
+test: lint typecheck pytest
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from engine.config import ModelConfig
+from engine.cpu.native_build import BuildOnce
 from engine.loader.dummy import PRESETS, get_preset
+from engine.loader.model_loader import open_source
 from engine.loader.source import DEFAULT_MODEL, resolve_model
-from engine.model_loader import open_source
-from engine.native_build import BuildOnce
+from engine.model_config import ModelConfig
 
 SOURCE = Path(__file__).parent / "csrc" / "fma_peak.c"
 

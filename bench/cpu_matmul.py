@@ -1,5 +1,5 @@
 """CPU float32 matmul throughput for one decoder layer's projections: oneDNN's prepacked kernels (what
-prefill runs), cbserve's small-batch kernel (what decode steps run, engine/models/small_gemm.py) and
+prefill runs), cbserve's small-batch kernel (what decode steps run, engine/executor/kernels/small_gemm.py) and
 ``F.linear`` (MKL), at several row counts, interleaved and best of several rounds (robust to a noisy VM).
 
     python -m bench.cpu_matmul                 # SmolLM2-135M's shapes, rows 16 64 256 2048
@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.models import prepacked, small_gemm
+from engine.executor.kernels import prepacked, small_gemm
 
 
 def layer_shapes(hidden: int, intermediate: int, q_heads: int, kv_heads: int) -> list[tuple[int, int]]:

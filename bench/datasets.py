@@ -35,7 +35,7 @@ _HUMAN_ROLES = frozenset({"human", "user"})
 
 @runtime_checkable
 class TokenizerLike(Protocol):
-    """What the benchmark needs of a tokenizer (engine.model_loader.load_tokenizer returns one)."""
+    """What the benchmark needs of a tokenizer (engine.loader.model_loader.load_tokenizer returns one)."""
 
     @property
     def vocab_size(self) -> int: ...

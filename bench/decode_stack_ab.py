@@ -1,4 +1,4 @@
-"""A/B of the decode stack (engine/models/decode_stack.py) against the layer-by-layer path, interleaved in
+"""A/B of the decode stack (engine/executor/decode_stack.py) against the layer-by-layer path, interleaved in
 one process on one engine, so that a noisy machine's slow minutes hit both sides alike.
 
     python -m bench.decode_stack_ab [--runs 5] [--prompts 16] [--prompt-len 128] [--new-tokens 64]
@@ -19,9 +19,9 @@ from collections.abc import Callable
 import torch
 
 from engine.engine import Engine
-from engine.inputs import BatchInputs
-from engine.kv_cache import KVCache
-from engine.models import LlamaForCausalLM
+from engine.executor.inputs import BatchInputs
+from engine.executor.kv_cache import KVCache
+from engine.executor.models import LlamaForCausalLM
 
 
 def _timed(fn: Callable[[], object]) -> float:

@@ -7,7 +7,7 @@ static ``generate`` on the same weights, the same prompts and the same output le
 
 Every system generates exactly the requested number of tokens for every prompt (EOS ignored), greedy, so
 the output token counts are equal and the tokens/s compare like for like. The transformers peers load the
-very weights cbserve loads (``engine.model_loader.open_source``: the GGUF dequantized, a Hugging Face
+very weights cbserve loads (``engine.loader.model_loader.open_source``: the GGUF dequantized, a Hugging Face
 folder, or the same seeded dummy weights). transformers is a test-only dependency: install the project's
 ``test`` extra to run the peers.
 """
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from server.cli import parse_bytes
+from server.config import parse_bytes
 
 
 @dataclass
@@ -110,8 +110,8 @@ def _hf_model(threads: int, spec: ModelSpec) -> Any:
     """transformers' own model class for the config cbserve reads, holding the weights cbserve loads."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from engine.loader.model_loader import open_source, resolve_device, resolve_dtype
     from engine.loader.source import resolve_model
-    from engine.model_loader import open_source, resolve_device, resolve_dtype
 
     torch.set_num_threads(threads)
     device = resolve_device(spec.device)
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save-result", type=Path, default=None)
     args = ap.parse_args(argv)
 
-    from engine.model_loader import load_tokenizer
+    from engine.loader.model_loader import load_tokenizer
 
     spec = ModelSpec(args.model, args.load_format, args.device, args.dtype)
     vocab = load_tokenizer(args.model).vocab_size

@@ -1,4 +1,4 @@
-"""A/B of prefill attention on the CPU: the prefill kernel (engine/attention/csrc/paged_prefill.c) against
+"""A/B of prefill attention on the CPU: the prefill kernel (engine/executor/attention/csrc/paged_prefill.c) against
 one SDPA call per sequence, interleaved in one process on one engine, so that a noisy machine's slow
 minutes hit both sides alike.
 
@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from engine.attention import paged
-from engine.attention.decode_kernel import PrefillKernel
 from engine.engine import Engine
-from engine.models import llama
+from engine.executor.attention import paged
+from engine.executor.attention.decode_kernel import PrefillKernel
+from engine.executor.models import llama
 from engine.outputs import RequestStatus
 
 

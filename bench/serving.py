@@ -52,9 +52,9 @@ class BenchmarkError(RuntimeError):
 
 
 def load_default_tokenizer(name: str) -> TokenizerLike:
-    """The served model's tokenizer, loaded as the server loads it (engine.model_loader)."""
+    """The served model's tokenizer, loaded as the server loads it (engine.loader.model_loader)."""
     # NOTE: imported here so that --compare and the metrics never pull in the engine (and torch).
-    from engine.model_loader import load_tokenizer
+    from engine.loader.model_loader import load_tokenizer
 
     tokenizer: TokenizerLike = load_tokenizer(name)
     return tokenizer

@@ -1,4 +1,4 @@
-"""The GPU decode-attention kernel (engine/attention/triton_decode.py) against PyTorch SDPA over gathered
+"""The GPU decode-attention kernel (engine/executor/attention/triton_decode.py) against PyTorch SDPA over gathered
 pages (the ``sdpa`` backend) on Llama-3-8B's attention shapes, and its launch parameters swept.
 
     python -m bench.triton_decode_tune                 # needs CUDA and Triton
@@ -26,7 +26,7 @@ CASES = [(1, 4096), (8, 2048), (64, 576), (64, 2048), (256, 576)]  # (num_seqs, 
 
 
 def _case(num_seqs: int, context: int, width: int, heads: int, kv_heads: int, head_dim: int, block_size: int):
-    from engine.attention.paged import DecodePart
+    from engine.executor.attention.paged import DecodePart
 
     gen = torch.Generator(device="cuda").manual_seed(num_seqs * 7919 + context)
     pages = -(-context // block_size)
@@ -48,8 +48,8 @@ def _case(num_seqs: int, context: int, width: int, heads: int, kv_heads: int, he
 def main(argv: list[str] | None = None) -> int:
     import triton.testing
 
-    from engine.attention.paged import _decode_attention
-    from engine.attention.triton_decode import TritonDecodeKernel
+    from engine.executor.attention.paged import _decode_attention
+    from engine.executor.attention.triton_decode import TritonDecodeKernel
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-model-len", type=int, default=8192)

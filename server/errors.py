@@ -4,7 +4,7 @@
 
 ``APIError`` is what handlers raise; ``api_error_from_engine`` maps the engine's exceptions to it and
 ``install_error_handlers`` makes FastAPI's own errors (422 validation, 404 routes, 405 methods, bad JSON)
-use the same body; ``server/unexpected_errors.py`` turns any other exception into a 500 with it.
+use the same body; ``server/middleware/unexpected_errors.py`` turns any other exception into a 500 with it.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from server.engine_client import ClientDisconnected, Submission, collect_final_o
 from server.errors import APIError, api_error_from_engine
 from server.generation_params import build_generation_config, resolve_max_tokens
 from server.lifecycle import ServerState
-from server.request_id import request_id_of
+from server.middleware.request_id import request_id_of
 from server.schemas import SamplingRequest, UsageInfo
 from server.sse import EventStreamResponse
 

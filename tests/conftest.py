@@ -60,11 +60,11 @@ def oracle_gguf_weights(smollm2_gguf_path: Path, smollm2_reader: Any) -> dict[st
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from engine.config import ModelConfig
+    from engine.loader.gguf import config_from_gguf
 
     # transformers maps GGUF names through a model's parameter names: a meta-device skeleton is enough
     # (the q/k un-permute reads the head counts from the file itself, not from this skeleton).
-    hf_config = ModelConfig.from_gguf(smollm2_reader).to_hf_dict()
+    hf_config = config_from_gguf(smollm2_reader).to_hf_dict()
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(AutoConfig.for_model(hf_config.pop("model_type"), **hf_config))
     tensors: dict[str, Any] = load_gguf_checkpoint(

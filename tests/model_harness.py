@@ -21,10 +21,10 @@ from typing import Literal, Protocol
 import pytest
 import torch
 
-from engine.attention.cpu_kernel import KernelUnavailable, PagedDecodeKernel, load
-from engine.attention.decode_kernel import DecodeKernel
-from engine.inputs import BatchInputs
-from engine.kv_cache import KVCache
+from engine.executor.attention.cpu_kernel import KernelUnavailable, PagedDecodeKernel, load
+from engine.executor.attention.decode_kernel import DecodeKernel
+from engine.executor.inputs import BatchInputs
+from engine.executor.kv_cache import KVCache
 
 Mode = Literal["one_at_a_time", "batched", "chunked"]
 MODES: tuple[Mode, ...] = ("one_at_a_time", "batched", "chunked")

@@ -6,7 +6,7 @@ Use it with ``live_server = server_fixtures.live_server`` in a test module and a
 Each module that binds it gets its own fixture definition, so the server itself is a process-wide
 singleton: the first use starts it, the rest share it, and it stops at the end of the session.
 Being in-process, tests can read ``live_server.state.manager.stats()`` (blocks freed, requests running).
-The SIGTERM drain is tested in a subprocess (tests/test_server_lifecycle.py): signals reach only the main
+The SIGTERM drain is tested in a subprocess (tests/server/test_server_lifecycle.py): signals reach only the main
 thread, so this server runs plain ``uvicorn.Server``.
 """
 

@@ -16,7 +16,7 @@ REPLACEMENT_CHAR = "\ufffd"
 
 
 class TokenDecoder(Protocol):
-    """What detokenization needs from a tokenizer (``engine/tokenizer.py`` and HF tokenizers have it)."""
+    """What detokenization needs from a tokenizer (``engine/loader/tokenizer.py`` and HF tokenizers have it)."""
 
     def decode(self, ids: list[int], /, skip_special_tokens: bool = ...) -> str: ...
 

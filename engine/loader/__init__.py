@@ -1,21 +1,8 @@
-"""Model weight loaders. Every loader yields ``(hf_name, tensor)`` pairs in Hugging Face parameter names and
-layout, whatever the file format:
+"""From files to a ready model: configs, weight loaders, the tokenizer and its chat template.
 
-- ``engine.loader.source`` — ``resolve_model(model, load_format)``: what ``--model`` points at;
-- ``engine.loader.hf`` — a Hugging Face folder (``config.json`` + ``*.safetensors``);
-- ``engine.loader.gguf`` — a llama.cpp GGUF file (dequantized, llama q/k un-permuted);
-- ``engine.loader.dummy`` — random weights for a config or a preset (benchmarks without downloads);
-- ``engine.loader.errors`` — the errors they raise.
-
-NOTE: this package re-exports only the errors: the loaders import ``engine.config``, which imports the
-errors from here, so importing the loaders in this ``__init__`` would be circular.
+Every weight loader yields ``(hf_name, tensor)`` pairs in Hugging Face parameter names and layout, whatever
+the file format: ``source`` resolves what ``--model`` points at, ``hf`` reads a Hugging Face folder, ``gguf``
+a llama.cpp GGUF file (dequantized, llama q/k un-permuted), ``dummy`` makes random weights for a config or a
+preset; ``model_loader`` puts them together into a model and its tokenizer. Their errors are in
+``engine.errors``.
 """
-
-from engine.loader.errors import (
-    ModelLoadError,
-    ModelNotFoundError,
-    TokenizerMismatchError,
-    UnsupportedArchitectureError,
-)
-
-__all__ = ["ModelLoadError", "ModelNotFoundError", "TokenizerMismatchError", "UnsupportedArchitectureError"]

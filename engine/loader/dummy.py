@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import torch
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 
 DUMMY_STD = 0.02
 

@@ -23,10 +23,10 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
-from engine.config import ModelConfig
+from engine.errors import ModelLoadError, UnsupportedArchitectureError
+from engine.executor.kernels.block_codes import BlockCodes
 from engine.loader import gguf_blocks
-from engine.loader.block_codes import BlockCodes
-from engine.loader.errors import ModelLoadError
+from engine.model_config import GGUF_ARCHITECTURES, ModelConfig, optional_int
 
 _MISSING: Any = object()
 
@@ -170,3 +170,67 @@ def iter_gguf_weights(
         if blocks is not None and codes is not None:
             blocks[hf_name] = codes
         yield hf_name, w.to(dtype)
+
+
+def config_from_gguf(reader: GGUFReader, where: str | None = None) -> ModelConfig:
+    """Read llama.cpp's metadata keys (``{arch}.block_count``, ...). Whether the output projection is
+    tied, and whether q/k/v have biases or q/k norms, is read from which tensors the file holds."""
+    where = where or "GGUF file"
+    gguf_arch = gguf_field(reader, "general.architecture")
+    if gguf_arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedArchitectureError(str(gguf_arch), tuple(GGUF_ARCHITECTURES), where)
+    architecture = GGUF_ARCHITECTURES[gguf_arch]
+    tensor_names = {t.name for t in reader.tensors}
+
+    def key(suffix: str, default: Any = None, required: bool = True) -> Any:
+        value = gguf_field(reader, f"{gguf_arch}.{suffix}", default)
+        if value is None and required:
+            raise ModelLoadError(f"{where}: GGUF metadata key {gguf_arch}.{suffix!s} is missing")
+        return value
+
+    if "rope_freqs.weight" in tensor_names:
+        # NOTE: Llama 3.1+ GGUFs bake their rope scaling into a ``rope_freqs`` tensor instead of metadata;
+        # loading without it would silently give wrong attention beyond the original context.
+        raise ModelLoadError(
+            f"{where}: rope scaling stored as a rope_freqs tensor is not supported; load the Hugging "
+            f"Face folder of this model instead"
+        )
+    hidden_size = int(key("embedding_length"))
+    num_heads = int(key("attention.head_count"))
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens", None)
+    vocab_size = key("vocab_size", required=False)
+    if vocab_size is None:
+        if tokens is None:
+            raise ModelLoadError(f"{where}: no {gguf_arch}.vocab_size and no tokenizer.ggml.tokens")
+        vocab_size = len(tokens)
+    head_dim = key("attention.key_length", required=False) or key("rope.dimension_count", required=False)
+    eos_ids = [
+        gguf_field(reader, f"tokenizer.ggml.{name}_token_id", None) for name in ("eos", "eot", "eom")
+    ]
+    scaling_type = key("rope.scaling.type", required=False)
+    if scaling_type not in (None, "none"):
+        raise ModelLoadError(f"{where}: GGUF rope scaling type {scaling_type!r} is not supported")
+    try:
+        return ModelConfig(
+            architecture=architecture,
+            vocab_size=int(vocab_size),
+            hidden_size=hidden_size,
+            intermediate_size=int(key("feed_forward_length")),
+            num_hidden_layers=int(key("block_count")),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(key("attention.head_count_kv", required=False) or num_heads),
+            head_dim=int(head_dim) if head_dim else hidden_size // num_heads,
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            max_position_embeddings=int(key("context_length")),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            attention_bias="blk.0.attn_q.bias" in tensor_names,
+            qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+            bos_token_id=optional_int(gguf_field(reader, "tokenizer.ggml.bos_token_id", None)),
+            eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
+            sliding_window=optional_int(key("attention.sliding_window", required=False)),
+        )
+    except ValueError as e:
+        if isinstance(e, UnsupportedArchitectureError):
+            raise
+        raise ModelLoadError(f"{where}: invalid model metadata: {e}") from e

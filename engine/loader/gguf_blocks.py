@@ -2,11 +2,11 @@
 
 gguf-py's numpy dequantizers took 7.5 s for SmolLM2-135M's Q4_1 and Q8_0 tensors on the 2-core test
 machine, a third of loading the model; these run the same arithmetic as vectorised, multi-threaded torch
-ops and give bit-for-bit the same floats (tests/test_gguf_blocks.py checks them against gguf-py). Other
+ops and give bit-for-bit the same floats (tests/model/test_gguf_blocks.py checks them against gguf-py). Other
 types go to gguf-py (``decode`` returns None for them).
 
 Each block holds 32 weights after a float16 scale ``d`` (and, for Q4_1, a float16 minimum ``m``);
-``split`` gives the codes ``q`` with ``d`` and ``m`` (engine/loader/block_codes.py), ``decode`` the weights:
+``split`` gives the codes ``q`` with ``d`` and ``m`` (engine/executor/kernels/block_codes.py), ``decode`` the weights:
 
     Q8_0  [d][32 x int8]                 w = d * q
     Q4_0  [d][16 bytes: two nibbles each] w = d * (q - 8)
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from engine.loader.block_codes import BLOCK, BlockCodes
+from engine.executor.kernels.block_codes import BLOCK, BlockCodes
 
 _TYPES = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
 _BYTES = {qtype: GGML_QUANT_SIZES[qtype][1] for qtype in _TYPES}  # bytes per block: 34, 18, 20

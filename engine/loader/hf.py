@@ -17,11 +17,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine.config import ModelConfig
-from engine.loader.errors import ModelLoadError
+from engine.errors import ModelLoadError
+from engine.model_config import ModelConfig
 
 if TYPE_CHECKING:
-    from engine.tokenizer import Tokenizer
+    from engine.loader.tokenizer import Tokenizer
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"

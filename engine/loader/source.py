@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from engine.errors import ModelLoadError, ModelNotFoundError
 from engine.loader.dummy import PRESETS
-from engine.loader.errors import ModelLoadError, ModelNotFoundError
 
 SourceKind = Literal["gguf", "safetensors", "dummy"]
 LOAD_FORMATS: tuple[str, ...] = ("auto", "gguf", "safetensors", "dummy")

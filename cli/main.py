@@ -1,0 +1,257 @@
+"""The ``cbserve`` command: ``cbserve serve [flags]`` runs the server, ``cbserve bench ...`` the serving
+benchmark (``bench.serving.main``).
+
+Every ``serve`` flag can also come from the environment as ``CBSERVE_<FLAG>`` (upper case, dashes as
+underscores: ``--max-num-seqs`` is ``CBSERVE_MAX_NUM_SEQS``); the command line wins. Boolean flags take
+1/true/yes/on or 0/false/no/off from the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from server.config import parse_bytes
+
+ENV_PREFIX = "CBSERVE_"
+
+
+logger = logging.getLogger("cbserve")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in [0, 65535], got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def _origins(text: str) -> list[str]:
+    return [o.strip() for o in text.split(",") if o.strip()]
+
+
+def _env_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {text!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cbserve", description="A continuous-batching LLM inference server."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
+        description="Run the OpenAI-compatible server. Every flag also reads CBSERVE_<FLAG> from the environment.",
+    )
+    a = serve.add_argument
+    a(
+        "--model",
+        default="default",
+        help="'default' (SmolLM2-135M-Instruct GGUF), a HF folder or a .gguf file",
+    )
+    a("--host", default="127.0.0.1")
+    a("--port", type=_port, default=8000)
+    a("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    a("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    a("--load-format", choices=["auto", "gguf", "safetensors", "dummy"], default="auto")
+    a(
+        "--attention-backend",
+        choices=["auto", "cpu", "triton", "sdpa"],
+        default="auto",
+        help="decode attention: the CPU C kernel, the GPU Triton kernel, PyTorch SDPA, or auto (the device's "
+        "kernel where it runs)",
+    )
+    a("--scheduler", choices=["fifo", "prefill_first"], default="fifo")
+    a("--max-batch-tokens", type=_positive_int, default=2048, help="tokens computed per engine step, at most")
+    a("--max-num-seqs", type=_positive_int, default=64, help="sequences running at once, at most")
+    a("--block-size", type=_positive_int, default=16, help="tokens per KV-cache block")
+    a("--kv-cache-memory", type=parse_bytes, default=None, help="KV-cache size in bytes (2GiB, 512MiB, ...)")
+    a("--num-blocks", type=_positive_int, default=None, help="KV-cache size in blocks (instead of bytes)")
+    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    a(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="CUDA: run every step eagerly (no CUDA graphs of the decode step)",
+    )
+    a("--api-key", default=None, help="require 'Authorization: Bearer <key>' (also CBSERVE_API_KEY)")
+    a("--served-model-name", default=None, help="the model name clients use (default: the model's name)")
+    a("--max-queue", type=_positive_int, default=256, help="waiting requests before 429")
+    a("--max-model-len", type=_positive_int, default=None, help="context length limit (default: the model's)")
+    a("--shutdown-timeout", type=_non_negative_float, default=30.0, help="seconds to drain on SIGTERM")
+    a("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    a(
+        "--cors-origins",
+        type=_origins,
+        default=None,
+        help="comma-separated allowed origins (CORS off if unset)",
+    )
+    a("--max-body-bytes", type=parse_bytes, default=16 * 1024 * 1024, help="request body size limit")
+    serve.set_defaults(handler=_serve)
+    bench = sub.add_parser(
+        "bench", help="run the serving benchmark (arguments go to bench.serving)", add_help=False
+    )
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(handler=_bench)
+    return parser
+
+
+def apply_env_defaults(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    """Set the ``serve`` flags' defaults from ``CBSERVE_*`` variables (so the command line still wins)."""
+    serve = _subparser(parser, "serve")
+    for action in serve._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        name = ENV_PREFIX + action.dest.upper()
+        if name not in env:
+            continue
+        raw = env[name]
+        convert: Callable[[str], Any]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            convert = _env_bool
+        elif action.type is not None:
+            convert = action.type  # type: ignore[assignment]
+        else:
+            convert = str
+        try:
+            value = convert(raw)
+        except (argparse.ArgumentTypeError, ValueError) as exc:
+            serve.error(f"environment variable {name}: {exc}")
+        if action.choices is not None and value not in action.choices:
+            serve.error(
+                f"environment variable {name}: {raw!r} is not one of {', '.join(map(str, action.choices))}"
+            )
+        serve.set_defaults(**{action.dest: value})
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[name]  # type: ignore[no-any-return]
+    raise KeyError(name)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if args.kv_cache_memory is not None and args.num_blocks is not None:
+        logger.error("give --kv-cache-memory or --num-blocks, not both")
+        return 2
+    # NOTE: imported here so that `cbserve --help` and `cbserve bench` do not pay for torch.
+    from engine.engine import Engine
+    from server.app import build_app
+    from server.config import ServerConfig, ServerConfigError
+    from server.lifecycle import DrainingServer, uvicorn_config
+
+    try:
+        engine = Engine.from_pretrained(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            load_format=args.load_format,
+            attention_backend=args.attention_backend,
+            scheduler=args.scheduler,
+            max_batch_tokens=args.max_batch_tokens,
+            max_num_seqs=args.max_num_seqs,
+            block_size=args.block_size,
+            kv_cache_memory=args.kv_cache_memory,
+            num_blocks=args.num_blocks,
+            enable_prefix_caching=args.enable_prefix_caching,
+            max_model_len=args.max_model_len,
+            enforce_eager=args.enforce_eager,
+        )
+    except (OSError, ValueError) as exc:
+        logger.error("could not load model %r: %s", args.model, exc)
+        return 2
+    try:
+        config = ServerConfig(
+            served_model_name=args.served_model_name or engine.model_name,
+            api_key=args.api_key or None,
+            max_body_bytes=args.max_body_bytes,
+            cors_origins=tuple(args.cors_origins or ()),
+            shutdown_timeout=args.shutdown_timeout,
+            max_queue=args.max_queue,
+        )
+    except ServerConfigError as exc:
+        logger.error("%s", exc)
+        return 2
+    app = build_app(engine, config)
+    capacity = engine.num_blocks * engine.block_size
+    logger.info(
+        "model %s on %s (%s, %s decode attention); KV cache %d blocks x %d = %d tokens, %.2f sequences at "
+        "full context (%d); serving '%s' at http://%s:%d",
+        engine.model_name,
+        engine.device,
+        str(engine.dtype).removeprefix("torch."),
+        engine.attention_backend,
+        engine.num_blocks,
+        engine.block_size,
+        capacity,
+        capacity / engine.max_model_len,
+        engine.max_model_len,
+        config.served_model_name,
+        args.host,
+        args.port,
+    )
+    server = DrainingServer(uvicorn_config(app, args.host, args.port, args.log_level), app.state.server)
+    server.run()
+    return 0 if server.started else 1
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from bench.serving import main as bench_main
+
+    result = bench_main(list(args.bench_args))
+    return int(result) if isinstance(result, int) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        # NOTE: forwarded verbatim (argparse would claim -h and options it does not know).
+        return _bench(argparse.Namespace(bench_args=argv[1:]))
+    parser = build_parser()
+    apply_env_defaults(parser, os.environ)
+    args = parser.parse_args(argv)
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+/* Paged prefill attention on the CPU: each sequence's new queries (a fresh prompt or a later chunk of one)
+ * attend causally over that sequence's KV pages, read in place through its block table.
+ *
+ * Work item = (sequence, KV head, tile of up to TILE consecutive queries). The tile's rows are its queries
+ * times the `group` query heads that share the KV head, and the two products are small matrix products
+ * over the pages:
+ *
+ *   S[r, j] = scale * <q[r], K[j]>     for the keys j the tile can see   (rows x pages of 16 keys)
+ *   P[r, j] = softmax over the keys row r may see (j <= its position, and inside the sliding window)
+ *   O[r]    = sum_j P[r, j] V[j]
+ *
+ * The cache layout (engine/executor/kv_cache.py) makes both products panel products: a K page of one head is
+ * [head_dim, block_size], so the scores of 16 keys are two vectors that every row of a register block
+ * fills with one fused multiply-add per dimension; a V page is [block_size, head_dim], so a block of rows
+ * accumulates slices of head_dim while the page's rows stream past. Each K/V page is read once per tile
+ * for all of its rows (PyTorch's SDPA over the same prompts, one call per sequence and layer, ran 10x
+ * below the machine's FMA peak).
+ *
+ * Masked keys inside a tile's key range are real keys of the sequence (a later query's own key, or one
+ * before a sliding window): they get probability 0. Nothing past the sequence's length is read.
+ *
+ * The query of row i of sequence s sits at position seq_lens[s] - q_len + i (q_len = query_starts[s + 1] -
+ * query_starts[s]); its keys, already written to the cache, are j in [first, position], first = 0 or
+ * position - sliding_window + 1.
+ *
+ * Caches are float32 or bfloat16 (`kv_is_bf16`); queries and outputs are float32. Supported: the shapes of
+ * paged_decode.c (block_size and head_dim multiples of 16, head_dim up to MAX_HEAD_DIM, at most MAX_GROUP
+ * query heads per KV head): cpu_attention.c compiles the two kernels into one library, and
+ * engine/executor/attention/cpu_kernel.py checks the shape once for both.
+ */
+#include <omp.h>
+
+#define TILE 16    /* queries per work item */
+#define QK_ROWS 6  /* rows per register block of the score product: 6 x 2 accumulators */
+#define PV_ROWS 3  /* rows per register block of the value product ... */
+#define PV_VECS 4  /* ... times up to this many vectors of head_dim: 12 accumulators (AVX2 has 16 registers) */
+
+typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
+
+static inline v8 load8f(const void *cache, int64_t index, int bf16) {
+    v8 f;
+    if (bf16) {
+        typedef uint16_t h8 __attribute__((vector_size(8 * sizeof(uint16_t))));
+        typedef uint32_t u8v __attribute__((vector_size(8 * sizeof(uint32_t))));
+        h8 h;
+        memcpy(&h, (const uint16_t *)cache + index, sizeof h);
+        u8v u = __builtin_convertvector(h, u8v) << 16;
+        memcpy(&f, &u, sizeof f);
+    } else {
+        memcpy(&f, (const float *)cache + index, sizeof f);
+    }
+    return f;
+}
+
+/* scores[m, c0 .. c0 + 16) = scale * <rows[m], K page> for M <= QK_ROWS rows (M a literal at each call) */
+static inline __attribute__((always_inline)) void score_page(float *scores, int64_t ld, const float *const *rows,
+                                                             const void *k_cache, int64_t page, int bf16,
+                                                             int64_t head_dim, int64_t block_size, int64_t t,
+                                                             float scale, const int M) {
+    v8 lo[QK_ROWS], hi[QK_ROWS];
+    for (int m = 0; m < M; m++) lo[m] = hi[m] = (v8){0};
+    for (int64_t d = 0; d < head_dim; d++) {
+        const v8 k0 = load8f(k_cache, page + d * block_size + t, bf16);
+        const v8 k1 = load8f(k_cache, page + d * block_size + t + 8, bf16);
+        for (int m = 0; m < M; m++) {
+            const v8 x = (v8){0} + rows[m][d];
+            lo[m] += x * k0;
+            hi[m] += x * k1;
+        }
+    }
+    for (int m = 0; m < M; m++) {
+        const v8 a = lo[m] * scale, b = hi[m] * scale;
+        memcpy(scores + m * ld, &a, sizeof a);
+        memcpy(scores + m * ld + 8, &b, sizeof b);
+    }
+}
+
+/* acc[m][0 .. C) += sum over page rows t in [t0, t1) of p[m, j_of_t0 + t - t0] V[t, d0 .. d0 + 8C) for
+ * M <= PV_ROWS rows (M and C literals at each call) */
+static inline __attribute__((always_inline)) void weigh_values(v8 acc[PV_ROWS][PV_VECS], const float *p, int64_t ld,
+                                                               const void *v_cache, int64_t page, int bf16,
+                                                               int64_t head_dim, int64_t d0, int64_t t0, int64_t t1,
+                                                               int64_t j_of_t0, const int M, const int C) {
+    for (int64_t t = t0; t < t1; t++) {
+        /* the M weights in registers, one value vector at a time: 12 accumulators + 3 + 1 registers */
+        v8 w[PV_ROWS];
+        for (int m = 0; m < M; m++) w[m] = (v8){0} + p[m * ld + j_of_t0 + (t - t0)];
+        for (int c = 0; c < C; c++) {
+            const v8 row = load8f(v_cache, page + t * head_dim + d0 + 8 * c, bf16);
+            for (int m = 0; m < M; m++) acc[m][c] += w[m] * row;
+        }
+    }
+}
+
+/* One work item: queries [i0, i1) of a sequence (positions base + i), KV head h. `scores`: at least
+ * TILE * MAX_GROUP * (padded key range) floats. Inlined into one copy per cache dtype (`bf16` a literal),
+ * so the inner loops carry no dtype test and their accumulators stay in registers. */
+static inline __attribute__((always_inline)) void attend_tile(float *out, const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                        int bf16, const int64_t *table, int64_t base, int64_t i0, int64_t i1, int64_t h,
+                        int64_t num_heads, int64_t group, int64_t head_dim, int64_t block_size,
+                        int64_t block_stride, float scale, int64_t window, float *scores) {
+    const int64_t rows = (i1 - i0) * group, head_page = h * head_dim * block_size;
+    /* key range of the tile: from the first query's first key to the last query's own key */
+    const int64_t first_pos = base + i0, last_pos = base + i1 - 1;
+    const int64_t key_lo = window > 0 && first_pos - window + 1 > 0 ? first_pos - window + 1 : 0;
+    const int64_t b_lo = key_lo / block_size, b_hi = last_pos / block_size + 1;
+    const int64_t k0 = b_lo * block_size, ld = (b_hi - b_lo) * block_size; /* scores row r: key k0 + c */
+    const float *row_q[TILE * MAX_GROUP];
+    for (int64_t r = 0; r < rows; r++)
+        row_q[r] = q + (i0 + r / group) * q_stride + (h * group + r % group) * head_dim;
+
+    /* S: page by page, row blocks of QK_ROWS (pages past a row's position are computed and not read) */
+    for (int64_t b = b_lo; b < b_hi; b++) {
+        const int64_t page = table[b] * block_stride + head_page;
+        for (int64_t t = 0; t < block_size; t += 16)
+            for (int64_t r0 = 0; r0 < rows; r0 += QK_ROWS) {
+                float *s = scores + r0 * ld + (b - b_lo) * block_size + t;
+                const float *const *rq = row_q + r0;
+                switch (rows - r0 < QK_ROWS ? rows - r0 : QK_ROWS) {
+                case 1: score_page(s, ld, rq, k_cache, page, bf16, head_dim, block_size, t, scale, 1); break;
+                case 2: score_page(s, ld, rq, k_cache, page, bf16, head_dim, block_size, t, scale, 2); break;
+                case 3: score_page(s, ld, rq, k_cache, page, bf16, head_dim, block_size, t, scale, 3); break;
+                case 4: score_page(s, ld, rq, k_cache, page, bf16, head_dim, block_size, t, scale, 4); break;
+                case 5: score_page(s, ld, rq, k_cache, page, bf16, head_dim, block_size, t, scale, 5); break;
+                default: score_page(s, ld, rq, k_cache, page, bf16, head_dim, block_size, t, scale, 6); break;
+                }
+            }
+    }
+
+    /* P: each row's softmax over its own keys [lo, hi) (relative to k0); 0 elsewhere in the range */
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t pos = base + i0 + r / group;
+        const int64_t lo = (window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0) - k0, hi = pos + 1 - k0;
+        float *s = scores + r * ld;
+        float max = s[lo], sum = 0.0f;
+        for (int64_t j = lo + 1; j < hi; j++) max = s[j] > max ? s[j] : max;
+        for (int64_t j = lo; j < hi; j++) {
+            s[j] = expf(s[j] - max);
+            sum += s[j];
+        }
+        const float inv = 1.0f / sum; /* the max is one of the terms: sum >= 1 */
+        for (int64_t j = 0; j < lo; j++) s[j] = 0.0f;
+        for (int64_t j = lo; j < hi; j++) s[j] *= inv;
+        for (int64_t j = hi; j < ld; j++) s[j] = 0.0f;
+    }
+
+    /* O: row blocks of PV_ROWS, head_dim in slices of PV_VECS vectors, over the block's keys only */
+    for (int64_t r0 = 0; r0 < rows; r0 += PV_ROWS) {
+        const int64_t M = rows - r0 < PV_ROWS ? rows - r0 : PV_ROWS;
+        const int64_t last = base + i0 + (r0 + M - 1) / group; /* the block's latest position */
+        const int64_t first = base + i0 + r0 / group;
+        const int64_t lo = window > 0 && first - window + 1 > k0 ? first - window + 1 : k0, hi = last + 1;
+        const float *p = scores + r0 * ld;
+        const int C = head_dim % (8 * PV_VECS) ? 2 : PV_VECS; /* head_dim is a multiple of 16 */
+        for (int64_t d0 = 0; d0 < head_dim; d0 += 8 * C) {
+            v8 acc[PV_ROWS][PV_VECS];
+            for (int m = 0; m < PV_ROWS; m++)
+                for (int c = 0; c < PV_VECS; c++) acc[m][c] = (v8){0};
+            for (int64_t b = lo / block_size; b * block_size < hi; b++) {
+                const int64_t page = table[b] * block_stride + head_page;
+                const int64_t t0 = lo > b * block_size ? lo - b * block_size : 0;
+                const int64_t t1 = hi < (b + 1) * block_size ? hi - b * block_size : block_size;
+                const int64_t j = b * block_size + t0 - k0;
+#define WEIGH(M_, C_) weigh_values(acc, p, ld, v_cache, page, bf16, head_dim, d0, t0, t1, j, M_, C_)
+                if (C == PV_VECS) {
+                    if (M == 3) WEIGH(3, PV_VECS); else if (M == 2) WEIGH(2, PV_VECS); else WEIGH(1, PV_VECS);
+                } else {
+                    if (M == 3) WEIGH(3, 2); else if (M == 2) WEIGH(2, 2); else WEIGH(1, 2);
+                }
+#undef WEIGH
+            }
+            for (int64_t m = 0; m < M; m++) {
+                const int64_t r = r0 + m;
+                float *o = out + (i0 + r / group) * num_heads * head_dim + (h * group + r % group) * head_dim;
+                for (int c = 0; c < C; c++) memcpy(o + d0 + 8 * c, &acc[m][c], sizeof(v8));
+            }
+        }
+    }
+}
+
+#define TILE_ARGS                                                                                           \
+    float *out, const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, const int64_t *table, \
+        int64_t base, int64_t i0, int64_t i1, int64_t h, int64_t num_heads, int64_t group, int64_t head_dim,     \
+        int64_t block_size, int64_t block_stride, float scale, int64_t window, float *scores
+#define TILE_CALL(BF16)                                                                                       \
+    attend_tile(out, q, q_stride, k_cache, v_cache, BF16, table, base, i0, i1, h, num_heads, group, head_dim,  \
+                block_size, block_stride, scale, window, scores)
+static void attend_tile_f32(TILE_ARGS) { TILE_CALL(0); }
+static void attend_tile_bf16(TILE_ARGS) { TILE_CALL(1); }
+#undef TILE_CALL
+#undef TILE_ARGS
+
+/* Returns 0; -2 for an unsupported shape, -5 for a query count or length that does not fit its sequence
+ * (nothing written); -1 if a scratch buffer could not be allocated. */
+int cbserve_paged_prefill_attention(
+    float *out,                  /* [num_tokens, num_heads, head_dim] */
+    const float *q,              /* token t's heads at q + t * q_stride, [num_heads, head_dim] */
+    int64_t q_stride,
+    const void *k_cache,         /* [num_blocks, num_kv_heads, head_dim, block_size] */
+    const void *v_cache,         /* [num_blocks, num_kv_heads, block_size, head_dim] */
+    int kv_is_bf16,
+    const int64_t *block_tables, /* [num_seqs, table_stride] */
+    int64_t table_stride,
+    const int64_t *query_starts, /* [num_seqs + 1]: sequence s's queries are tokens [starts[s], starts[s+1]) */
+    const int64_t *seq_lens,     /* [num_seqs]: KV length including the new tokens */
+    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+    float scale, int64_t sliding_window /* <= 0: none */) {
+    if (!supported(num_heads, num_kv_heads, head_dim, block_size)) return -2;
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t block_stride = num_kv_heads * head_dim * block_size;
+    int64_t items = 0, widest = 0; /* widest: the longest key range of a tile, in padded keys */
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t q_len = query_starts[s + 1] - query_starts[s];
+        if (q_len < 1 || q_len > seq_lens[s] || (seq_lens[s] + block_size - 1) / block_size > table_stride)
+            return -5;
+        items += num_kv_heads * ((q_len + TILE - 1) / TILE);
+        const int64_t span = (sliding_window > 0 && sliding_window < seq_lens[s] ? sliding_window + TILE : seq_lens[s]);
+        widest = span + 2 * block_size > widest ? span + 2 * block_size : widest;
+    }
+    const int threads = omp_get_max_threads();
+    const int64_t scratch = TILE * group * widest;
+    float *scores = malloc(sizeof(float) * (size_t)(threads * scratch));
+    if (scores == NULL) return -1;
+
+#pragma omp parallel num_threads(threads)
+    {
+        float *mine = scores + omp_get_thread_num() * scratch;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++) {
+            /* find the item's sequence, tile and head: items are laid out sequence by sequence, the tiles
+             * of a sequence latest first (the longest key ranges start first), heads innermost */
+            int64_t s = 0, rest = item, tiles = 0;
+            for (;; s++) {
+                tiles = (query_starts[s + 1] - query_starts[s] + TILE - 1) / TILE;
+                if (rest < tiles * num_kv_heads) break;
+                rest -= tiles * num_kv_heads;
+            }
+            const int64_t q_len = query_starts[s + 1] - query_starts[s];
+            const int64_t tile = tiles - 1 - rest / num_kv_heads, h = rest % num_kv_heads;
+            const int64_t i0 = tile * TILE, i1 = i0 + TILE < q_len ? i0 + TILE : q_len;
+            const int64_t start = query_starts[s];
+            (kv_is_bf16 ? attend_tile_bf16 : attend_tile_f32)(
+                out + start * num_heads * head_dim, q + start * q_stride, q_stride, k_cache, v_cache,
+                block_tables + s * table_stride, seq_lens[s] - q_len, i0, i1, h, num_heads, group, head_dim,
+                block_size, block_stride, scale, sliding_window, mine);
+        }
+    }
+    free(scores);
+    return 0;
+}

@@ -1,0 +1,338 @@
+/* float32 y = x W^T (+ b) over W packed in 16-output panels.
+ *
+ * At 16 rows a matmul of this model reads each weight once and uses it 16 times: oneDNN's prepacked fp32
+ * kernels reach 58-80 GFLOPS there on the benchmark machine (7-10 GB/s of weights), against ~159 GFLOPS of
+ * FMA peak and ~27 GB/s of memory bandwidth. Here each row's accumulators live in registers while a panel
+ * streams past:
+ *
+ *   packed W: [ceil(N / 16)][K][16]   (panel p holds outputs 16p..16p+15, zero-padded past N)
+ *   for each panel:  for each group of <= 64 rows:  for each chunk of k:  for each block of <= 6 rows:
+ *       acc[m] += x[m, k] * W[p][k][:]        for k in the chunk
+ *
+ * The chunk of k: with few rows (a decode step) the panel comes from memory and the row blocks are few, so
+ * the chunks are short (64 k = 4 KB of panel) and every row block reads the chunk from L1 while the next one
+ * is prefetched: memory is read at an even rate instead of in bursts during the first block (a 16-row
+ * step's matmuls 8-10% faster on the 2-core AVX2 machine). With many rows the whole k range is one chunk
+ * per block (faster there: no accumulator traffic).
+ *
+ * Each output is one fused multiply-add chain over k in order (the accumulators carry over between chunks),
+ * restarted every K_BLOCK k and the partial sums added in order, then the bias: the chunk length does not
+ * change a bit of the result. Panels are split over the OpenMP threads (libgomp: the pool torch already
+ * runs, see engine/cpu/native_build.py).
+ *
+ * Block-quantized weights (a GGUF's Q4_0, Q4_1 and Q8_0 tensors) can stay in their blocks: 32 k of one
+ * output share a scale d (and in Q4_1 an offset m), each weight an integer code q, and the weight is d * q
+ * (+ m). The product of a float16 scale and a code of at most 8 bits is exact in float32, so d * q + m has
+ * one rounding however it is computed: the float32 weight the loader makes, bit for bit. A quantized panel
+ * holds, per 32-k block, the 32 x 16 codes (int8, k-major like a float panel), the 16 scales and, with
+ * offsets, the 16 offsets (float32):
+ *
+ *   qpacked W: [ceil(N / 16)][K / 32][32 * 16 int8 | 16 float d | 16 float m]
+ *
+ * A call expands the weights to float32 just before they are used -- with at most ROWS rows in registers,
+ * right before their multiply-adds; with at most GROUP rows QCHUNK k at a time into an L1 buffer that every
+ * row block reads; with more, a whole panel into a per-thread scratch panel -- and runs the float32 chains
+ * over them: the same bits as the float32 panels, from 1.125 (d * q) or 1.25 (d * q + m) bytes a weight
+ * instead of 4. Expanding costs a few instructions per 8 weights, so it pays only where reading the weights
+ * is the limit: few rows (small_gemm.py's QUANTIZED_MAX_ROWS).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define PANEL 16 /* outputs per panel: two 8-float vectors */
+#define ROWS 6 /* rows per register block: 6 x 2 accumulators + 2 weight vectors fit AVX2's 16 registers */
+#define K_BLOCK 1024 /* k is summed in blocks of this many, each from zero, then added in order */
+#define GROUP 64 /* rows whose accumulators one pass over a panel keeps (in L1 between chunks) */
+#define GROUP_BLOCKS ((GROUP + ROWS - 1) / ROWS)
+#define CHUNKED_ROWS 24 /* calls of at most this many rows read the panel in chunks of SHORT_CHUNK k */
+#define SHORT_CHUNK 64 /* k steps: 4 KB of panel, prefetched one chunk ahead */
+#define PREFETCH_AHEAD 16 /* k steps (64-byte lines of the panel) ahead with many rows */
+#define INLINE static inline __attribute__((always_inline))
+/* compiled from its own body alone (never inlined, cloned or specialised for a caller): the decode stack
+ * (decode_stack.c) includes this file and gets the same bits */
+#define NOIPA static __attribute__((noipa))
+
+typedef float v8f __attribute__((vector_size(8 * sizeof(float))));
+
+INLINE v8f load8(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+INLINE void store_n(float *p, v8f lo, v8f hi, int n) {
+    float tmp[PANEL];
+    memcpy(tmp, &lo, sizeof lo);
+    memcpy(tmp + 8, &hi, sizeof hi);
+    memcpy(p, tmp, (size_t)n * sizeof(float));
+}
+
+/* rows [0, M) (M a literal at each call site, so the accumulators live in registers) times one panel over
+ * k in [k0, k1): acc (per row: low and high 8 outputs) continues its chains, or starts them when `fresh` */
+INLINE void rows_times_chunk(v8f *acc, const float *x, int64_t ldx, const float *panel, int64_t k0, int64_t k1,
+                             int64_t prefetch, int fresh, const int M) {
+    v8f lo[ROWS], hi[ROWS];
+    for (int m = 0; m < M; m++) {
+        lo[m] = fresh ? (v8f){0} : acc[2 * m];
+        hi[m] = fresh ? (v8f){0} : acc[2 * m + 1];
+    }
+    for (int64_t k = k0; k < k1; k++) {
+        __builtin_prefetch(panel + (k + prefetch) * PANEL, 0, 3);
+        v8f w0 = load8(panel + k * PANEL), w1 = load8(panel + k * PANEL + 8);
+        /* in registers: else GCC folds the loads into every row's FMA (3 loads per 2 FMAs) */
+        __asm__("" : "+x"(w0), "+x"(w1));
+        for (int m = 0; m < M; m++) {
+            const v8f xb = (v8f){0} + x[m * ldx + k];
+            lo[m] = xb * w0 + lo[m]; /* one FMA: -ffp-contract=fast (GCC's default) */
+            hi[m] = xb * w1 + hi[m];
+        }
+    }
+    for (int m = 0; m < M; m++) {
+        acc[2 * m] = lo[m];
+        acc[2 * m + 1] = hi[m];
+    }
+}
+
+#define CASE(m) \
+    case m: rows_times_chunk(acc, x, ldx, panel, k0, k1, prefetch, fresh, m); break;
+
+static void block_times_chunk(v8f *acc, const float *x, int64_t ldx, const float *panel, int64_t k0, int64_t k1,
+                              int64_t prefetch, int fresh, int64_t M) {
+    switch (M) {
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
+        default: break;
+    }
+}
+
+/* the chains of one K_BLOCK (acc) added to the sums of the earlier ones, in order */
+INLINE void add_block_sums(v8f sum[][2 * ROWS], v8f acc[][2 * ROWS], int64_t blocks, int first) {
+    for (int64_t b = 0; b < blocks; b++)
+        for (int j = 0; j < 2 * ROWS; j++) sum[b][j] = first ? acc[b][j] : sum[b][j] + acc[b][j];
+}
+
+/* out[m, 0:n] = the sums of row m plus the bias, for M rows */
+static void store_group(float *out, int64_t ldo, v8f sum[][2 * ROWS], const float *bias, int n, int64_t M) {
+    float padded_bias[PANEL] = {0};
+    if (bias) memcpy(padded_bias, bias, (size_t)n * sizeof(float));
+    for (int64_t m = 0; m < M; m++) {
+        v8f lo = sum[m / ROWS][2 * (m % ROWS)], hi = sum[m / ROWS][2 * (m % ROWS) + 1];
+        if (bias) {
+            lo += load8(padded_bias);
+            hi += load8(padded_bias + 8);
+        }
+        store_n(out + m * ldo, lo, hi, n);
+    }
+}
+
+/* out[m, 0:n] = bias + sum over k of x[m, k] * panel[k, 0:n] for a group of M <= GROUP rows */
+static void group_times_panel(float *out, int64_t ldo, const float *x, int64_t ldx, const float *panel,
+                              const float *bias, int64_t K, int n, int64_t M, int64_t chunk, int64_t prefetch) {
+    v8f acc[GROUP_BLOCKS][2 * ROWS], sum[GROUP_BLOCKS][2 * ROWS];
+    const int64_t blocks = (M + ROWS - 1) / ROWS;
+    for (int64_t kb = 0; kb < K; kb += K_BLOCK) {
+        const int64_t kb1 = K - kb < K_BLOCK ? K : kb + K_BLOCK;
+        for (int64_t k0 = kb; k0 < kb1; k0 += chunk) {
+            const int64_t k1 = kb1 - k0 < chunk ? kb1 : k0 + chunk;
+            for (int64_t b = 0; b < blocks; b++) {
+                const int64_t m0 = b * ROWS, rows = M - m0 < ROWS ? M - m0 : ROWS;
+                block_times_chunk(acc[b], x + m0 * ldx, ldx, panel, k0, k1, prefetch, k0 == kb, rows);
+            }
+        }
+        add_block_sums(sum, acc, blocks, kb == 0);
+    }
+    store_group(out, ldo, sum, bias, n, M);
+}
+
+int cbserve_small_gemm_panel(void) { return PANEL; }
+int cbserve_small_gemm_rows(void) { return ROWS; }
+
+/* out[:, 0:n] = x times one panel ([K][16] floats) plus its bias (16, or NULL), in groups of GROUP rows */
+NOIPA void rows_times_panel_data(float *out, int64_t ldo, const float *x, int64_t ldx, const float *panel,
+                                 const float *bias, int64_t M, int n, int64_t K) {
+    const int64_t chunk = M <= CHUNKED_ROWS ? SHORT_CHUNK : K_BLOCK;
+    const int64_t prefetch = M <= CHUNKED_ROWS ? SHORT_CHUNK : PREFETCH_AHEAD;
+    for (int64_t m0 = 0; m0 < M; m0 += GROUP) {
+        const int64_t rows = M - m0 < GROUP ? M - m0 : GROUP;
+        group_times_panel(out + m0 * ldo, ldo, x + m0 * ldx, ldx, panel, bias, K, n, rows, chunk, prefetch);
+    }
+}
+
+/* panel p of the output: out[:, 16p : 16p + n] for all M rows */
+static void rows_times_panel(float *out, int64_t ldo, const float *x, int64_t ldx, const float *packed,
+                             const float *bias, int64_t M, int64_t N, int64_t K, int64_t p) {
+    const int n = (int)(N - p * PANEL < PANEL ? N - p * PANEL : PANEL);
+    rows_times_panel_data(out + p * PANEL, ldo, x, ldx, packed + p * K * PANEL, bias ? bias + p * PANEL : NULL, M,
+                          n, K);
+}
+
+/* out [M, N] (row stride ldo) = x [M, K] (row stride ldx) times packed W^T, plus bias [N] if not NULL */
+void cbserve_small_gemm(float *out, int64_t ldo, const float *x, int64_t ldx, const float *packed,
+                        const float *bias, int64_t M, int64_t N, int64_t K) {
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static) if (panels > 1 && M * N * K >= (1 << 18))
+    for (int64_t p = 0; p < panels; p++) rows_times_panel(out, ldo, x, ldx, packed, bias, M, N, K, p);
+}
+
+/* ------------------------------------------------------------------ block-quantized panels */
+#define QBLOCK 32 /* k per block: one scale (and offset) per output */
+
+int64_t cbserve_small_gemm_qblock_bytes(int offsets) {
+    return QBLOCK * PANEL + (offsets ? 2 : 1) * PANEL * (int64_t)sizeof(float);
+}
+
+/* 8 int8 codes as floats: one sign extension and one conversion (GCC's generic vector conversion of an
+ * 8-byte vector goes through scalar registers) */
+INLINE v8f codes8(const int8_t *p) {
+#if defined(__AVX2__)
+    return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    typedef int8_t v8c __attribute__((vector_size(8)));
+    typedef int32_t v8i __attribute__((vector_size(8 * sizeof(int32_t))));
+    v8c c;
+    memcpy(&c, p, sizeof c);
+    return __builtin_convertvector(__builtin_convertvector(c, v8i), v8f);
+#endif
+}
+
+INLINE v8f expand8(const int8_t *codes, v8f d, v8f m, int offsets) {
+    const v8f q = codes8(codes);
+    return offsets ? d * q + m : d * q;
+}
+
+/* k in [k0, k1) (multiples of 32) of one quantized panel (`src`: its first block) as float32 [k1 - k0][16]
+ * into dst: d * q, or d * q + m (one rounding either way) */
+static void expand_qpanel(float *restrict dst, const uint8_t *restrict src, int64_t k0, int64_t k1, int offsets) {
+    const int64_t block_bytes = cbserve_small_gemm_qblock_bytes(offsets);
+    for (int64_t b = k0 / QBLOCK; b < k1 / QBLOCK; b++, dst += QBLOCK * PANEL) {
+        const uint8_t *block = src + b * block_bytes;
+        const int8_t *codes = (const int8_t *)block;
+        const float *scales = (const float *)(block + QBLOCK * PANEL);
+        const v8f d0 = load8(scales), d1 = load8(scales + 8);
+        const v8f m0 = offsets ? load8(scales + PANEL) : (v8f){0}, m1 = offsets ? load8(scales + PANEL + 8) : (v8f){0};
+        for (int k = 0; k < QBLOCK; k++) {
+            v8f w0 = expand8(codes + k * PANEL, d0, m0, offsets), w1 = expand8(codes + k * PANEL + 8, d1, m1, offsets);
+            memcpy(dst + k * PANEL, &w0, sizeof w0);
+            memcpy(dst + k * PANEL + 8, &w1, sizeof w1);
+        }
+    }
+}
+
+#define QCHUNK 64 /* k expanded at a time for a group of rows: 4 KB of float32 panel, read from L1 */
+
+/* rows [0, M) (M <= ROWS, a literal at each call site) times the quantized blocks [b0, b1) of one panel,
+ * each weight expanded in registers just before its multiply-adds: acc continues its chains, or starts them
+ * when `fresh` */
+INLINE void rows_times_qblocks(v8f *acc, const float *x, int64_t ldx, const uint8_t *src, int64_t b0, int64_t b1,
+                               int offsets, int fresh, const int M) {
+    const int64_t block_bytes = cbserve_small_gemm_qblock_bytes(offsets);
+    v8f lo[ROWS], hi[ROWS];
+    for (int m = 0; m < M; m++) {
+        lo[m] = fresh ? (v8f){0} : acc[2 * m];
+        hi[m] = fresh ? (v8f){0} : acc[2 * m + 1];
+    }
+    for (int64_t b = b0; b < b1; b++) {
+        const uint8_t *block = src + b * block_bytes;
+        const int8_t *codes = (const int8_t *)block;
+        const v8f d0 = load8((const float *)(block + QBLOCK * PANEL)), d1 = load8((const float *)(block + QBLOCK * PANEL) + 8);
+        const v8f m0 = offsets ? load8((const float *)(block + QBLOCK * PANEL) + PANEL) : (v8f){0};
+        const v8f m1 = offsets ? load8((const float *)(block + QBLOCK * PANEL) + PANEL + 8) : (v8f){0};
+        __builtin_prefetch(block + 2 * block_bytes, 0, 3); /* two blocks ahead: codes, then scales */
+        __builtin_prefetch(block + 2 * block_bytes + 64 * 4, 0, 3);
+        for (int k = 0; k < QBLOCK; k++) {
+            v8f w0 = expand8(codes + k * PANEL, d0, m0, offsets);
+            v8f w1 = expand8(codes + k * PANEL + 8, d1, m1, offsets);
+            /* the weights as such: else -ffast-math may fold the scale into x (x * d * q), other bits */
+            __asm__("" : "+x"(w0), "+x"(w1));
+            for (int m = 0; m < M; m++) {
+                const v8f xb = (v8f){0} + x[m * ldx + b * QBLOCK + k];
+                lo[m] = xb * w0 + lo[m];
+                hi[m] = xb * w1 + hi[m];
+            }
+        }
+    }
+    for (int m = 0; m < M; m++) {
+        acc[2 * m] = lo[m];
+        acc[2 * m + 1] = hi[m];
+    }
+}
+
+#define QCASE(m, off) \
+    case m: rows_times_qblocks(acc, x, ldx, src, b0, b1, off, fresh, m); break;
+
+static void block_times_qblocks(v8f *acc, const float *x, int64_t ldx, const uint8_t *src, int64_t b0, int64_t b1,
+                                int offsets, int fresh, int64_t M) {
+    if (offsets) {
+        switch (M) { QCASE(1, 1) QCASE(2, 1) QCASE(3, 1) QCASE(4, 1) QCASE(5, 1) QCASE(6, 1) default: break; }
+    } else {
+        switch (M) { QCASE(1, 0) QCASE(2, 0) QCASE(3, 0) QCASE(4, 0) QCASE(5, 0) QCASE(6, 0) default: break; }
+    }
+}
+
+/* group_times_panel over a quantized panel (more than ROWS rows: QCHUNK k at a time expanded into
+ * chunk[QCHUNK * 16]): the same chains (restarted every K_BLOCK k) over the same weights, so the same bits */
+static void group_times_qpanel(float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *src,
+                               int offsets, const float *bias, int64_t K, int n, int64_t M, float *chunk) {
+    v8f acc[GROUP_BLOCKS][2 * ROWS], sum[GROUP_BLOCKS][2 * ROWS];
+    const int64_t blocks = (M + ROWS - 1) / ROWS;
+    for (int64_t kb = 0; kb < K; kb += K_BLOCK) {
+        const int64_t kb1 = K - kb < K_BLOCK ? K : kb + K_BLOCK;
+        if (M <= ROWS) { /* one register block: no chunk, each weight expanded where it is used */
+            block_times_qblocks(acc[0], x, ldx, src, kb / QBLOCK, kb1 / QBLOCK, offsets, 1, M);
+        } else {
+            for (int64_t k0 = kb; k0 < kb1; k0 += QCHUNK) {
+                const int64_t k1 = kb1 - k0 < QCHUNK ? kb1 : k0 + QCHUNK;
+                expand_qpanel(chunk, src, k0, k1, offsets);
+                for (int64_t b = 0; b < blocks; b++) {
+                    const int64_t m0 = b * ROWS, rows = M - m0 < ROWS ? M - m0 : ROWS;
+                    block_times_chunk(acc[b], x + m0 * ldx + k0, ldx, chunk, 0, k1 - k0, 0, k0 == kb, rows);
+                }
+            }
+        }
+        add_block_sums(sum, acc, blocks, kb == 0);
+    }
+    store_group(out, ldo, sum, bias, n, M);
+}
+
+/* panel p of the output from quantized panels. Up to ROWS rows each weight is expanded in registers where
+ * it is used; up to GROUP rows the panel is expanded a chunk at a time (L1); more rows share one expansion
+ * of the whole panel into scratch ([K][16] floats, this thread's; unused up to ROWS rows). */
+static void rows_times_qpanel(float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *qpacked,
+                              int offsets, const float *bias, int64_t M, int64_t N, int64_t K, int64_t p,
+                              float *scratch) {
+    const int n = (int)(N - p * PANEL < PANEL ? N - p * PANEL : PANEL);
+    const uint8_t *src = qpacked + p * (K / QBLOCK) * cbserve_small_gemm_qblock_bytes(offsets);
+    const float *b = bias ? bias + p * PANEL : NULL;
+    if (M <= GROUP) {
+        group_times_qpanel(out + p * PANEL, ldo, x, ldx, src, offsets, b, K, n, M, scratch);
+    } else {
+        expand_qpanel(scratch, src, 0, K, offsets);
+        rows_times_panel_data(out + p * PANEL, ldo, x, ldx, scratch, b, M, n, K);
+    }
+}
+
+/* cbserve_small_gemm over quantized panels (K a multiple of 32). Returns 0, or -1 when a thread's scratch
+ * panel could not be allocated (its panels of out are then not written: the caller raises). */
+int cbserve_small_gemm_q(float *out, int64_t ldo, const float *x, int64_t ldx, const uint8_t *qpacked, int offsets,
+                         const float *bias, int64_t M, int64_t N, int64_t K) {
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+    int failed = 0;
+#pragma omp parallel if (panels > 1 && M * N * K >= (1 << 18))
+    {
+        /* up to ROWS rows the weights are expanded in registers: no scratch */
+        float *scratch = M <= ROWS ? NULL : malloc(sizeof(float) * (size_t)(K * PANEL));
+        if (M > ROWS && scratch == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++)
+            if (M <= ROWS || scratch != NULL)
+                rows_times_qpanel(out, ldo, x, ldx, qpacked, offsets, bias, M, N, K, p, scratch);
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}

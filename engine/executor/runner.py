@@ -1,0 +1,57 @@
+"""Turns a ScheduledBatch into the model's inputs and runs one batched forward."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.executor.attention.decode_kernel import DecodeKernel
+from engine.executor.cuda_graphs import CudaGraphDecoder
+from engine.executor.inputs import BatchInputs
+from engine.executor.kv_cache import KVCache
+from scheduler.batch import ScheduledBatch
+
+
+class ModelRunner:
+    """Owns the model and its KV cache tensors; called only from the engine thread."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        block_size: int,
+        device: torch.device,
+        decode_kernel: DecodeKernel | None = None,
+        cuda_graphs: CudaGraphDecoder | None = None,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.device = device
+        self.decode_kernel = decode_kernel  # None: decode attention in SDPA
+        self.cuda_graphs = cuda_graphs  # None: every step runs eagerly
+
+    def prepare(self, batch: ScheduledBatch) -> BatchInputs:
+        return BatchInputs.build(
+            token_ids=[s.token_ids for s in batch.requests],
+            starts=[s.start for s in batch.requests],
+            block_tables=[s.request.block_ids for s in batch.requests],
+            logits_rows=[s.needs_sample for s in batch.requests],
+            block_size=self.block_size,
+            device=self.device,
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Logits ``[num_sampled, vocab]`` (float32), one row per scheduled request whose chunk reaches its
+        last known token, in batch order."""
+        if batch.blocks_to_copy:
+            self.kv_cache.copy_blocks(batch.blocks_to_copy)
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
+            logits = self.cuda_graphs.run(batch)  # [len(batch), vocab], one row per sequence
+            if all(s.needs_sample for s in batch.requests):
+                return logits
+            rows = [i for i, s in enumerate(batch.requests) if s.needs_sample]
+            return logits[torch.tensor(rows, device=logits.device)]
+        inputs = self.prepare(batch)
+        logits = self.model(inputs, self.kv_cache, self.decode_kernel)  # [num_sampled, vocab]
+        return logits.float()

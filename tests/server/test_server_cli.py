@@ -1,0 +1,145 @@
+"""The `cbserve` argument parsing (no model load): sizes with suffixes, every flag from CBSERVE_<FLAG>,
+the command line winning, clear errors, `cbserve bench` forwarding its argv."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import types
+from typing import Any
+
+import pytest
+
+from cli.main import _subparser, apply_env_defaults, build_parser, main
+from server.config import parse_bytes
+
+
+def parse(argv: list[str], env: dict[str, str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    apply_env_defaults(parser, env or {})
+    return parser.parse_args(argv)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("1024", 1024),
+        ("2GiB", 2 << 30),
+        ("512MiB", 512 << 20),
+        ("4GB", 4 * 10**9),
+        ("1.5 KiB", 1536),
+        ("3k", 3000),
+    ],
+)
+def test_parse_bytes(text: str, expected: int) -> None:
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "2XB", "-1", "0", "1e9"])
+def test_parse_bytes_rejects(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_bytes(text)
+
+
+def test_defaults() -> None:
+    args = parse(["serve"])
+    assert (args.model, args.host, args.port, args.device, args.dtype) == (
+        "default",
+        "127.0.0.1",
+        8000,
+        "auto",
+        "auto",
+    )
+    assert args.enable_prefix_caching is True and args.enforce_eager is False
+    assert args.api_key is None and args.cors_origins is None and args.kv_cache_memory is None
+
+
+def test_every_flag_reads_the_environment() -> None:
+    env = {
+        "CBSERVE_MODEL": "/models/x.gguf",
+        "CBSERVE_HOST": "0.0.0.0",
+        "CBSERVE_PORT": "9001",
+        "CBSERVE_DEVICE": "cuda",
+        "CBSERVE_DTYPE": "bfloat16",
+        "CBSERVE_LOAD_FORMAT": "gguf",
+        "CBSERVE_ATTENTION_BACKEND": "sdpa",
+        "CBSERVE_SCHEDULER": "prefill_first",
+        "CBSERVE_MAX_BATCH_TOKENS": "4096",
+        "CBSERVE_MAX_NUM_SEQS": "8",
+        "CBSERVE_BLOCK_SIZE": "32",
+        "CBSERVE_KV_CACHE_MEMORY": "2GiB",
+        "CBSERVE_NUM_BLOCKS": "100",
+        "CBSERVE_ENABLE_PREFIX_CACHING": "false",
+        "CBSERVE_ENFORCE_EAGER": "true",
+        "CBSERVE_API_KEY": "k",
+        "CBSERVE_SERVED_MODEL_NAME": "m",
+        "CBSERVE_MAX_QUEUE": "7",
+        "CBSERVE_MAX_MODEL_LEN": "1024",
+        "CBSERVE_SHUTDOWN_TIMEOUT": "2.5",
+        "CBSERVE_LOG_LEVEL": "debug",
+        "CBSERVE_CORS_ORIGINS": "http://a.example, http://b.example",
+        "CBSERVE_MAX_BODY_BYTES": "1MiB",
+    }
+    args = parse(["serve"], env)
+    assert args.model == "/models/x.gguf" and args.host == "0.0.0.0" and args.port == 9001
+    assert (args.device, args.dtype, args.load_format, args.scheduler) == (
+        "cuda",
+        "bfloat16",
+        "gguf",
+        "prefill_first",
+    )
+    assert args.attention_backend == "sdpa"
+    assert (args.max_batch_tokens, args.max_num_seqs, args.block_size) == (4096, 8, 32)
+    assert args.kv_cache_memory == 2 << 30 and args.num_blocks == 100
+    assert args.enable_prefix_caching is False
+    assert args.enforce_eager is True
+    assert (args.api_key, args.served_model_name, args.max_queue, args.max_model_len) == ("k", "m", 7, 1024)
+    assert args.shutdown_timeout == 2.5 and args.log_level == "debug"
+    assert args.cors_origins == ["http://a.example", "http://b.example"]
+    assert args.max_body_bytes == 1 << 20
+    # every serve flag has its variable in this test
+    serve_flags = {a.dest for a in _subparser(build_parser(), "serve")._actions}
+    assert {f"CBSERVE_{d.upper()}" for d in serve_flags - {"help", "handler"}} == set(env)
+
+
+def test_command_line_wins_over_environment() -> None:
+    env = {"CBSERVE_PORT": "9001", "CBSERVE_ENABLE_PREFIX_CACHING": "0", "CBSERVE_API_KEY": "from-env"}
+    args = parse(["serve", "--port", "9002", "--enable-prefix-caching", "--api-key", "from-cli"], env)
+    assert args.port == 9002 and args.enable_prefix_caching is True and args.api_key == "from-cli"
+
+
+@pytest.mark.parametrize(
+    "env", [{"CBSERVE_PORT": "eighty"}, {"CBSERVE_DEVICE": "tpu"}, {"CBSERVE_ENABLE_PREFIX_CACHING": "maybe"}]
+)
+def test_bad_environment_value_is_a_clear_error(
+    env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse(["serve"], env)
+    assert exc.value.code == 2
+    assert next(iter(env)) in capsys.readouterr().err
+
+
+def test_bad_flag_value_exits_2() -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse(["serve", "--max-num-seqs", "0"])
+    assert exc.value.code == 2
+
+
+def test_kv_cache_memory_and_num_blocks_are_exclusive(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [k for k in os.environ if k.startswith("CBSERVE_")]:
+        monkeypatch.delenv(name)
+    assert main(["serve", "--kv-cache-memory", "1GiB", "--num-blocks", "10"]) == 2
+
+
+def test_bench_forwards_argv(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, Any] = {}
+
+    def fake_main(argv: list[str]) -> int:
+        seen["argv"] = argv
+        return 3
+
+    monkeypatch.setitem(sys.modules, "bench.serving", types.SimpleNamespace(main=fake_main))
+    assert main(["bench", "--base-url", "http://x", "-h"]) == 3
+    assert seen["argv"] == ["--base-url", "http://x", "-h"]
