@@ -216,7 +216,7 @@ def _commit() -> str:
         return "unknown"
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--model", default="default", help="what Engine.from_pretrained takes (a dummy preset too)"
@@ -246,6 +246,11 @@ def main(argv: list[str] | None = None) -> int:
         "--systems", default="cbserve,hf-cb,hf-static", help="comma-separated: cbserve, hf-cb, hf-static"
     )
     ap.add_argument("--save-result", type=Path, default=None)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
 
     from engine.loader.model_loader import load_tokenizer
@@ -257,30 +262,39 @@ def main(argv: list[str] | None = None) -> int:
     )
     results: list[RunResult] = []
     for system in args.systems.split(","):
-        if system == "cbserve":
-            r = run_cbserve(
-                work,
-                args.threads,
-                spec,
-                max_num_seqs=args.max_num_seqs,
-                max_batch_tokens=args.max_batch_tokens,
-                kv_cache_memory=args.kv_cache_memory,
-                attention_backend=args.attention_backend,
-                enforce_eager=args.enforce_eager,
-            )
-        elif system == "hf-cb":
-            r = run_hf_continuous(work, args.threads, spec)
-        elif system == "hf-static":
-            r = run_hf_static(work, args.threads, spec, args.static_batch_size)
-        else:
+        if system not in ("cbserve", "hf-cb", "hf-static"):
             ap.error(f"unknown system {system!r}")
+        r = _run(system, work, spec, args)
         results.append(r)
         _release_memory()
         print(
             f"{r.system:45s} {r.output_tokens:7d} tokens  {r.seconds:8.1f} s  {r.output_tokens_per_s:8.1f} tok/s",
             flush=True,
         )
+    _report(results, args)
+    return 0
 
+
+def _run(system: str, work: Any, spec: ModelSpec, args: argparse.Namespace) -> RunResult:
+    """One system's run of the workload."""
+    if system == "cbserve":
+        return run_cbserve(
+            work,
+            args.threads,
+            spec,
+            max_num_seqs=args.max_num_seqs,
+            max_batch_tokens=args.max_batch_tokens,
+            kv_cache_memory=args.kv_cache_memory,
+            attention_backend=args.attention_backend,
+            enforce_eager=args.enforce_eager,
+        )
+    if system == "hf-cb":
+        return run_hf_continuous(work, args.threads, spec)
+    return run_hf_static(work, args.threads, spec, args.static_batch_size)
+
+
+def _report(results: list[RunResult], args: argparse.Namespace) -> None:
+    """The workload, each system against the first, and the saved JSON (``--save-result``)."""
     base = results[0]
     print(
         f"\nworkload: {args.num_prompts} prompts, {args.min_prompt}-{args.max_prompt} prompt tokens, "
@@ -299,7 +313,6 @@ def main(argv: list[str] | None = None) -> int:
             "results": [asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in results],
         }
         args.save_result.write_text(json.dumps(doc, indent=2))
-    return 0
 
 
 if __name__ == "__main__":

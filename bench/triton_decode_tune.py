@@ -45,6 +45,41 @@ def _case(num_seqs: int, context: int, width: int, heads: int, kv_heads: int, he
     return q, k_cache, v_cache, tables, seq_lens, part
 
 
+def _launch_grid(quick: bool) -> list[dict[str, Any]]:
+    """The launch settings to try: the kernel's defaults first, then (unless ``quick``) the whole sweep."""
+    from engine.executor.attention.triton_decode import TritonDecodeKernel
+
+    default = TritonDecodeKernel()
+    grid: list[dict[str, Any]] = [
+        {
+            "programs_per_sm": d.programs_per_sm,
+            "block_n": d.block_n,
+            "num_warps": d.num_warps,
+            "num_stages": d.num_stages,
+        }
+        for d in (default,)
+    ]
+    if not quick:
+        for pps, bn, nw, ns in itertools.product((1, 2, 4, 8, 16), (32, 64, 128), (2, 4, 8), (None, 2)):
+            cfg = {"programs_per_sm": pps, "block_n": bn, "num_warps": nw, "num_stages": ns}
+            if cfg not in grid:
+                grid.append(cfg)
+    return grid
+
+
+def _print_ranking(results: dict[str, dict[str, float]], sdpa_ms: dict[str, float]) -> None:
+    """The five settings with the best geometric-mean time against SDPA over every case."""
+    complete = {c: r for c, r in results.items() if len(r) == len(CASES)}
+    ranked = sorted(
+        complete, key=lambda c: statistics.geometric_mean(complete[c][n] / sdpa_ms[n] for n in sdpa_ms)
+    )
+    for c in ranked[:5]:
+        rel = statistics.geometric_mean(complete[c][n] / sdpa_ms[n] for n in sdpa_ms)
+        print(
+            f"geomean time / SDPA {rel:.3f}: {c} " + " ".join(f"{complete[c][n] * 1e3:.0f}" for n in sdpa_ms)
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     import triton.testing
 
@@ -60,21 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     heads, kv_heads, head_dim = 32, 8, 128
     width = -(-args.max_model_len // args.block_size)
     scale = head_dim**-0.5
-    default = TritonDecodeKernel()
-    grid: list[dict[str, Any]] = [
-        {
-            "programs_per_sm": d.programs_per_sm,
-            "block_n": d.block_n,
-            "num_warps": d.num_warps,
-            "num_stages": d.num_stages,
-        }
-        for d in (default,)
-    ]
-    if not args.quick:
-        for pps, bn, nw, ns in itertools.product((1, 2, 4, 8, 16), (32, 64, 128), (2, 4, 8), (None, 2)):
-            cfg = {"programs_per_sm": pps, "block_n": bn, "num_warps": nw, "num_stages": ns}
-            if cfg not in grid:
-                grid.append(cfg)
+    grid = _launch_grid(args.quick)
     results: dict[str, dict[str, float]] = {}
     sdpa_ms: dict[str, float] = {}
     for num_seqs, context in CASES:
@@ -106,15 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             + "; ".join(f"{ms * 1e3:.1f} us {c}" for ms, c in best),
             flush=True,
         )
-    complete = {c: r for c, r in results.items() if len(r) == len(CASES)}
-    ranked = sorted(
-        complete, key=lambda c: statistics.geometric_mean(complete[c][n] / sdpa_ms[n] for n in sdpa_ms)
-    )
-    for c in ranked[:5]:
-        rel = statistics.geometric_mean(complete[c][n] / sdpa_ms[n] for n in sdpa_ms)
-        print(
-            f"geomean time / SDPA {rel:.3f}: {c} " + " ".join(f"{complete[c][n] * 1e3:.0f}" for n in sdpa_ms)
-        )
+    _print_ranking(results, sdpa_ms)
     if args.save_result:
         args.save_result.write_text(json.dumps({"sdpa_ms": sdpa_ms, "kernel_ms": results}, indent=1))
     return 0

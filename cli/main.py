@@ -66,16 +66,8 @@ def _env_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {text!r}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="cbserve", description="A continuous-batching LLM inference server."
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser(
-        "serve",
-        help="run the OpenAI-compatible HTTP server",
-        description="Run the OpenAI-compatible server. Every flag also reads CBSERVE_<FLAG> from the environment.",
-    )
+def _add_serve_flags(serve: argparse.ArgumentParser) -> None:
+    """The flags of ``cbserve serve`` (docs/SERVER.md lists them with their meaning)."""
     a = serve.add_argument
     a(
         "--model",
@@ -120,6 +112,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated allowed origins (CORS off if unset)",
     )
     a("--max-body-bytes", type=parse_bytes, default=16 * 1024 * 1024, help="request body size limit")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cbserve", description="A continuous-batching LLM inference server."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
+        description="Run the OpenAI-compatible server. Every flag also reads CBSERVE_<FLAG> from the environment.",
+    )
+    _add_serve_flags(serve)
     serve.set_defaults(handler=_serve)
     bench = sub.add_parser(
         "bench", help="run the serving benchmark (arguments go to bench.serving)", add_help=False
@@ -212,6 +217,14 @@ def _serve(args: argparse.Namespace) -> int:
         logger.error("%s", exc)
         return 2
     app = build_app(engine, config)
+    _log_serving(engine, config.served_model_name, args.host, args.port)
+    server = DrainingServer(uvicorn_config(app, args.host, args.port, args.log_level), app.state.server)
+    server.run()
+    return 0 if server.started else 1
+
+
+def _log_serving(engine: Any, served_model_name: str, host: str, port: int) -> None:
+    """One line that says what is served where, with the KV cache's capacity."""
     capacity = engine.num_blocks * engine.block_size
     logger.info(
         "model %s on %s (%s, %s decode attention); KV cache %d blocks x %d = %d tokens, %.2f sequences at "
@@ -225,13 +238,10 @@ def _serve(args: argparse.Namespace) -> int:
         capacity,
         capacity / engine.max_model_len,
         engine.max_model_len,
-        config.served_model_name,
-        args.host,
-        args.port,
+        served_model_name,
+        host,
+        port,
     )
-    server = DrainingServer(uvicorn_config(app, args.host, args.port, args.log_level), app.state.server)
-    server.run()
-    return 0 if server.started else 1
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -121,23 +121,7 @@ async def _stream(
     include_usage = body.include_usage
 
     def chunk(index: int, text: str, logprobs: CompletionLogprobs | None, reason: str | None) -> bytes:
-        payload: dict[str, Any] = {
-            "id": admitted.response_id,
-            "object": "text_completion",
-            "created": admitted.created,
-            "model": admitted.model,
-            "choices": [
-                {
-                    "index": index,
-                    "text": text,
-                    "logprobs": logprobs.model_dump() if logprobs is not None else None,
-                    "finish_reason": reason,
-                }
-            ],
-        }
-        if include_usage:
-            payload["usage"] = None
-        return sse_event(payload)
+        return _chunk(admitted, include_usage, index, text, logprobs, reason)
 
     n = body.n
     offsets: dict[int, int] = {}
@@ -187,3 +171,31 @@ async def _stream(
             APIError(500, f"internal server error: {type(exc).__name__}", code="internal_error").body()
         )
         yield DONE_EVENT
+
+
+def _chunk(
+    admitted: Admitted,
+    include_usage: bool,
+    index: int,
+    text: str,
+    logprobs: CompletionLogprobs | None,
+    reason: str | None,
+) -> bytes:
+    """One ``text_completion`` SSE event for choice ``index`` (``usage: null`` when usage comes at the end)."""
+    payload: dict[str, Any] = {
+        "id": admitted.response_id,
+        "object": "text_completion",
+        "created": admitted.created,
+        "model": admitted.model,
+        "choices": [
+            {
+                "index": index,
+                "text": text,
+                "logprobs": logprobs.model_dump() if logprobs is not None else None,
+                "finish_reason": reason,
+            }
+        ],
+    }
+    if include_usage:
+        payload["usage"] = None
+    return sse_event(payload)

@@ -179,6 +179,16 @@ class GenerationConfig:
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``GenerationConfigError`` (field name + why) for values that cannot work; with
         ``vocab_size``, also for token ids outside ``[0, vocab_size)``."""
+        self._validate_types()
+        self._validate_ranges()
+        self._validate_token_lists()
+        self._validate_biases()
+        self._validate_stop_strings()
+        if vocab_size is not None:
+            self._validate_vocab(vocab_size)
+
+    def _validate_types(self) -> None:
+        """Every field has its declared type (and floats are finite)."""
         for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise GenerationConfigError(name, f"must be a boolean, got {getattr(self, name)!r}")
@@ -197,6 +207,8 @@ class GenerationConfig:
             if not math.isfinite(value):
                 raise GenerationConfigError(name, f"must be finite, got {value!r}")
 
+    def _validate_ranges(self) -> None:
+        """Every number is in the range where it means something."""
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise GenerationConfigError("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         if self.min_new_tokens < 0:
@@ -248,12 +260,6 @@ class GenerationConfig:
             )
         if self.top_logprobs > 0 and not self.output_logprobs:
             raise GenerationConfigError("top_logprobs", "needs output_logprobs=True")
-
-        self._validate_token_lists()
-        self._validate_biases()
-        self._validate_stop_strings()
-        if vocab_size is not None:
-            self._validate_vocab(vocab_size)
 
     def _validate_token_lists(self) -> None:
         for name in ("suppress_tokens", "begin_suppress_tokens", "stop_token_ids"):

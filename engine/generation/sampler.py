@@ -93,6 +93,18 @@ class Sampler:
                 )
                 from_options[i] = True
 
+        tokens = self._pick(logits, rows, errors)
+        logprobs = self._logprobs(logits, rows, errors, tokens)
+        return [
+            SampledToken(token_id=-1, error=errors[i], error_from_options=from_options[i])
+            if errors[i] is not None
+            else SampledToken(token_id=tokens[i], logprob=logprobs.get(i))
+            for i in range(len(rows))
+        ]
+
+    def _pick(self, logits: torch.Tensor, rows: Sequence[SamplingRow], errors: list[str | None]) -> list[int]:
+        """The next token of every row without an error (-1 for the others): greedy rows by argmax in one
+        batch, sampling rows by their own draws."""
         tokens = [-1] * len(rows)
         greedy = [i for i, r in enumerate(rows) if r.config.is_greedy and errors[i] is None]
         sampled = [i for i, r in enumerate(rows) if not r.config.is_greedy and errors[i] is None]
@@ -107,23 +119,22 @@ class Sampler:
         if sampled:
             for i, t in zip(sampled, self._sample_rows(logits, rows, sampled), strict=True):
                 tokens[i] = t
+        return tokens
 
+    def _logprobs(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], errors: list[str | None], tokens: list[int]
+    ) -> dict[int, TokenLogprob]:
+        """Logprobs of the chosen tokens (and the top alternatives) for the rows that asked for them."""
         want = [i for i, r in enumerate(rows) if r.config.output_logprobs and errors[i] is None]
-        logprobs: dict[int, TokenLogprob] = {}
-        if want:
-            w = torch.tensor(want, dtype=torch.int64, device=logits.device)
-            lps = compute_logprobs(
-                logits.index_select(0, w),
-                [tokens[i] for i in want],
-                [rows[i].config.top_logprobs for i in want],
-            )
-            logprobs = dict(zip(want, lps, strict=True))
-        return [
-            SampledToken(token_id=-1, error=errors[i], error_from_options=from_options[i])
-            if errors[i] is not None
-            else SampledToken(token_id=tokens[i], logprob=logprobs.get(i))
-            for i in range(len(rows))
-        ]
+        if not want:
+            return {}
+        w = torch.tensor(want, dtype=torch.int64, device=logits.device)
+        lps = compute_logprobs(
+            logits.index_select(0, w),
+            [tokens[i] for i in want],
+            [rows[i].config.top_logprobs for i in want],
+        )
+        return dict(zip(want, lps, strict=True))
 
     def _sample_rows(self, logits: torch.Tensor, rows: Sequence[SamplingRow], idx: list[int]) -> list[int]:
         """Inverse-CDF draws for rows ``idx`` with their own uniforms."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -139,7 +139,9 @@ def split_tensor(reader_tensor: Any, where: str) -> BlockCodes | None:
     except Exception as e:
         raise ModelLoadError(f"{where}: tensor {reader_tensor.name} ({qtype.name}) is corrupt: {e}") from e
     if codes is None or tuple(codes.shape) != shape:
-        raise ModelLoadError(f"{where}: tensor {reader_tensor.name} ({qtype.name}) does not hold {shape} weights")
+        raise ModelLoadError(
+            f"{where}: tensor {reader_tensor.name} ({qtype.name}) does not hold {shape} weights"
+        )
     return codes
 
 
@@ -166,7 +168,11 @@ def iter_gguf_weights(
         if permute and (".attn_q." in t.name or ".attn_k." in t.name):
             heads = config.num_attention_heads if ".attn_q." in t.name else config.num_key_value_heads
             w = reverse_permute_qk(w, heads)
-            codes = None if codes is None else codes.map_rows(functools.partial(reverse_permute_qk, num_heads=heads))
+            codes = (
+                None
+                if codes is None
+                else codes.map_rows(functools.partial(reverse_permute_qk, num_heads=heads))
+            )
         if blocks is not None and codes is not None:
             blocks[hf_name] = codes
         yield hf_name, w.to(dtype)
@@ -188,13 +194,7 @@ def config_from_gguf(reader: GGUFReader, where: str | None = None) -> ModelConfi
             raise ModelLoadError(f"{where}: GGUF metadata key {gguf_arch}.{suffix!s} is missing")
         return value
 
-    if "rope_freqs.weight" in tensor_names:
-        # NOTE: Llama 3.1+ GGUFs bake their rope scaling into a ``rope_freqs`` tensor instead of metadata;
-        # loading without it would silently give wrong attention beyond the original context.
-        raise ModelLoadError(
-            f"{where}: rope scaling stored as a rope_freqs tensor is not supported; load the Hugging "
-            f"Face folder of this model instead"
-        )
+    _refuse_unsupported_rope(reader, tensor_names, key, where)
     hidden_size = int(key("embedding_length"))
     num_heads = int(key("attention.head_count"))
     tokens = gguf_field(reader, "tokenizer.ggml.tokens", None)
@@ -204,12 +204,7 @@ def config_from_gguf(reader: GGUFReader, where: str | None = None) -> ModelConfi
             raise ModelLoadError(f"{where}: no {gguf_arch}.vocab_size and no tokenizer.ggml.tokens")
         vocab_size = len(tokens)
     head_dim = key("attention.key_length", required=False) or key("rope.dimension_count", required=False)
-    eos_ids = [
-        gguf_field(reader, f"tokenizer.ggml.{name}_token_id", None) for name in ("eos", "eot", "eom")
-    ]
-    scaling_type = key("rope.scaling.type", required=False)
-    if scaling_type not in (None, "none"):
-        raise ModelLoadError(f"{where}: GGUF rope scaling type {scaling_type!r} is not supported")
+    eos_ids = [gguf_field(reader, f"tokenizer.ggml.{name}_token_id", None) for name in ("eos", "eot", "eom")]
     try:
         return ModelConfig(
             architecture=architecture,
@@ -234,3 +229,19 @@ def config_from_gguf(reader: GGUFReader, where: str | None = None) -> ModelConfi
         if isinstance(e, UnsupportedArchitectureError):
             raise
         raise ModelLoadError(f"{where}: invalid model metadata: {e}") from e
+
+
+def _refuse_unsupported_rope(
+    reader: GGUFReader, tensor_names: set[str], key: Callable[..., Any], where: str
+) -> None:
+    """Rope scaling this loader cannot honour is an error, never silently ignored."""
+    if "rope_freqs.weight" in tensor_names:
+        # NOTE: Llama 3.1+ GGUFs bake their rope scaling into a ``rope_freqs`` tensor instead of metadata;
+        # loading without it would silently give wrong attention beyond the original context.
+        raise ModelLoadError(
+            f"{where}: rope scaling stored as a rope_freqs tensor is not supported; load the Hugging "
+            f"Face folder of this model instead"
+        )
+    scaling_type = key("rope.scaling.type", required=False)
+    if scaling_type not in (None, "none"):
+        raise ModelLoadError(f"{where}: GGUF rope scaling type {scaling_type!r} is not supported")

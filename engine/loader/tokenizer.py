@@ -194,13 +194,8 @@ class Tokenizer:
         tokens: list[str] = gguf_field(reader, "tokenizer.ggml.tokens")
         merges: list[str] = gguf_field(reader, "tokenizer.ggml.merges")
         token_types: list[int] = gguf_field(reader, "tokenizer.ggml.token_type", None) or [1] * len(tokens)
-        alphabet = set(bytes_to_unicode().values())
-        spelling = bytes_to_unicode()
-
-        def spelled(token: str) -> str:
-            # Vocabulary entries are spelled in GPT-2's byte alphabet; a raw one (rare) is re-spelled.
-            return token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8"))
-
+        alphabet = _GPT2_ALPHABET
+        spelled = _gpt2_spelling
         vocab = {spelled(tok): i for i, tok in enumerate(tokens)}
         pairs = [tuple(m.split(" ", 1)) for m in merges]
         bad = next((m for m, p in zip(merges, pairs, strict=True) if len(p) != 2), None)
@@ -208,20 +203,11 @@ class Tokenizer:
             raise ModelLoadError(f"{where}: malformed tokenizer.ggml.merges entry {bad!r}")
         bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False)  # type: ignore[arg-type]
         backend = BackendTokenizer(bpe)
-        backend.pre_tokenizer = _byte_level_pre_tokenizer(gguf_field(reader, "tokenizer.ggml.pre", None), where)
+        backend.pre_tokenizer = _byte_level_pre_tokenizer(
+            gguf_field(reader, "tokenizer.ggml.pre", None), where
+        )
         backend.decoder = decoders.ByteLevel()
-        # Control tokens (<|im_start|>, ...) match whole and are skipped by decode(skip_special_tokens);
-        # user-defined ones (<think>) match whole but are ordinary text.
-        control = [
-            AddedToken(tok, normalized=False, special=True)
-            for tok, kind_ in zip(tokens, token_types, strict=True)
-            if kind_ == _TOKEN_TYPE_CONTROL and set(tok) <= alphabet
-        ]
-        user = [
-            AddedToken(tok, normalized=False, special=False)
-            for tok, kind_ in zip(tokens, token_types, strict=True)
-            if kind_ == _TOKEN_TYPE_USER_DEFINED
-        ]
+        control, user = _gguf_added_tokens(tokens, token_types, alphabet)
         backend.add_special_tokens(control)
         backend.add_tokens(user)
 
@@ -236,7 +222,9 @@ class Tokenizer:
         bos, eos = token_of("bos"), token_of("eos")
         add_bos = bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False))
         add_eos = bool(gguf_field(reader, "tokenizer.ggml.add_eos_token", False))
-        backend.post_processor = _bos_eos_post_processor(backend, bos if add_bos else None, eos if add_eos else None)
+        backend.post_processor = _bos_eos_post_processor(
+            backend, bos if add_bos else None, eos if add_eos else None
+        )
         extra_eos = [gguf_field(reader, f"tokenizer.ggml.{k}_token_id", None) for k in ("eot", "eom")]
         return cls(
             backend,
@@ -281,7 +269,9 @@ class Tokenizer:
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
-        return [list(e.ids) for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+        return [
+            list(e.ids) for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        ]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
@@ -327,6 +317,7 @@ def _bos_eos_post_processor(
     """A post-processor that wraps each sequence in BOS/EOS (either may be None), or None for neither."""
     if bos is None and eos is None:
         return None
+
     def wrap(seq: str, type_id: int) -> str:
         parts = [f"{bos}:{type_id}"] if bos is not None else []
         parts.append(f"${seq}:{type_id}")
@@ -340,3 +331,32 @@ def _bos_eos_post_processor(
         pair=f"{wrap('A', 0)} {wrap('B', 1)}",
         special_tokens=list(dict.fromkeys(special)),  # type: ignore[arg-type]
     )
+
+
+def _gguf_added_tokens(
+    tokens: list[str], token_types: list[int], alphabet: frozenset[str]
+) -> tuple[list[AddedToken], list[AddedToken]]:
+    """(control, user-defined) tokens of a GGUF vocabulary. Control tokens (<|im_start|>, ...) match whole
+    and are skipped by decode(skip_special_tokens); user-defined ones (<think>) match whole but are text."""
+    control = [
+        AddedToken(tok, normalized=False, special=True)
+        for tok, kind in zip(tokens, token_types, strict=True)
+        if kind == _TOKEN_TYPE_CONTROL and set(tok) <= alphabet
+    ]
+    user = [
+        AddedToken(tok, normalized=False, special=False)
+        for tok, kind in zip(tokens, token_types, strict=True)
+        if kind == _TOKEN_TYPE_USER_DEFINED
+    ]
+    return control, user
+
+
+_GPT2_SPELLING = bytes_to_unicode()
+_GPT2_ALPHABET = frozenset(_GPT2_SPELLING.values())
+
+
+def _gpt2_spelling(token: str) -> str:
+    """Vocabulary entries are spelled in GPT-2's byte alphabet; a raw one (rare) is re-spelled."""
+    if set(token) <= _GPT2_ALPHABET:
+        return token
+    return "".join(_GPT2_SPELLING[b] for b in token.encode("utf-8"))
