@@ -125,7 +125,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         elif err.get("type") == "missing":
             parts.append("the request body is missing: a JSON object is expected")
         elif field:
-            parts.append(f"invalid value for '{field}': {err.get('msg', 'invalid')}")
+            # NOTE: pydantic prefixes the message of a ValueError raised by a validator; ours say it all.
+            msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+            parts.append(f"invalid value for '{field}': {msg}")
         else:
             parts.append(str(err.get("msg", "invalid request body")))
     # NOTE: a union (e.g. ``prompt``) reports one error per member; keep the message short.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
 # NOTE: every stop string is checked after every token on the engine thread, so a request with thousands
 # of them would slow every other request down; vLLM clients send a handful (OpenAI allows 4).
@@ -22,16 +22,45 @@ ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function
 # ---------------------------------------------------------------------------------------------- requests
 
 
-class StreamOptions(BaseModel):
+def check_unicode(value: Any) -> Any:
+    """``value`` unchanged when every string in it (dict keys included) is valid Unicode; else ValueError.
+
+    JSON may spell a lone UTF-16 surrogate (``"\\ud800"``), which Python keeps in a ``str`` that no UTF-8
+    encoder (the tokenizer, a log line, a JSON response) can take: refused here, naming the field."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(
+                "is not valid Unicode text: it holds a lone UTF-16 surrogate (\\ud800-\\udfff)"
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_unicode(key)
+            check_unicode(item)
+    elif isinstance(value, list):
+        for item in value:
+            check_unicode(item)
+    return value
+
+
+class RequestBody(BaseModel):
+    """A request body, or a part of one: unknown fields allowed, every string valid Unicode."""
+
     model_config = ConfigDict(extra="allow")
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        return check_unicode(value)
+
+
+class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(RequestBody):
     """Fields shared by /v1/completions and /v1/chat/completions."""
-
-    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     n: int = Field(1, ge=1, le=64, description="Samples per prompt.")
@@ -69,16 +98,12 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
 
 
-class TextContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class TextContentPart(RequestBody):
     type: str
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class ChatMessage(RequestBody):
     role: ChatRole
     content: StrictStr | list[TextContentPart] | None = None
     name: str | None = None
@@ -92,10 +117,8 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestBody):
     """vLLM's /tokenize: either ``prompt`` or ``messages``."""
-
-    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     prompt: StrictStr | None = None
@@ -105,9 +128,7 @@ class TokenizeRequest(BaseModel):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[StrictInt]
 
