@@ -106,11 +106,22 @@ def model_config(model: str) -> ModelConfig:
     return open_source(resolve_model(model), torch.float32, torch.device("cpu")).config
 
 
+def floor_seconds(work: Work, peak_gflops: float) -> float:
+    """The least time ``work`` takes at ``peak_gflops``."""
+    return work.total / (peak_gflops * 1e9)
+
+
+def ceiling_tok_s(work: Work, output_tokens: int, peak_gflops: float) -> float:
+    """The output tokens/s that no float32 server beats on a run of ``work`` at ``peak_gflops`` (inf for
+    a run with nothing to compute)."""
+    floor_s = floor_seconds(work, peak_gflops)
+    return output_tokens / floor_s if floor_s > 0 else float("inf")
+
+
 def report(
     label: str, work: Work, output_tokens: int, peak_gflops: float, measured: float | None, times: float
 ) -> str:
-    floor_s = work.total / (peak_gflops * 1e9)
-    ceiling = output_tokens / floor_s if floor_s > 0 else float("inf")
+    floor_s, ceiling = floor_seconds(work, peak_gflops), ceiling_tok_s(work, output_tokens, peak_gflops)
     lines = [
         f"{label}: {output_tokens} output tokens, {work.linear / 1e12:.3f} TFLOP of matmuls + "
         f"{work.attention / 1e12:.3f} of attention = {floor_s:.2f} s at the peak: ceiling {ceiling:.1f} tok/s"

@@ -7,9 +7,9 @@ throttles all of them: a worker waiting for the next parallel region spins about
 
 The engine's forwards run on the manager's thread. If the thread that built the engine had run parallel
 regions too (dequantizing and packing weights, zeroing the KV cache), its idle pool would be counted from
-then on. On the 2-core benchmark machine that made a batch-16 decode step 30-50% slower than the same
-step run where no other pool exists (docs/BENCHMARKS.md). ``on_scratch_thread`` runs the set-up on a
-thread that ends afterwards; libgomp frees a thread's pool when the thread exits.
+then on, and every decode step paid for the throttled wake-ups (measured: docs/benchmarks-log.md, commit
+284f36d). ``on_scratch_thread`` runs the set-up on a thread that ends afterwards; libgomp frees a thread's
+pool when the thread exits.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ ARGMAX_BLOCK = 1024
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=1)``, the first index of each row's maximum, for rows without NaN, in two cheap
-    passes: PyTorch's CPU argmax over a vocabulary is slow (16 x 49,152: 1.2 ms against 0.08 ms for
-    ``amax`` on the benchmark machine). The maxima of blocks of ``ARGMAX_BLOCK`` columns, the first block
+    passes: PyTorch's CPU argmax (an index-tracking reduction) is not vectorised, ``amax`` is (measured:
+    docs/benchmarks-log.md, session 8). The maxima of blocks of ``ARGMAX_BLOCK`` columns, the first block
     holding the row's maximum, then argmax inside that block alone."""
     num_rows, vocab = logits.shape
     whole = vocab // ARGMAX_BLOCK

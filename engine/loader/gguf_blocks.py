@@ -1,8 +1,8 @@
 """The GGUF block quantizations the default model uses (Q4_0, Q4_1, Q8_0), dequantized with torch.
 
-gguf-py's numpy dequantizers took 7.5 s for SmolLM2-135M's Q4_1 and Q8_0 tensors on the 2-core test
-machine, a third of loading the model; these run the same arithmetic as vectorised, multi-threaded torch
-ops and give bit-for-bit the same floats (tests/model/test_gguf_blocks.py checks them against gguf-py). Other
+gguf-py's numpy dequantizers were a third of loading the default model (measured: docs/benchmarks-log.md,
+commit d7cd103); these run the same arithmetic as vectorised, multi-threaded torch ops and give bit-for-bit
+the same floats (tests/model/test_gguf_blocks.py checks them against gguf-py). Other
 types go to gguf-py (``decode`` returns None for them).
 
 Each block holds 32 weights after a float16 scale ``d`` (and, for Q4_1, a float16 minimum ``m``);

@@ -129,9 +129,16 @@ def test_loading_the_kernel_leaves_the_float_environment_alone() -> None:
     assert torch.tensor([1e-40], dtype=torch.float32).mul(1.0).item() > 0.0  # float32 subnormal
 
 
+# NOTE: the two backends sum attention in different orders (SDPA's is torch's, and differs between CPUs),
+# so their logits differ in the last bits; a greedy pick whose top two log-probabilities are closer than
+# this may go either way, and the paths may part from there on.
+NEAR_TIE = 1e-3
+
+
 @pytest.mark.slow
 def test_engine_outputs_are_the_same_with_either_backend() -> None:
-    """The public API end to end on the real model: greedy generations agree token for token."""
+    """The public API end to end on the real model: greedy generations agree token for token, up to the
+    first near-tie (``NEAR_TIE``) of the cpu backend's pick."""
     cpu_kernel_or_skip()
     prompts = [
         "The capital of France is",
@@ -144,6 +151,17 @@ def test_engine_outputs_are_the_same_with_either_backend() -> None:
         engine = Engine.from_pretrained("default", device="cpu", dtype="float32", attention_backend=name)
         assert engine.attention_backend == name
         ids = [engine.tokenizer.encode(p) for p in prompts]
-        results = engine.generate_batch(ids, progress_bar=False, max_new_tokens=24, do_sample=False)
-        outputs[name] = [r.generated_ids for r in results.values()]
-    assert outputs["cpu"] == outputs["sdpa"]
+        results = engine.generate_batch(
+            ids, progress_bar=False, max_new_tokens=24, do_sample=False, output_logprobs=True, top_logprobs=2
+        )
+        outputs[name] = [results[f"batch_req_{i}"] for i in range(len(prompts))]
+    compared = 0
+    for ours, theirs in zip(outputs["cpu"], outputs["sdpa"], strict=True):
+        assert ours.logprobs is not None and len(ours.logprobs) == len(ours.generated_ids) == 24
+        for step, (token, logprob) in enumerate(zip(ours.generated_ids, ours.logprobs, strict=True)):
+            assert token == theirs.generated_ids[step], (ours.generated_ids, theirs.generated_ids)
+            compared += 1
+            (_, best), (_, second) = logprob.top
+            if best - second < NEAR_TIE:
+                break
+    assert compared >= len(prompts) * 12  # near-ties are rare: most of the tokens were compared
