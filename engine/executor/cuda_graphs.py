@@ -144,9 +144,7 @@ class CudaGraphDecoder:
             [ids + [0] * pad, positions + [0] * pad, slots + [PAD_SLOT] * pad, lens + [1] * pad],
             dtype=torch.int64,
         )  # [4, size]
-        tables = torch.tensor(
-            [s.block_ids + [0] * (width - len(s.block_ids)) for s in batch.requests]
-        )
+        tables = torch.tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in batch.requests])
         for buffer, row in zip(
             (self.input_ids, self.positions, self.slots, self.seq_lens), host, strict=True
         ):
