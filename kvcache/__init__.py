@@ -1,14 +1,21 @@
-"""KV-cache block bookkeeping: the block pool, the prefix-cache hash chain and cache sizing. Pure Python."""
+"""KV-cache block bookkeeping: the manager of block tables, the block pool, the prefix-cache hash chain and
+cache sizing. Pure Python."""
 
-from kvcache.block_pool import BlockPool, IntegrityError, NoFreeBlocksError
+from kvcache.block_pool import BlockPool
+from kvcache.errors import IntegrityError, NoFreeBlocksError
+from kvcache.manager import NO_PREFIX, CachedPrefix, KVCacheManager
 from kvcache.prefix_hash import hash_block, hash_full_blocks
-from kvcache.sizing import CacheTooSmallError, bytes_per_block, num_blocks_for_budget
+from kvcache.sizing import CacheTooSmallError, blocks_for_tokens, bytes_per_block, num_blocks_for_budget
 
 __all__ = [
+    "NO_PREFIX",
     "BlockPool",
     "CacheTooSmallError",
+    "CachedPrefix",
     "IntegrityError",
+    "KVCacheManager",
     "NoFreeBlocksError",
+    "blocks_for_tokens",
     "bytes_per_block",
     "hash_block",
     "hash_full_blocks",

@@ -1,4 +1,5 @@
-"""The arithmetic of KV-cache sizing: how many bytes one block takes, how many blocks a budget holds."""
+"""The arithmetic of KV-cache sizing: how many bytes one block takes, how many blocks a budget holds, how
+many blocks a sequence needs."""
 
 from __future__ import annotations
 
@@ -10,6 +11,11 @@ class CacheTooSmallError(ValueError):
 def _positive(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold ``num_tokens`` tokens: ``ceil(num_tokens / block_size)``."""
+    return -(-num_tokens // block_size)
 
 
 def bytes_per_block(

@@ -1,9 +1,9 @@
-"""Which requests run each step, and their KV block tables. Pure Python (no torch)."""
+"""Which requests run each step, under which budgets. Pure Python (no torch); the KV blocks are kvcache/'s."""
 
 from scheduler.base import Scheduler
 from scheduler.batch import ScheduledBatch, ScheduledRequest
 from scheduler.config import SchedulerConfig
-from scheduler.errors import IntegrityError, RequestTooLargeError
+from scheduler.errors import RequestTooLargeError
 from scheduler.fifo import FIFOScheduler
 from scheduler.prefill_first import PrefillFirstScheduler
 from scheduler.request import FinishReason, Request, RequestStatus
@@ -23,7 +23,6 @@ __all__ = [
     "SCHEDULERS",
     "FIFOScheduler",
     "FinishReason",
-    "IntegrityError",
     "PrefillFirstScheduler",
     "Request",
     "RequestStatus",

@@ -9,11 +9,13 @@ from scheduler.request import Request
 
 @dataclass(frozen=True)
 class ScheduledRequest:
-    """``num_tokens`` tokens of ``request`` starting at position ``start`` are computed this step."""
+    """``num_tokens`` tokens of ``request`` starting at position ``start`` are computed this step, their KV
+    written through ``block_ids``, the request's block table (the KV-cache manager's list: read only)."""
 
     request: Request
     start: int
     num_tokens: int
+    block_ids: list[int]
 
     @property
     def end(self) -> int:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from kvcache.block_pool import IntegrityError
-
-__all__ = ["IntegrityError", "RequestTooLargeError"]
+__all__ = ["RequestTooLargeError"]
 
 
 class RequestTooLargeError(ValueError):

@@ -29,8 +29,9 @@ class FinishReason(str, enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """A sequence to generate. ``payload`` is owned by the engine (sampling state, detokenizer, ...)
-    and never read by the scheduler."""
+    """A sequence to generate. Its block table is the KV-cache manager's (``Scheduler.block_ids``, and
+    ``ScheduledRequest.block_ids`` in a batch). ``payload`` is owned by the engine (sampling state,
+    detokenizer, ...) and never read by the scheduler."""
 
     request_id: str
     prompt_ids: list[int]
@@ -38,7 +39,6 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at (last) admission

@@ -133,7 +133,7 @@ class CudaGraphDecoder:
         ids, positions, slots, lens = [], [], [], []
         width = 0
         for s in batch.requests:
-            table = s.request.block_ids
+            table = s.block_ids
             ids.append(s.request.all_token_ids[s.start])
             positions.append(s.start)
             slots.append(table[s.start // bs] * bs + s.start % bs)
@@ -144,9 +144,7 @@ class CudaGraphDecoder:
             [ids + [0] * pad, positions + [0] * pad, slots + [PAD_SLOT] * pad, lens + [1] * pad],
             dtype=torch.int64,
         )  # [4, size]
-        tables = torch.tensor(
-            [s.request.block_ids + [0] * (width - len(s.request.block_ids)) for s in batch.requests]
-        )
+        tables = torch.tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in batch.requests])
         for buffer, row in zip(
             (self.input_ids, self.positions, self.slots, self.seq_lens), host, strict=True
         ):

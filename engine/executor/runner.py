@@ -34,7 +34,7 @@ class ModelRunner:
         return BatchInputs.build(
             token_ids=[s.token_ids for s in batch.requests],
             starts=[s.start for s in batch.requests],
-            block_tables=[s.request.block_ids for s in batch.requests],
+            block_tables=[s.block_ids for s in batch.requests],
             logits_rows=[s.needs_sample for s in batch.requests],
             block_size=self.block_size,
             device=self.device,

@@ -6,6 +6,8 @@ preemption, prefix caching, fork, finish_request, add_request validation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from scheduler import (
@@ -16,45 +18,18 @@ from scheduler import (
     RequestStatus,
     RequestTooLargeError,
     ScheduledBatch,
+    Scheduler,
     SchedulerConfig,
     make_scheduler,
 )
 
 
-def make(num_blocks: int = 16, **kw: object) -> FIFOScheduler:
-    kw.setdefault("block_size", 4)
-    kw.setdefault("safety_margin", 0.0)
-    return FIFOScheduler(SchedulerConfig(num_blocks=num_blocks, **kw))  # type: ignore[arg-type]
-
-
-def req(rid: str, prompt_len: int, max_new: int = 4, start: int = 0) -> Request:
-    return Request(request_id=rid, prompt_ids=list(range(start, start + prompt_len)), max_new_tokens=max_new)
-
-
-def token_for(r: Request) -> int:
-    """The simulated engine's next token: a function of the request and position, so a token emitted twice
-    or out of order shows up in ``output_ids``."""
-    return 1000 + len(r.output_ids)
-
-
-def engine_step(s: FIFOScheduler | PrefillFirstScheduler, batch: ScheduledBatch) -> list[Request]:
-    new_tokens: dict[str, int] = {}
-    finished: dict[str, FinishReason] = {}
-    for chunk in batch.requests:
-        if chunk.needs_sample:
-            new_tokens[chunk.request.request_id] = token_for(chunk.request)
-            if len(chunk.request.output_ids) + 1 >= chunk.request.max_new_tokens:
-                finished[chunk.request.request_id] = FinishReason.LENGTH
-    done = s.update(batch, new_tokens, finished)
-    s.check_integrity()
-    return done
-
-
-def plan(batch: ScheduledBatch) -> list[tuple[str, int, int]]:
-    return [(c.request.request_id, c.start, c.num_tokens) for c in batch.requests]
-
-
-def test_chunked_prefill_then_decode_with_exact_blocks() -> None:
+def test_chunked_prefill_then_decode_with_exact_blocks(
+    make: Callable[..., Scheduler],
+    req: Callable[..., Request],
+    engine_step: Callable[[Scheduler, ScheduledBatch], list[Request]],
+    plan: Callable[[ScheduledBatch], list[tuple[str, int, int]]],
+) -> None:
     s = make(num_blocks=16, max_batch_tokens=8)
     a = req("a", 18, max_new=3)
     s.add_request(a)
@@ -62,24 +37,24 @@ def test_chunked_prefill_then_decode_with_exact_blocks() -> None:
 
     b1 = s.schedule()
     assert plan(b1) == [("a", 0, 8)]
-    assert a.block_ids == [0, 1] and a.status is RequestStatus.PREFILLING
+    assert s.block_ids("a") == [0, 1] and a.status is RequestStatus.PREFILLING
     assert not b1.requests[0].needs_sample and a.first_scheduled_time is not None
     t0 = a.first_scheduled_time
     engine_step(s, b1)
     assert a.num_computed_tokens == 8 and a.output_ids == []
 
     b2 = s.schedule()
-    assert plan(b2) == [("a", 8, 8)] and a.block_ids == [0, 1, 2, 3]
+    assert plan(b2) == [("a", 8, 8)] and s.block_ids("a") == [0, 1, 2, 3]
     engine_step(s, b2)
 
     b3 = s.schedule()  # the last 2 prompt tokens: this chunk samples
-    assert plan(b3) == [("a", 16, 2)] and a.block_ids == [0, 1, 2, 3, 4]
+    assert plan(b3) == [("a", 16, 2)] and s.block_ids("a") == [0, 1, 2, 3, 4]
     assert b3.requests[0].needs_sample
     engine_step(s, b3)
     assert a.output_ids == [1000] and a.status is RequestStatus.DECODING
 
     b4 = s.schedule()  # position 18 still fits block 4
-    assert plan(b4) == [("a", 18, 1)] and a.block_ids == [0, 1, 2, 3, 4]
+    assert plan(b4) == [("a", 18, 1)] and s.block_ids("a") == [0, 1, 2, 3, 4]
     engine_step(s, b4)
     b5 = s.schedule()
     assert plan(b5) == [("a", 19, 1)]
@@ -87,11 +62,16 @@ def test_chunked_prefill_then_decode_with_exact_blocks() -> None:
     assert done == [a] and a.status is RequestStatus.FINISHED and a.finish_reason is FinishReason.LENGTH
     assert a.output_ids == [1000, 1001, 1002]
     assert a.first_scheduled_time == t0
-    assert not s.has_unfinished_requests() and s.pool.num_free_blocks == 16
+    assert not s.has_unfinished_requests() and s.kv_manager.num_free_blocks == 16
     assert s.kv_cache_usage() == 0.0
 
 
-def test_decodes_go_first_and_prefill_takes_the_rest_of_the_budget() -> None:
+def test_decodes_go_first_and_prefill_takes_the_rest_of_the_budget(
+    make: Callable[..., Scheduler],
+    req: Callable[..., Request],
+    engine_step: Callable[[Scheduler, ScheduledBatch], list[Request]],
+    plan: Callable[[ScheduledBatch], list[tuple[str, int, int]]],
+) -> None:
     s = make(num_blocks=32, max_batch_tokens=8)
     a = req("a", 3, max_new=10)
     s.add_request(a)
@@ -106,7 +86,7 @@ def test_decodes_go_first_and_prefill_takes_the_rest_of_the_budget() -> None:
     assert plan(batch) == [("a", 4, 1), ("b", 7, 7)]
 
 
-def test_max_num_seqs_caps_the_batch() -> None:
+def test_max_num_seqs_caps_the_batch(make: Callable[..., Scheduler], req: Callable[..., Request]) -> None:
     s = make(num_blocks=32, max_num_seqs=2)
     for i in range(3):
         s.add_request(req(f"r{i}", 2, start=10 * i))
@@ -115,7 +95,12 @@ def test_max_num_seqs_caps_the_batch() -> None:
     assert (s.num_running, s.num_waiting) == (2, 1)
 
 
-def test_safety_margin_holds_new_requests_back() -> None:
+def test_safety_margin_holds_new_requests_back(
+    make: Callable[..., Scheduler],
+    req: Callable[..., Request],
+    engine_step: Callable[[Scheduler, ScheduledBatch], list[Request]],
+    plan: Callable[[ScheduledBatch], list[tuple[str, int, int]]],
+) -> None:
     # 10 blocks, margin 0.2 -> 2 blocks stay free when admitting beside running requests
     s = make(num_blocks=10, safety_margin=0.2, max_batch_tokens=256)
     a, b, c = req("a", 24, max_new=2), req("b", 8, max_new=2, start=100), req("c", 4, max_new=2, start=200)
@@ -131,29 +116,38 @@ def test_safety_margin_holds_new_requests_back() -> None:
     assert plan(s.schedule()) == [("c", 0, 4)]
 
 
-def test_a_lone_request_ignores_the_safety_margin() -> None:
+def test_a_lone_request_ignores_the_safety_margin(
+    make: Callable[..., Scheduler],
+    req: Callable[..., Request],
+    plan: Callable[[ScheduledBatch], list[tuple[str, int, int]]],
+) -> None:
     s = make(num_blocks=5, safety_margin=0.5)
     s.add_request(req("a", 19, max_new=1))  # needs all 5 blocks
     assert plan(s.schedule()) == [("a", 0, 19)]
 
 
-def test_preemption_picks_the_most_recently_admitted_and_completes_it_later() -> None:
+def test_preemption_picks_the_most_recently_admitted_and_completes_it_later(
+    make: Callable[..., Scheduler],
+    req: Callable[..., Request],
+    engine_step: Callable[[Scheduler, ScheduledBatch], list[Request]],
+    plan: Callable[[ScheduledBatch], list[tuple[str, int, int]]],
+) -> None:
     # 6 blocks of 4 tokens; a, b, c admitted with 1 block each, then they grow
     s = make(num_blocks=6, max_batch_tokens=64)
     a, b, c = req("a", 4, max_new=8), req("b", 4, max_new=8, start=50), req("c", 4, max_new=8, start=90)
     for r in (a, b, c):
         s.add_request(r)
     engine_step(s, s.schedule())  # 3 blocks used, each has sampled 1 token
-    assert (a.block_ids, b.block_ids, c.block_ids) == ([0], [1], [2])
+    assert (s.block_ids("a"), s.block_ids("b"), s.block_ids("c")) == ([0], [1], [2])
     batch = s.schedule()  # each decode needs a new block: 3 free, fine
-    assert (a.block_ids, b.block_ids, c.block_ids) == ([0, 3], [1, 4], [2, 5])
+    assert (s.block_ids("a"), s.block_ids("b"), s.block_ids("c")) == ([0, 3], [1, 4], [2, 5])
     engine_step(s, batch)
     for _ in range(3):
         engine_step(s, s.schedule())
     # a needs a 3rd block and none is free: c (admitted last) is preempted, not b
     batch = s.schedule()
     assert batch.preempted_ids == ["c"]
-    assert c.status is RequestStatus.WAITING and c.block_ids == [] and c.num_computed_tokens == 0
+    assert c.status is RequestStatus.WAITING and s.block_ids("c") == [] and c.num_computed_tokens == 0
     assert c.num_preemptions == 1 and s.num_preemptions == 1
     assert s.waiting_requests[0] is c
     assert plan(batch) == [("a", 8, 1), ("b", 8, 1)]
@@ -174,10 +168,15 @@ def test_preemption_picks_the_most_recently_admitted_and_completes_it_later() ->
         assert r.output_ids == [1000 + i for i in range(8)], r.request_id  # nothing twice, nothing lost
         assert r.status is RequestStatus.FINISHED
     assert len(emitted["c"]) == 3  # only its 3 missing tokens came after the preemption
-    assert s.pool.num_free_blocks == 6
+    assert s.kv_manager.num_free_blocks == 6
 
 
-def test_a_request_preempts_itself_when_it_was_admitted_last() -> None:
+def test_a_request_preempts_itself_when_it_was_admitted_last(
+    make: Callable[..., Scheduler],
+    req: Callable[..., Request],
+    engine_step: Callable[[Scheduler, ScheduledBatch], list[Request]],
+    plan: Callable[[ScheduledBatch], list[tuple[str, int, int]]],
+) -> None:
     s = make(num_blocks=3, max_batch_tokens=64)
     a, b = req("a", 4, max_new=8), req("b", 4, max_new=8, start=50)
     s.add_request(a)
@@ -190,7 +189,12 @@ def test_a_request_preempts_itself_when_it_was_admitted_last() -> None:
     engine_step(s, batch)
 
 
-def test_a_victim_scheduled_earlier_in_the_step_leaves_the_batch() -> None:
+def test_a_victim_scheduled_earlier_in_the_step_leaves_the_batch(
+    make: Callable[..., Scheduler],
+    req: Callable[..., Request],
+    engine_step: Callable[[Scheduler, ScheduledBatch], list[Request]],
+    plan: Callable[[ScheduledBatch], list[tuple[str, int, int]]],
+) -> None:
     # FIFO runs decodes first, so a younger decoding request can be in the batch already when an older
     # prefilling one runs out of blocks: the victim must leave the batch and give its tokens back.
     s = make(num_blocks=4, max_batch_tokens=8)
@@ -200,30 +204,32 @@ def test_a_victim_scheduled_earlier_in_the_step_leaves_the_batch() -> None:
     batch = s.schedule()
     assert plan(batch) == [("p", 0, 2), ("x", 0, 6)]
     engine_step(s, batch)
-    assert (p.block_ids, x.block_ids) == ([0], [1, 2])
+    assert (s.block_ids("p"), s.block_ids("x")) == ([0], [1, 2])
     c = Request(request_id="c", prompt_ids=list(p.prompt_ids), output_ids=[7], max_new_tokens=8)
     s.fork("p", c)  # the youngest running request; copies p's partial block 0 into block 3
-    assert c.block_ids == [3] and c.status is RequestStatus.DECODING
+    assert s.block_ids("c") == [3] and c.status is RequestStatus.DECODING
     batch = s.schedule()
     assert batch.preempted_ids == ["c"]
     assert plan(batch) == [("p", 2, 1), ("x", 6, 6)]
     assert batch.blocks_to_copy == []  # c's copy is dropped with it
-    assert x.block_ids == [1, 2, 3] and s.pool.ref_count(0) == 1
+    assert s.block_ids("x") == [1, 2, 3] and s.kv_manager.pool.ref_count(0) == 1
     assert s.waiting_requests == (c,) and c.num_computed_tokens == 0
     s.check_integrity()
     engine_step(s, batch)
 
 
-def test_finish_request_frees_blocks_of_running_and_waiting_requests() -> None:
+def test_finish_request_frees_blocks_of_running_and_waiting_requests(
+    make: Callable[..., Scheduler], req: Callable[..., Request]
+) -> None:
     s = make(num_blocks=8, max_num_seqs=1)
     a, b = req("a", 9, max_new=4), req("b", 5, max_new=4, start=50)
     s.add_request(a)
     s.add_request(b)
     batch = s.schedule()
-    assert a.block_ids == [0, 1, 2] and s.pool.num_free_blocks == 5
+    assert s.block_ids("a") == [0, 1, 2] and s.kv_manager.num_free_blocks == 5
     got = s.finish_request("a", FinishReason.ABORT)
     assert got is a and a.status is RequestStatus.FINISHED and a.finish_reason is FinishReason.ABORT
-    assert a.block_ids == [] and s.pool.num_free_blocks == 8 and s.get_request("a") is None
+    assert s.block_ids("a") == [] and s.kv_manager.num_free_blocks == 8 and s.get_request("a") is None
     # the engine's update for the batch still in flight ignores the cancelled request
     assert s.update(batch, {"a": 7}, {}) == []
     assert a.output_ids == []
@@ -232,7 +238,12 @@ def test_finish_request_frees_blocks_of_running_and_waiting_requests() -> None:
     s.check_integrity()
 
 
-def test_prefix_cache_serves_a_repeated_prompt() -> None:
+def test_prefix_cache_serves_a_repeated_prompt(
+    make: Callable[..., Scheduler],
+    req: Callable[..., Request],
+    engine_step: Callable[[Scheduler, ScheduledBatch], list[Request]],
+    plan: Callable[[ScheduledBatch], list[tuple[str, int, int]]],
+) -> None:
     s = make(num_blocks=16)
     a = req("a", 10, max_new=1)
     s.add_request(a)
@@ -243,13 +254,18 @@ def test_prefix_cache_serves_a_repeated_prompt() -> None:
     s.add_request(b)
     batch = s.schedule()
     assert plan(batch) == [("b", 8, 2)]
-    assert b.num_cached_tokens == 8 and b.block_ids[:2] == [0, 1]
+    assert b.num_cached_tokens == 8 and s.block_ids("b")[:2] == [0, 1]
     assert (s.prefix_cache_queries, s.prefix_cache_hits) == (20, 8)
     engine_step(s, batch)
     s.check_integrity()
 
 
-def test_prefix_cache_off() -> None:
+def test_prefix_cache_off(
+    make: Callable[..., Scheduler],
+    req: Callable[..., Request],
+    engine_step: Callable[[Scheduler, ScheduledBatch], list[Request]],
+    plan: Callable[[ScheduledBatch], list[tuple[str, int, int]]],
+) -> None:
     s = make(num_blocks=16, enable_prefix_caching=False)
     for rid in ("a", "b"):
         s.add_request(req(rid, 10, max_new=1))
@@ -259,43 +275,52 @@ def test_prefix_cache_off() -> None:
     assert (s.prefix_cache_queries, s.prefix_cache_hits) == (0, 0)
 
 
-def test_fork_shares_full_blocks_and_copies_the_partial_one() -> None:
+def test_fork_shares_full_blocks_and_copies_the_partial_one(
+    make: Callable[..., Scheduler],
+    req: Callable[..., Request],
+    engine_step: Callable[[Scheduler, ScheduledBatch], list[Request]],
+    plan: Callable[[ScheduledBatch], list[tuple[str, int, int]]],
+) -> None:
     s = make(num_blocks=8)
     p = req("p", 6, max_new=4)
     s.add_request(p)
     engine_step(s, s.schedule())
-    assert p.block_ids == [0, 1] and p.num_computed_tokens == 6 and p.output_ids == [1000]
+    assert s.block_ids("p") == [0, 1] and p.num_computed_tokens == 6 and p.output_ids == [1000]
     child = Request(request_id="p#1", prompt_ids=list(p.prompt_ids), output_ids=[2000], max_new_tokens=4)
     assert s.fork("p", child) is child
-    assert child.block_ids == [0, 2] and child.num_computed_tokens == 6
+    assert s.block_ids(child.request_id) == [0, 2] and child.num_computed_tokens == 6
     assert child.status is RequestStatus.DECODING
-    assert [s.pool.ref_count(b) for b in (0, 1, 2)] == [2, 2, 1]  # block 1 held until copied
+    assert [s.kv_manager.pool.ref_count(b) for b in (0, 1, 2)] == [2, 2, 1]  # block 1 held until copied
     s.check_integrity()
     batch = s.schedule()
     assert batch.blocks_to_copy == [(1, 2)]
     assert plan(batch) == [("p", 6, 1), ("p#1", 6, 1)]
-    assert s.pool.ref_count(1) == 1
+    assert s.kv_manager.pool.ref_count(1) == 1
     engine_step(s, batch)
     assert child.output_ids == [2000, 1001]
     assert s.schedule().blocks_to_copy == []
 
 
-def test_fork_on_a_block_boundary_needs_no_copy_and_without_blocks_waits() -> None:
+def test_fork_on_a_block_boundary_needs_no_copy_and_without_blocks_waits(
+    make: Callable[..., Scheduler],
+    req: Callable[..., Request],
+    engine_step: Callable[[Scheduler, ScheduledBatch], list[Request]],
+) -> None:
     s = make(num_blocks=3)
     p = req("p", 8, max_new=4)
     s.add_request(p)
     engine_step(s, s.schedule())
     c1 = Request(request_id="c1", prompt_ids=list(p.prompt_ids), output_ids=[5], max_new_tokens=4)
     s.fork("p", c1)
-    assert c1.block_ids == [0, 1] and s.pool.ref_count(1) == 2
+    assert s.block_ids("c1") == [0, 1] and s.kv_manager.pool.ref_count(1) == 2
     s.check_integrity()
     batch = s.schedule()  # p and c1 both need a 3rd block; 1 is free: c1, the younger, yields
-    assert batch.preempted_ids == ["c1"] and p.block_ids == [0, 1, 2]
+    assert batch.preempted_ids == ["c1"] and s.block_ids("p") == [0, 1, 2]
     engine_step(s, batch)
     # with no free block, a fork whose shared prefix ends inside a block goes to the waiting queue
     c2 = Request(request_id="c2", prompt_ids=list(p.prompt_ids), output_ids=[1000, 6], max_new_tokens=4)
     s.fork("p", c2)
-    assert c2.status is RequestStatus.WAITING and c2.block_ids == []
+    assert c2.status is RequestStatus.WAITING and s.block_ids("c2") == []
     assert s.waiting_requests == (c2, c1)
     s.check_integrity()
     with pytest.raises(KeyError):
@@ -304,7 +329,11 @@ def test_fork_on_a_block_boundary_needs_no_copy_and_without_blocks_waits() -> No
         s.fork("p", Request(request_id="y", prompt_ids=[9] * 8, output_ids=[1], max_new_tokens=2))
 
 
-def test_missing_sample_recomputes_the_last_token() -> None:
+def test_missing_sample_recomputes_the_last_token(
+    make: Callable[..., Scheduler],
+    req: Callable[..., Request],
+    plan: Callable[[ScheduledBatch], list[tuple[str, int, int]]],
+) -> None:
     s = make()
     a = req("a", 5, max_new=3)
     s.add_request(a)
@@ -314,7 +343,9 @@ def test_missing_sample_recomputes_the_last_token() -> None:
     assert plan(s.schedule()) == [("a", 4, 1)]
 
 
-def test_update_leaves_stopping_to_the_engine() -> None:
+def test_update_leaves_stopping_to_the_engine(
+    make: Callable[..., Scheduler], req: Callable[..., Request]
+) -> None:
     # the engine may keep a request that reached max_new_tokens alive (to fork its siblings first)
     s = make()
     a = req("a", 5, max_new=1)
@@ -324,12 +355,16 @@ def test_update_leaves_stopping_to_the_engine() -> None:
     child = Request(request_id="a.1", prompt_ids=list(a.prompt_ids), output_ids=[4], max_new_tokens=1)
     s.fork("a", child)
     assert s.finish_request("a", FinishReason.LENGTH) is a
-    assert child.block_ids == [0, 2] and s.pool.ref_count(1) == 1  # the held copy source survives
+    assert (
+        s.block_ids(child.request_id) == [0, 2] and s.kv_manager.pool.ref_count(1) == 1
+    )  # the held copy source survives
     assert s.schedule().blocks_to_copy == [(1, 2)]
     s.check_integrity()
 
 
-def test_add_request_rejects_what_can_never_fit() -> None:
+def test_add_request_rejects_what_can_never_fit(
+    make: Callable[..., Scheduler], req: Callable[..., Request]
+) -> None:
     s = make(num_blocks=4, max_model_len=20)
     with pytest.raises(
         RequestTooLargeError, match="need 5 KV blocks of 4 tokens, but the cache holds only 4"

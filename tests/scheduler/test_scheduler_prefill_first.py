@@ -2,44 +2,34 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import pytest
+
 from scheduler import (
-    FinishReason,
-    PrefillFirstScheduler,
     Request,
     RequestStatus,
     ScheduledBatch,
-    SchedulerConfig,
+    Scheduler,
 )
 
 
-def make(num_blocks: int = 32, **kw: object) -> PrefillFirstScheduler:
-    kw.setdefault("block_size", 4)
-    kw.setdefault("safety_margin", 0.0)
-    return PrefillFirstScheduler(SchedulerConfig(num_blocks=num_blocks, **kw))  # type: ignore[arg-type]
+@pytest.fixture
+def make(make: Callable[..., Scheduler]) -> Callable[..., Scheduler]:
+    """The prefill_first policy, 32 blocks unless told."""
+
+    def prefill_first(num_blocks: int = 32, **kw: object) -> Scheduler:
+        return make(num_blocks, "prefill_first", **kw)
+
+    return prefill_first
 
 
-def req(rid: str, prompt_len: int, max_new: int = 4, start: int = 0) -> Request:
-    return Request(request_id=rid, prompt_ids=list(range(start, start + prompt_len)), max_new_tokens=max_new)
-
-
-def engine_step(s: PrefillFirstScheduler, batch: ScheduledBatch) -> None:
-    new_tokens: dict[str, int] = {}
-    finished: dict[str, FinishReason] = {}
-    for chunk in batch.requests:
-        if chunk.needs_sample:
-            r = chunk.request
-            new_tokens[r.request_id] = 1000 + len(r.output_ids)
-            if len(r.output_ids) + 1 >= r.max_new_tokens:
-                finished[r.request_id] = FinishReason.LENGTH
-    s.update(batch, new_tokens, finished)
-    s.check_integrity()
-
-
-def plan(batch: ScheduledBatch) -> list[tuple[str, int, int]]:
-    return [(c.request.request_id, c.start, c.num_tokens) for c in batch.requests]
-
-
-def test_prompt_chunks_go_before_decodes() -> None:
+def test_prompt_chunks_go_before_decodes(
+    make: Callable[..., Scheduler],
+    req: Callable[..., Request],
+    engine_step: Callable[[Scheduler, ScheduledBatch], list[Request]],
+    plan: Callable[[ScheduledBatch], list[tuple[str, int, int]]],
+) -> None:
     s = make(max_batch_tokens=8)
     a = req("a", 3, max_new=10)
     s.add_request(a)
@@ -64,7 +54,12 @@ def test_prompt_chunks_go_before_decodes() -> None:
     assert plan(batch) == [("a", 5, 1), ("b", 20, 1)]
 
 
-def test_waiting_requests_come_after_running_ones_in_arrival_order() -> None:
+def test_waiting_requests_come_after_running_ones_in_arrival_order(
+    make: Callable[..., Scheduler],
+    req: Callable[..., Request],
+    engine_step: Callable[[Scheduler, ScheduledBatch], list[Request]],
+    plan: Callable[[ScheduledBatch], list[tuple[str, int, int]]],
+) -> None:
     s = make(max_batch_tokens=10)
     for rid, n in (("a", 6), ("b", 6), ("c", 6)):
         s.add_request(req(rid, n, start=ord(rid) * 10))
@@ -75,18 +70,23 @@ def test_waiting_requests_come_after_running_ones_in_arrival_order() -> None:
     assert plan(batch) == [("b", 4, 2), ("a", 6, 1), ("c", 0, 6)]
 
 
-def test_preemption_still_takes_the_most_recently_admitted() -> None:
+def test_preemption_still_takes_the_most_recently_admitted(
+    make: Callable[..., Scheduler],
+    req: Callable[..., Request],
+    engine_step: Callable[[Scheduler, ScheduledBatch], list[Request]],
+    plan: Callable[[ScheduledBatch], list[tuple[str, int, int]]],
+) -> None:
     s = make(num_blocks=5, max_batch_tokens=64)
     a, b = req("a", 4, max_new=6), req("b", 4, max_new=6, start=50)
     s.add_request(a)
     s.add_request(b)
     engine_step(s, s.schedule())
-    assert (a.block_ids, b.block_ids) == ([0], [1])
+    assert (s.block_ids("a"), s.block_ids("b")) == ([0], [1])
     for _ in range(4):
         engine_step(s, s.schedule())
     # a and b hold 2 blocks each; a needs its 3rd with 1 free, then b needs one: b (younger) yields
     batch = s.schedule()
-    assert batch.preempted_ids == ["b"] and a.block_ids == [0, 2, 4]
+    assert batch.preempted_ids == ["b"] and s.block_ids("a") == [0, 2, 4]
     assert b.status is RequestStatus.WAITING and b.output_ids == [1000, 1001, 1002, 1003, 1004]
     engine_step(s, batch)
     assert a.is_finished and a.output_ids == [1000 + i for i in range(6)]
@@ -94,8 +94,8 @@ def test_preemption_still_takes_the_most_recently_admitted() -> None:
     # with their hashes at preemption, tail first) come back from the prefix cache: only 1 token is left
     batch = s.schedule()
     assert plan(batch) == [("b", 8, 1)]
-    assert b.num_cached_tokens == 8 and b.block_ids[:2] == [1, 3]
+    assert b.num_cached_tokens == 8 and s.block_ids("b")[:2] == [1, 3]
     engine_step(s, batch)
     assert b.is_finished and b.output_ids == [1000 + i for i in range(6)]
-    assert s.pool.num_free_blocks == 5 and not s.has_unfinished_requests()
+    assert s.kv_manager.num_free_blocks == 5 and not s.has_unfinished_requests()
     s.check_integrity()

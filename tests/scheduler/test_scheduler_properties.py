@@ -22,6 +22,7 @@ from scheduler import (
     RequestStatus,
     RequestTooLargeError,
     ScheduledBatch,
+    Scheduler,
     SchedulerConfig,
     make_scheduler,
 )
@@ -116,19 +117,20 @@ class FakeKV:
         for chunk in batch.requests:
             tokens = chunk.request.all_token_ids
             for pos in range(chunk.start, chunk.end):
-                block = chunk.request.block_ids[pos // self.block_size]
+                block = chunk.block_ids[pos // self.block_size]
                 self.slots[block][pos % self.block_size] = tokens[pos]
         # attention of each chunk reads every position up to its end
         for chunk in batch.requests:
             tokens = chunk.request.all_token_ids
             read = [
-                self.slots[chunk.request.block_ids[p // self.block_size]][p % self.block_size]
+                self.slots[chunk.block_ids[p // self.block_size]][p % self.block_size]
                 for p in range(chunk.end)
             ]
             assert read == tokens[: chunk.end], f"{chunk.request.request_id} reads the wrong KV"
 
 
-def check_batch(s_config: SchedulerConfig, batch: ScheduledBatch, running: tuple[Request, ...]) -> None:
+def check_batch(s: Scheduler, batch: ScheduledBatch) -> None:
+    s_config = s.config
     bs = s_config.block_size
     assert batch.num_tokens <= s_config.max_batch_tokens
     assert len(batch) <= s_config.max_num_seqs
@@ -140,11 +142,14 @@ def check_batch(s_config: SchedulerConfig, batch: ScheduledBatch, running: tuple
         assert (
             chunk.num_tokens >= 1 and chunk.start == req.num_computed_tokens and chunk.end <= req.num_tokens
         )
-        assert len(req.block_ids) * bs >= chunk.end
-        written = {req.block_ids[p // bs] for p in range(chunk.start, chunk.end)}
-        for other in running:
+        assert chunk.block_ids == s.block_ids(req.request_id)
+        assert len(chunk.block_ids) * bs >= chunk.end
+        written = {chunk.block_ids[p // bs] for p in range(chunk.start, chunk.end)}
+        for other in s.running_requests:
             if other is not req:
-                assert not written & set(other.block_ids), f"{req.request_id} writes a block it shares"
+                assert not written & set(s.block_ids(other.request_id)), (
+                    f"{req.request_id} writes a block it shares"
+                )
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -205,7 +210,7 @@ def test_schedulers_keep_their_invariants(sc: Scenario) -> None:
         s.check_integrity()
 
         batch = s.schedule()
-        check_batch(sc.config, batch, s.running_requests)
+        check_batch(s, batch)
         s.check_integrity()
         kv.run(batch)
         copies += len(batch.blocks_to_copy)
@@ -230,10 +235,10 @@ def test_schedulers_keep_their_invariants(sc: Scenario) -> None:
     event(f"prefix cache hit: {s.prefix_cache_hits > 0}")
     event(f"fork copied a block: {copies > 0}")
     assert s.num_waiting == s.num_running == 0
-    assert s.pool.num_free_blocks == sc.config.num_blocks and s.kv_cache_usage() == 0.0
+    assert s.kv_manager.num_free_blocks == sc.config.num_blocks and s.kv_cache_usage() == 0.0
     assert s.prefix_cache_hits <= s.prefix_cache_queries
     if not sc.config.enable_prefix_caching:
-        assert s.prefix_cache_queries == 0 and s.pool.num_cached_blocks == 0
+        assert s.prefix_cache_queries == 0 and s.kv_manager.pool.num_cached_blocks == 0
     first_generated = {r.request_id: 0 for r in requests if r is not None}
     first_generated.update({c.request_id: n for c, n in children})
     for r in [r for r in requests if r is not None] + [c for c, _ in children]:
