@@ -124,7 +124,7 @@ def test_forward_raising_once_fails_only_that_steps_requests(
     victim_steps = 0
     lock = threading.Lock()
 
-    def fault_hook(batch: ScheduledBatch) -> None:
+    def raise_once(batch: ScheduledBatch) -> None:
         nonlocal victim_steps
         ids = [s.request.request_id for s in batch.requests]
         with lock:
@@ -136,7 +136,7 @@ def test_forward_raising_once_fails_only_that_steps_requests(
             failed_step.extend(ids)
         raise RuntimeError("injected forward failure")
 
-    manager.executor = FaultyExecutor(manager.executor, before=fault_hook)
+    manager.executor = FaultyExecutor(manager.executor, before=raise_once)
     started = [threading.Event() for _ in first_wave]
     clients = [
         Client(live_server, cid, stream=cid != "fault-b", started=ev)
@@ -174,7 +174,7 @@ def test_nan_logits_row_fails_that_request_alone(
     ids = ["nan-victim", "nan-other"]
     fired: list[list[str]] = []
 
-    def logits_hook(batch: ScheduledBatch, logits: torch.Tensor) -> torch.Tensor:
+    def nan_row(batch: ScheduledBatch, logits: torch.Tensor) -> torch.Tensor:
         rows = [owner(s.request.request_id, ids) for s in batch.requests if s.needs_sample]
         if fired or "nan-victim" not in rows or "nan-other" not in rows or len(rows) != logits.shape[0]:
             return logits
@@ -183,7 +183,7 @@ def test_nan_logits_row_fails_that_request_alone(
         logits[rows.index("nan-victim")] = float("nan")
         return logits
 
-    manager.executor = FaultyExecutor(manager.executor, edit=logits_hook)
+    manager.executor = FaultyExecutor(manager.executor, edit=nan_row)
     victim = Client(live_server, "nan-victim", stream=victim_streams, started=threading.Event())
     other = Client(live_server, "nan-other", stream=True, started=threading.Event())
     victim.start()
