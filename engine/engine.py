@@ -179,14 +179,14 @@ class Engine:
             max_model_len=self.max_model_len,
         )
         scheduler = make_scheduler(opts["scheduler"], sched_config)
-        runner = ModelRunner(
+        executor = ModelRunner(
             self.model, self.kv_cache, self.block_size, self.device, self.decode_kernel, self.cuda_graphs
         )
         eos = tuple(self.tokenizer.eos_token_ids) or tuple(self.model_config.eos_token_ids)
         sampler = Sampler(self.vocab_size, self.device, eos_token_ids=eos)
         self._manager = ContinuousBatchingManager(
             scheduler=scheduler,
-            runner=runner,
+            executor=executor,
             sampler=sampler,
             tokenizer=self.tokenizer,
             generation_defaults=self.generation_defaults,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.errors import ContextLengthExceededError
+from engine.admission import check_context_length
 from engine.generation.config import GenerationConfig
 from server.errors import APIError
 from server.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
@@ -50,8 +50,7 @@ def resolve_max_tokens(
         max_new = max(1, min(wanted, room))
     else:
         max_new = asked
-    if prompt_len + max_new > max_model_len:
-        raise ContextLengthExceededError(prompt_len, max_new, max_model_len)
+    check_context_length(prompt_len, max_new, max_model_len)
     return max_new
 
 

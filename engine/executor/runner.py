@@ -41,9 +41,9 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits ``[num_sampled, vocab]`` (float32), one row per scheduled request whose chunk reaches its
-        last known token, in batch order."""
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Run one batch through the model: logits ``[num_sampled, vocab]`` (float32), one row per
+        scheduled request whose chunk reaches its last known token, in batch order."""
         if batch.blocks_to_copy:
             self.kv_cache.copy_blocks(batch.blocks_to_copy)
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):

@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from executor_faults import FaultyExecutor
 
 from engine.engine import Engine
 from engine.errors import ContextLengthExceededError, EngineDeadError, InvalidRequestError
@@ -152,7 +153,7 @@ def test_forward_failure_fails_only_that_step(engine, prompts, reference):
             fired.set()
             raise RuntimeError("injected fault")
 
-    manager.fault_hook = boom
+    manager.executor = FaultyExecutor(manager.executor, before=boom)
     manager.start()
     try:
         a = manager.add_request(prompts[0], max_new_tokens=4, do_sample=False, ignore_eos=True)
@@ -269,6 +270,7 @@ def test_evict_request_from_cache_drops_its_blocks(engine, prompts):
     manager = engine.init_continuous_batching()
     manager.start()
     try:
+
         def run() -> int:
             before = manager.scheduler.prefix_cache_hits
             rid = manager.add_request(prompt, max_new_tokens=2, do_sample=False)

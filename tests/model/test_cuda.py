@@ -253,7 +253,7 @@ def test_cuda_graph_decode_steps_match_eager_steps(tmp_path: Path) -> None:
         engine.tokenizer.encode(t) for t in ("a", "hello there", "1, 2, 3, 4, 5, 6", "x" * 40, "yes, no")
     ]
     manager = engine.init_continuous_batching()
-    runner = manager.runner
+    runner = manager.executor
     replayed: list[int] = []
     graph_run = runner.cuda_graphs.run  # type: ignore[union-attr]
 

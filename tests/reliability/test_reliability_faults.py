@@ -1,9 +1,9 @@
-"""Fault injection through the engine's test hooks on the live server's manager:
+"""Fault injection on the live server's manager, through a ``FaultyExecutor`` wrapping its executor:
 
-- ``fault_hook`` raising once: exactly the requests of that step fail (a streaming client gets an error
+- a forward raising once: exactly the requests of that step fail (a streaming client gets an error
   event then ``[DONE]``, a non-streaming one a 500 body), every other request completes, and the server
   keeps serving;
-- ``logits_hook`` writing NaN into one request's logits row: that request alone fails, while the request
+- one request's logits row edited to NaN: that request alone fails, while the request
   sharing its batch completes normally.
 
 Requests are told apart in the engine by their ``X-Request-Id``, which prefixes the engine's request ids.
@@ -20,6 +20,7 @@ import httpx
 import pytest
 import server_fixtures
 import torch
+from executor_faults import FaultyExecutor
 from server_fixtures import LiveServer, wait_until
 
 from engine.manager import ContinuousBatchingManager
@@ -35,11 +36,11 @@ def manager(live_server: LiveServer) -> Iterator[ContinuousBatchingManager]:
     assert live_server.wait_idle(timeout=30)
     manager = live_server.state.manager
     assert manager is not None
+    executor = manager.executor
     try:
         yield manager
     finally:
-        manager.fault_hook = None
-        manager.logits_hook = None
+        manager.executor = executor
     assert live_server.wait_idle(timeout=30), manager.stats()
     manager.check_integrity()
     # The server keeps serving after the fault.
@@ -123,7 +124,7 @@ def test_forward_raising_once_fails_only_that_steps_requests(
     victim_steps = 0
     lock = threading.Lock()
 
-    def fault_hook(batch: ScheduledBatch) -> None:
+    def raise_once(batch: ScheduledBatch) -> None:
         nonlocal victim_steps
         ids = [s.request.request_id for s in batch.requests]
         with lock:
@@ -135,7 +136,7 @@ def test_forward_raising_once_fails_only_that_steps_requests(
             failed_step.extend(ids)
         raise RuntimeError("injected forward failure")
 
-    manager.fault_hook = fault_hook
+    manager.executor = FaultyExecutor(manager.executor, before=raise_once)
     started = [threading.Event() for _ in first_wave]
     clients = [
         Client(live_server, cid, stream=cid != "fault-b", started=ev)
@@ -173,7 +174,7 @@ def test_nan_logits_row_fails_that_request_alone(
     ids = ["nan-victim", "nan-other"]
     fired: list[list[str]] = []
 
-    def logits_hook(batch: ScheduledBatch, logits: torch.Tensor) -> torch.Tensor:
+    def nan_row(batch: ScheduledBatch, logits: torch.Tensor) -> torch.Tensor:
         rows = [owner(s.request.request_id, ids) for s in batch.requests if s.needs_sample]
         if fired or "nan-victim" not in rows or "nan-other" not in rows or len(rows) != logits.shape[0]:
             return logits
@@ -182,7 +183,7 @@ def test_nan_logits_row_fails_that_request_alone(
         logits[rows.index("nan-victim")] = float("nan")
         return logits
 
-    manager.logits_hook = logits_hook
+    manager.executor = FaultyExecutor(manager.executor, edit=nan_row)
     victim = Client(live_server, "nan-victim", stream=victim_streams, started=threading.Event())
     other = Client(live_server, "nan-other", stream=True, started=threading.Event())
     victim.start()

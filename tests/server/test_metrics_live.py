@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
+from executor_faults import FaultyExecutor
 from prometheus_client.parser import text_string_to_metric_families
 from server_fixtures import serve_in_thread, wait_until
 
@@ -116,9 +117,10 @@ def check_finished_request(delta: Delta, reason: str, prompt_tokens: int, comple
 
 
 class EnginePause:
-    """A ``fault_hook`` that holds the engine thread before the forward of its step ``after_steps + 1``
-    (the running request keeps its blocks, and the snapshot of the step before shows it running) until
-    released: the gauges are then read while a request runs, however fast or slow the machine is."""
+    """A ``FaultyExecutor`` ``before`` that holds the engine thread before the forward of its step
+    ``after_steps + 1`` (the running request keeps its blocks, and the snapshot of the step before shows
+    it running) until released: the gauges are then read while a request runs, however fast or slow the
+    machine is."""
 
     def __init__(self, after_steps: int) -> None:
         self.after_steps = after_steps
@@ -192,7 +194,8 @@ def test_metrics_move_with_requests(live: Live) -> None:
     # --- a long stream: the gauges show it while it runs; cancelling it counts an abort
     before = scrape(base_url)
     pause = EnginePause(after_steps=3)
-    manager.fault_hook = pause
+    executor = manager.executor
+    manager.executor = FaultyExecutor(executor, before=pause)
     body = {
         "prompt": "Write a long story:",
         "max_tokens": 200,
@@ -219,7 +222,7 @@ def test_metrics_move_with_requests(live: Live) -> None:
     # leaving the block closes the connection: the request is cancelled
     assert wait_until(lambda: (scrape(base_url) - before).get(
         "cbserve:request_success_total", finished_reason="abort", **M) == 1, 30)  # fmt: skip
-    manager.fault_hook = None
+    manager.executor = executor
     delta = scrape(base_url) - before
     assert delta.get("cbserve:request_success_total", finished_reason="length", **M) == 0
     assert delta.get("cbserve:prompt_tokens_total", **M) > 0

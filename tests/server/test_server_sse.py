@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 import server_fixtures
+from executor_faults import faulty_executor
 from server_fixtures import LiveServer
 
 live_server = server_fixtures.live_server  # the session-scoped real server fixture
@@ -101,18 +102,15 @@ def test_failure_after_stream_start_is_an_error_event(live_server: LiveServer) -
         if calls["n"] >= 2:
             raise RuntimeError("injected fault")
 
-    manager.fault_hook = fail_second_step
-    try:
-        body = {
-            "prompt": "Count: one two",
-            "max_tokens": 8,
-            "temperature": 0,
-            "stream": True,
-            "ignore_eos": True,
-        }
+    body = {
+        "prompt": "Count: one two",
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with faulty_executor(manager, before=fail_second_step):
         events = list(sse_events(live_server, "/v1/completions", body))
-    finally:
-        manager.fault_hook = None
     assert events[-1] == "[DONE]"
     error = events[-2]
     assert set(error) == {"error"}

@@ -1,0 +1,239 @@
+"""The engine loop: one background thread owns the model and runs
+
+    batch = scheduler.schedule(); logits = executor.execute(batch); tokens = sample(batch, logits)
+    step = outputs.accept_step(batch, tokens); scheduler.update(batch, step...); outputs.publish(...)
+
+between draining its inbox (new requests, cancellations, evictions) and flushing the step's outputs to
+their sinks in one hand-over. A forward (or sampling) that raises fails only that step's requests; a bug
+in the loop itself fails every request and stops the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from engine.generation.sampler import SampledToken, Sampler, SamplingRow
+from engine.inbox import AddRequest, CancelRequest, EvictRequest, Inbox, InboxMessage
+from engine.output_processor import OutputProcessor
+from engine.sequence_group import Sequence, SequenceGroup
+from engine.stats import EngineStats
+from scheduler.base import Scheduler
+from scheduler.batch import ScheduledBatch
+from scheduler.request import FinishReason
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.5  # nothing to run: sleep until a message arrives, or this long
+STALLED_WAIT_S = 0.01  # requests wait but none can be scheduled (blocks in use): retry this soon
+
+
+class Executor(Protocol):
+    """Runs one batch through the model (engine/executor/runner.py's ``ModelRunner``)."""
+
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Logits ``[num_sampled, vocab]`` (float32): one row per chunk that ``needs_sample``, in batch
+        order."""
+        ...
+
+
+class EngineLoop:
+    """The engine thread's state and its loop. ``run`` until ``stopping`` is set."""
+
+    def __init__(self, scheduler: Scheduler, executor: Executor, sampler: Sampler) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.sampler = sampler
+        self.inbox = Inbox()
+        self.outputs = OutputProcessor()
+        self.stopping = threading.Event()
+        self.dead: BaseException | None = None  # what killed the loop, if anything did
+        self.step_observers: list[Callable[[int], None]] = []
+        self.num_steps = 0
+        self.stats = self._snapshot(running=False)
+
+    # ------------------------------------------------------------------ the thread
+    def run(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                self._drain_inbox()
+                self.outputs.flush()
+                if not self.scheduler.has_unfinished_requests():
+                    self._idle(IDLE_WAIT_S)
+                    continue
+                self.step()
+                self.outputs.flush()
+        except BaseException as exc:  # NOTE: a bug in the loop itself: make it visible, fail everyone.
+            logger.exception("engine loop died")
+            self.dead = exc
+        finally:
+            self.stopping.set()
+            self._fail_everything("the engine stopped" + self.death_reason())
+            self.outputs.flush()
+            self._publish_stats(running=False)
+
+    def step(self) -> None:
+        """One iteration: schedule, execute, sample, update the scheduler, publish."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            self._idle(STALLED_WAIT_S)
+            return
+        try:
+            logits = self.executor.execute(batch)
+            sampled = self._sample(batch, logits)
+        except Exception as exc:  # NOTE: a failed forward fails its step's requests, not the engine.
+            self._fail_step(batch, exc)
+            return
+        step = self.outputs.accept_step(batch, sampled, time.monotonic())
+        for failure in step.failed:
+            self._fail(failure.seq, failure.error, failure.code)
+        self.scheduler.update(batch, step.new_tokens, step.finished)
+        for parent, children in step.forks:
+            self._fork(parent, children, step.now)
+        for seq in step.accepted:
+            self.outputs.publish(seq)
+        self._end_step(batch)
+
+    def death_reason(self) -> str:
+        return f": {self.dead!r}" if self.dead is not None else ""
+
+    # ------------------------------------------------------------------ one step's parts
+    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[list[SampledToken]]:
+        """Per chunk that ``needs_sample``, one SampledToken per sequence sampling from its logits row
+        (several at a group's fan-out)."""
+        rows: list[SamplingRow] = []
+        row_logits: list[int] = []
+        spans: list[tuple[int, int]] = []
+        li = 0
+        for chunk in batch.requests:
+            if not chunk.needs_sample:
+                continue
+            seq: Sequence = chunk.request.payload
+            start = len(rows)
+            for sampling in seq.group.sampling(seq):
+                rows.append(sampling.gen.sampling_row())
+                row_logits.append(li)
+            spans.append((start, len(rows)))
+            li += 1
+        if not rows:
+            return []
+        if row_logits != list(range(logits.shape[0])):  # forks repeat a row; skipped rows drop one
+            logits = logits.index_select(0, torch.tensor(row_logits, device=logits.device))
+        tokens = self.sampler.sample(logits, rows)
+        return [tokens[a:b] for a, b in spans]
+
+    def _fork(self, parent: Sequence, children: list[tuple[Sequence, SampledToken]], now: float) -> None:
+        """Give each sibling its first token and, unless that ended it, its own scheduler request sharing
+        the parent's blocks; then finish a parent that ended on the fan-out's step."""
+        for child, tok in children:
+            reason = self.outputs.accept(child, tok, now)
+            if isinstance(reason, FinishReason):
+                child.finished = True
+                self.outputs.publish(child, finish_reason=reason)
+            elif reason is not None:
+                self._fail(child, reason.error, reason.code)
+            else:
+                request = child.group.new_request(child, output_ids=[tok.token_id])
+                child.request = self.scheduler.fork(parent.scheduler_id, request)
+                self.outputs.publish(child)
+        if parent.pending_reason is not None:
+            self.scheduler.finish_request(parent.scheduler_id, parent.pending_reason)
+
+    def _end_step(self, batch: ScheduledBatch) -> None:
+        self.num_steps += 1
+        for fn in self.step_observers:
+            fn(batch.num_tokens)
+        self._publish_stats()
+
+    def _idle(self, timeout: float) -> None:
+        self._publish_stats()
+        self.inbox.wait(timeout)
+
+    # ------------------------------------------------------------------ the inbox
+    def _drain_inbox(self) -> None:
+        for message in self.inbox.drain():
+            self._handle(message)
+
+    def _handle(self, message: InboxMessage) -> None:
+        if isinstance(message, AddRequest):
+            self._admit(message.group)
+        elif isinstance(message, CancelRequest):
+            self._cancel(message.request_id)
+        elif isinstance(message, EvictRequest):
+            i = 0  # the scheduler knows each sample as "{id}#{index}"
+            while self.scheduler.evict_request_from_cache(f"{message.request_id}#{i}") is not None:
+                i += 1
+
+    def _admit(self, group: SequenceGroup) -> None:
+        seq = group.start()
+        seq.request = group.new_request(seq)
+        self.outputs.add(group)
+        try:
+            self.scheduler.add_request(seq.request)
+        except Exception as exc:
+            self._fail(seq, str(exc))
+
+    def _cancel(self, request_id: str) -> None:
+        group = self.outputs.groups.get(request_id)
+        if group is None:
+            return
+        for seq in list(group.sequences):
+            if seq.finished:
+                continue
+            if seq.request is not None:
+                self.scheduler.finish_request(seq.scheduler_id, FinishReason.ABORT)
+            self.outputs.cancel(seq)
+        for seq in group.never_started():
+            self.outputs.cancel(seq)
+
+    # ------------------------------------------------------------------ failing
+    def _fail(self, seq: Sequence, error: str, error_code: str | None = None) -> None:
+        """Fail one sequence (and the siblings it has not forked yet)."""
+        if seq.finished:
+            return
+        if seq.request is not None and not seq.request.is_finished:
+            self.scheduler.finish_request(seq.scheduler_id, FinishReason.ERROR)
+        self.outputs.fail(seq, error, error_code)
+        for sibling in seq.group.unforked_siblings(seq):
+            self.outputs.fail(sibling, error, error_code)
+
+    def _fail_step(self, batch: ScheduledBatch, exc: Exception) -> None:
+        logger.exception("forward failed; failing the %d requests of this step", len(batch), exc_info=exc)
+        for chunk in batch.requests:
+            self._fail(chunk.request.payload, f"the model's forward failed: {exc!r}")
+        self._publish_stats()
+
+    def _fail_everything(self, error: str) -> None:
+        for message in self.inbox.drain():  # requests not admitted yet fail too
+            if isinstance(message, AddRequest):
+                message.group.start()
+                self.outputs.add(message.group)
+        for group in list(self.outputs.groups.values()):
+            for seq in list(group.sequences):
+                try:
+                    self._fail(seq, error)
+                except Exception:  # NOTE: the scheduler may be broken too; the client must still hear.
+                    self.outputs.fail(seq, error)
+
+    # ------------------------------------------------------------------ stats
+    def _snapshot(self, running: bool) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_requests_running=s.num_running,
+            num_requests_waiting=s.num_waiting,
+            kv_cache_usage=s.kv_cache_usage(),
+            num_blocks=s.num_blocks,
+            block_size=s.block_size,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions,
+            is_running=running,
+        )
+
+    def _publish_stats(self, running: bool = True) -> None:
+        self.stats = self._snapshot(running=running and not self.stopping.is_set())

@@ -1,0 +1,138 @@
+"""One request's sequences: a ``SequenceGroup`` owns the ``Sequence``s that share its prompt.
+
+Today a group holds ``n`` samples (``num_return_sequences``): sequence 0 alone prefills the prompt, and its
+first sampling step fans out to ``n`` rows of the same logits; sequences 1..n-1 are then forked from it in
+the scheduler (sharing its KV blocks). Beams and speculative drafts are meant to become new behaviours of
+this class (which sequences sample, which are pruned, when the group is done), not branches in the loop.
+
+Lifecycle of a sequence: created (sequence 0 on admission, the others at the fan-out or when the group is
+cancelled or fails before it), running while it holds a scheduler ``Request``, ``finished`` once its final
+output is published. The group is done when all ``n`` final outputs are.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from engine.generation.config import GenerationConfig
+from engine.generation.detokenizer import TokenDecoder
+from engine.generation.request_state import RequestGenerationState
+from engine.generation.rows import SampledToken
+from engine.request_handle import Sink
+from scheduler.request import FinishReason, Request
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """One submitted request: ``n`` samples of one prompt, and where their outputs go."""
+
+    request_id: str
+    prompt_ids: list[int]
+    config: GenerationConfig
+    max_new_tokens: int
+    sink: Sink
+    streaming: bool  # every step's output is published, not only the final one
+    record_timestamps: bool
+    tokenizer: TokenDecoder
+    eos_token_ids: Seq[int]
+    arrival_time: float = field(default_factory=time.monotonic)
+    sequences: list[Sequence] = field(default_factory=list)
+    num_finished: int = 0  # final outputs published
+    forked: bool = False  # the fan-out has happened (or can no longer happen)
+
+    @property
+    def n(self) -> int:
+        return self.config.num_return_sequences
+
+    def start(self) -> Sequence:
+        """Create sequence 0, the one that prefills the prompt (on admission)."""
+        seq = Sequence(self, 0, self._generation_state(0))
+        self.sequences.insert(0, seq)
+        return seq
+
+    def sampling(self, seq: Sequence) -> list[Sequence]:
+        """The sequences that sample from ``seq``'s logits row this step: ``seq``, and at its first sample
+        its ``n - 1`` siblings too (the fan-out)."""
+        if self.n > 1 and not self.forked and seq.index == 0:
+            return [seq, *self.siblings()]
+        return [seq]
+
+    def fan_out(self, tokens: list[SampledToken]) -> list[tuple[Sequence, SampledToken]]:
+        """Pair sequence 0's siblings with the tokens they sampled at its first step (``tokens[1:]`` of
+        its fan-out); they are forked from it once the scheduler has taken its token."""
+        self.forked = True
+        return list(zip(self.siblings(), tokens[1:], strict=True))
+
+    def siblings(self) -> list[Sequence]:
+        """Sequences 1..n-1, created on first use."""
+        children = self.sequences[1:]
+        if not children:
+            children = [Sequence(self, i, self._generation_state(i)) for i in range(1, self.n)]
+            self.sequences.extend(children)
+        return children
+
+    def unforked_siblings(self, failed: Sequence) -> list[Sequence]:
+        """The siblings that fail with ``failed``: those of a sequence 0 that fails before its fan-out
+        (they never got a token of their own)."""
+        if failed.index != 0 or self.forked or self.n == 1:
+            return []
+        self.forked = True
+        return [s for s in self.siblings() if not s.finished]
+
+    def never_started(self) -> list[Sequence]:
+        """Samples never forked (the group ended before the fan-out): each still owes a final output."""
+        missing = [
+            Sequence(self, i, self._generation_state(i), finished=True)
+            for i in range(len(self.sequences), self.n)
+        ]
+        self.sequences.extend(missing)
+        return missing
+
+    def on_final_output(self) -> bool:
+        """Count one sequence's final output; True once the whole group is done."""
+        self.num_finished += 1
+        return self.num_finished >= self.n
+
+    def new_request(self, seq: Sequence, output_ids: list[int] | None = None) -> Request:
+        """The scheduler's view of ``seq`` (``output_ids``: the tokens a fork starts with)."""
+        return Request(
+            request_id=seq.scheduler_id,
+            prompt_ids=self.prompt_ids,
+            max_new_tokens=self.max_new_tokens,
+            arrival_time=self.arrival_time,
+            output_ids=output_ids if output_ids is not None else [],
+            payload=seq,
+        )
+
+    def _generation_state(self, index: int) -> RequestGenerationState:
+        return RequestGenerationState(
+            self.config,
+            self.prompt_ids,
+            self.tokenizer,
+            self.eos_token_ids,
+            sample_index=index,
+            max_new_tokens=self.max_new_tokens,
+            start_time=self.arrival_time,
+        )
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample of a group: the engine's payload on a scheduler ``Request``."""
+
+    group: SequenceGroup
+    index: int
+    gen: RequestGenerationState
+    request: Request | None = None
+    timestamps: list[float] = field(default_factory=list)
+    pending_text: str = ""  # text not yet published
+    pending_reason: FinishReason | None = None  # a forking parent's finish, applied after its forks
+    sent_ids: int = 0  # generated ids already published
+    sent_logprobs: int = 0
+    finished: bool = False
+
+    @property
+    def scheduler_id(self) -> str:
+        return f"{self.group.request_id}#{self.index}"
