@@ -2,17 +2,17 @@
 fit the model's context window and the KV cache.
 
 The fit is checked here once, for the server (``server/generation_params.py``) and the manager, before
-the request reaches the engine thread; the scheduler keeps its own defensive check for direct users.
+the request reaches the engine thread; the cache part is ``scheduler.capacity``'s, which the scheduler
+itself also applies for direct users.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 
 from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.generation.config import DEFAULT_MAX_NEW_TOKENS
-from scheduler.errors import RequestTooLargeError
+from scheduler.capacity import check_fits_cache
 
 
 def check_context_length(prompt_len: int, max_new_tokens: int, max_model_len: int) -> None:
@@ -45,17 +45,7 @@ class RequestLimits:
         ``RequestTooLargeError`` when it needs more KV blocks than the whole cache holds (it would wait
         forever)."""
         check_context_length(prompt_len, max_new_tokens, self.max_model_len)
-        total = prompt_len + max_new_tokens
-        needed = math.ceil(total / self.block_size)
-        if needed > self.num_blocks:
-            raise RequestTooLargeError(
-                request_id,
-                total,
-                needed,
-                self.num_blocks,
-                f"{prompt_len} prompt tokens + {max_new_tokens} new tokens need {needed} KV blocks but the "
-                f"cache holds only {self.num_blocks}",
-            )
+        check_fits_cache(request_id, prompt_len, max_new_tokens, self.block_size, self.num_blocks)
 
 
 def check_prompt(prompt_ids: list[int], vocab_size: int) -> None:

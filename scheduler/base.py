@@ -35,6 +35,7 @@ from kvcache.errors import IntegrityError
 from kvcache.manager import KVCacheManager
 from kvcache.sizing import blocks_for_tokens
 from scheduler.batch import ScheduledBatch, ScheduledRequest
+from scheduler.capacity import check_fits_cache
 from scheduler.config import SchedulerConfig
 from scheduler.errors import RequestTooLargeError
 from scheduler.request import FinishReason, Request, RequestStatus
@@ -129,23 +130,14 @@ class Scheduler(ABC):
     def check_fits(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int) -> None:
         """Raise ``RequestTooLargeError`` when a request of this size could never run: its prompt plus
         ``max_new_tokens`` needs more KV blocks than the whole cache holds, or exceeds ``max_model_len``."""
+        check_fits_cache(request_id, num_prompt_tokens, max_new_tokens, self.block_size, self.num_blocks)
         total = num_prompt_tokens + max_new_tokens
-        needed = blocks_for_tokens(total, self.block_size)
-        if needed > self.num_blocks:
-            raise RequestTooLargeError(
-                request_id,
-                total,
-                needed,
-                self.num_blocks,
-                f"{num_prompt_tokens} prompt tokens + {max_new_tokens} new tokens need {needed} KV blocks of "
-                f"{self.block_size} tokens, but the cache holds only {self.num_blocks} blocks",
-            )
         limit = self.config.max_model_len
         if limit is not None and total > limit:
             raise RequestTooLargeError(
                 request_id,
                 total,
-                needed,
+                blocks_for_tokens(total, self.block_size),
                 self.num_blocks,
                 f"{num_prompt_tokens} prompt tokens + {max_new_tokens} new tokens exceed max_model_len={limit}",
             )

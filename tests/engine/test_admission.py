@@ -24,7 +24,9 @@ def test_context_window_boundary() -> None:
 
 def test_cache_boundary_in_blocks() -> None:
     LIMITS.check_fits(60, 4, "r")  # 64 tokens: exactly 4 blocks
-    with pytest.raises(RequestTooLargeError, match="need 5 KV blocks but the cache holds only 4") as info:
+    with pytest.raises(
+        RequestTooLargeError, match="need 5 KV blocks of 16 tokens, but the cache holds only 4 blocks"
+    ) as info:
         LIMITS.check_fits(60, 5, "r")
     assert (info.value.request_id, info.value.num_tokens, info.value.num_blocks_needed) == ("r", 65, 5)
 
