@@ -24,6 +24,8 @@ from server.app import build_app
 from server.config import ServerConfig
 from server.lifecycle import ServerState
 
+pytestmark = pytest.mark.slow  # the real model behind its own server
+
 MODEL = "metrics-live"
 M = {"model_name": MODEL}
 Key = tuple[str, frozenset[tuple[str, str]]]
