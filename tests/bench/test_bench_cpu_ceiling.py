@@ -3,7 +3,6 @@ the CLI on a saved run."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from pathlib import Path
@@ -15,10 +14,6 @@ from bench.cpu_ceiling import fma_peak_gflops, main, request_work, run_work
 from engine.cpu.native_build import KernelUnavailable
 from engine.loader.dummy import get_preset
 from engine.model_config import ModelConfig
-
-# a model small enough to count by hand: 3 layers, 2 query heads over 1 KV head of 4
-TINY = dataclasses.replace(get_preset("smollm2-135m"), vocab_size=10, hidden_size=8, intermediate_size=16,
-                           num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=4)  # fmt: skip
 
 
 def token_by_token(cfg: ModelConfig, prompt_len: int, output_len: int) -> tuple[int, int]:
@@ -43,16 +38,19 @@ def token_by_token(cfg: ModelConfig, prompt_len: int, output_len: int) -> tuple[
 
 
 @pytest.mark.parametrize("prompt_len,output_len", [(1, 1), (3, 2), (5, 1), (2, 7), (17, 9)])
-def test_work_matches_a_token_by_token_count(prompt_len: int, output_len: int) -> None:
-    work = request_work(TINY, prompt_len, output_len)
-    assert (work.linear, work.attention) == token_by_token(TINY, prompt_len, output_len)
+def test_work_matches_a_token_by_token_count(
+    tiny_model_config: ModelConfig, prompt_len: int, output_len: int
+) -> None:
+    work = request_work(tiny_model_config, prompt_len, output_len)
+    assert (work.linear, work.attention) == token_by_token(tiny_model_config, prompt_len, output_len)
 
 
-def test_a_failed_request_counts_nothing_and_runs_add_up() -> None:
-    assert request_work(TINY, 12, 0).total == 0
-    run = run_work(TINY, [3, 5, 12], [2, 1, 0])
-    assert run.linear == request_work(TINY, 3, 2).linear + request_work(TINY, 5, 1).linear
-    assert run.attention == request_work(TINY, 3, 2).attention + request_work(TINY, 5, 1).attention
+def test_a_failed_request_counts_nothing_and_runs_add_up(tiny_model_config: ModelConfig) -> None:
+    tiny = tiny_model_config
+    assert request_work(tiny, 12, 0).total == 0
+    run = run_work(tiny, [3, 5, 12], [2, 1, 0])
+    assert run.linear == request_work(tiny, 3, 2).linear + request_work(tiny, 5, 1).linear
+    assert run.attention == request_work(tiny, 3, 2).attention + request_work(tiny, 5, 1).attention
 
 
 def test_the_default_models_per_token_cost() -> None:
@@ -94,7 +92,12 @@ def test_cli_prints_each_saved_runs_ceiling(tmp_path: Path, capsys: pytest.Captu
     peak = float(re.search(r"FMA peak: ([\d.]+) GFLOPS", out).group(1))  # type: ignore[union-attr]
     ceiling = float(re.search(r"ceiling ([\d.]+) tok/s", out).group(1))  # type: ignore[union-attr]
     work = run_work(get_preset("smollm2-135m"), doc["input_lens"], doc["output_lens"])  # type: ignore[arg-type]
-    assert ceiling == pytest.approx(192 / (work.total / (peak * 1e9)), rel=2e-3)
+
+    # NOTE: both numbers are printed to 0.1, which on a busy machine (a low peak) is more than a 0.2% error.
+    def ceiling_at(gflops: float) -> float:
+        return 192 / (work.total / (gflops * 1e9))
+
+    assert ceiling_at(peak - 0.05) - 0.05 <= ceiling <= ceiling_at(peak + 0.05) + 0.05, (peak, ceiling)
     assert "cbserve c=16: 192 output tokens" in out
     assert "served 10.0 tok/s" in out
     assert "4x that = 40.0 tok/s" in out
