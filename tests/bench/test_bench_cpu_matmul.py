@@ -14,6 +14,7 @@ def test_layer_shapes_are_the_fused_projections() -> None:
     assert layer_shapes(576, 1536, 9, 3) == [(576, 960), (576, 576), (576, 3072), (1536, 576)]
 
 
+@pytest.mark.slow  # every system timed
 def test_prints_one_line_per_row_count(capsys: pytest.CaptureFixture[str]) -> None:
     if not prepacked.can_prepack(torch.device("cpu"), torch.float32):
         pytest.skip("no oneDNN prepacking in this torch build")

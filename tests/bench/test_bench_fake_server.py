@@ -351,6 +351,7 @@ def test_unreachable_server_and_bad_options(tmp_path: Path, capsys: pytest.Captu
     assert "--dataset-path" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # two timed runs and a matplotlib figure
 def test_compare_and_plot_two_runs(make_server: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     fast, slow = make_server(itl=0.01), make_server(itl=0.15)
     assert _run(fast, tmp_path, "--label", "fast", name="a")[0] == 0

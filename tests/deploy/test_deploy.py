@@ -1,6 +1,6 @@
 """Deployment files: Dockerfile, docker-compose.yml, Prometheus and adapter config, Grafana dashboard,
 Kubernetes kustomize overlays. Structural checks always run; tool checks (hadolint, docker compose,
-kubectl kustomize, kubernetes-validate, promtool) skip naming the missing tool.
+kubectl kustomize, kubernetes-validate, promtool) skip naming the missing tool, and are marked ``slow``.
 deploy/ci-tools.sh installs what it can in CI."""
 
 from __future__ import annotations
@@ -131,6 +131,7 @@ def test_dockerfile_copies_exist_and_dockerignore_keeps_them() -> None:
             assert not any(fnmatch.fnmatch(source, pattern) for pattern in ignored), f"{source} is dockerignored"
 
 
+@pytest.mark.slow
 def test_dockerfile_passes_hadolint() -> None:
     hadolint = tool("hadolint")
     if hadolint is None:
@@ -146,6 +147,7 @@ def compose() -> dict[str, Any]:
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 
 
+@pytest.mark.slow
 def test_compose_file_validates() -> None:
     docker = tool("docker")
     if docker and run(docker, "compose", "version").returncode == 0:
@@ -206,6 +208,7 @@ def test_prometheus_config_scrapes_cbserve() -> None:
     assert jobs["cbserve"]["metrics_path"] == "/metrics"
 
 
+@pytest.mark.slow
 def test_prometheus_config_passes_promtool() -> None:
     promtool = tool("promtool")
     if promtool is None:
@@ -318,6 +321,7 @@ def render(overlay: str) -> dict[str, dict[str, Any]]:
     return by_kind
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_kustomize_overlay_renders_a_draining_probed_autoscaled_deployment(overlay: str) -> None:
     objs = render(overlay)
@@ -374,6 +378,7 @@ def test_kustomize_overlay_renders_a_draining_probed_autoscaled_deployment(overl
         assert config["CBSERVE_DEVICE"] == "cpu"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_kustomize_overlay_validates_against_kubernetes_schemas(overlay: str) -> None:
     kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed")
