@@ -22,7 +22,19 @@ def test_prints_one_line_per_row_count(capsys: pytest.CaptureFixture[str]) -> No
         small_gemm.load()
     except KernelUnavailable as e:
         pytest.skip(f"the small-batch kernel cannot be built here: {e}")
-    argv = ["--rows", "3", "40", "--hidden", "64", "--intermediate", "96", "--q-heads", "4", "--kv-heads", "2"]
+    argv = [
+        "--rows",
+        "3",
+        "40",
+        "--hidden",
+        "64",
+        "--intermediate",
+        "96",
+        "--q-heads",
+        "4",
+        "--kv-heads",
+        "2",
+    ]
     assert main([*argv, "--rounds", "1"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("rows")]
     assert [line.split(":")[0].split()[-1] for line in lines] == ["3", "40"]
