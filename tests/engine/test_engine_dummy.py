@@ -13,6 +13,8 @@ from engine.errors import InvalidRequestError
 from engine.loader.model_loader import load_tokenizer
 from engine.model_config import ModelConfig
 
+pytestmark = pytest.mark.slow  # the default model's tokenizer, read from its GGUF
+
 TOKENIZER_IDS = 49152  # the default model's tokenizer
 
 
