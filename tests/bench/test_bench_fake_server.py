@@ -535,6 +535,7 @@ def test_random_prompts_have_exact_lengths_and_no_special_tokens() -> None:
         sample_random_requests(tok, 1, 8, 8, range_ratio=1.0)
 
 
+@pytest.mark.slow  # the default model's tokenizer, read from its GGUF
 def test_random_prompts_are_exact_under_the_served_model_tokenizer() -> None:
     # The real byte-level BPE (SmolLM2's, from the GGUF): merges across token boundaries are common.
     from engine.loader.model_loader import load_tokenizer
