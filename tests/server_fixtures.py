@@ -1,13 +1,11 @@
 """A real server for the HTTP tests: uvicorn on 127.0.0.1 (a free port) in a background thread, serving
-the real default model (SmolLM2-135M-Instruct GGUF) on CPU, with an API key. Session-scoped: the model
-loads once for every server test in the run.
+the real default model (SmolLM2-135M-Instruct GGUF) on CPU, with an API key.
 
-Use it with ``live_server = server_fixtures.live_server`` in a test module and a ``live_server`` argument.
-Each module that binds it gets its own fixture definition, so the server itself is a process-wide
-singleton: the first use starts it, the rest share it, and it stops at the end of the session.
-Being in-process, tests can read ``live_server.state.manager.stats()`` (blocks freed, requests running).
-The SIGTERM drain is tested in a subprocess (tests/server/test_server_lifecycle.py): signals reach only the main
-thread, so this server runs plain ``uvicorn.Server``.
+``start_live_server`` builds it; the ``live_server`` fixture (tests/conftest.py) starts it once per session
+for every server and reliability test. Being in-process, tests can read ``live_server.state.manager.stats()``
+(blocks freed, requests running). The SIGTERM drain is tested in a subprocess
+(tests/server/test_server_lifecycle.py): signals reach only the main thread, so this server runs plain
+``uvicorn.Server``. ``serve_in_thread`` serves any other app the same way (a test's own engine or config).
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import pytest
 import uvicorn
 
 from server.app import build_app
@@ -36,16 +33,16 @@ MAX_BODY_BYTES = 256 * 1024
 STARTUP_TIMEOUT_S = 180.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class LiveServer:
     base_url: str  # http://127.0.0.1:PORT
-    api_key: str
+    api_key: str | None
     model: str
     state: ServerState
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"}
+        return {} if self.api_key is None else {"Authorization": f"Bearer {self.api_key}"}
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """True once the engine runs nothing and holds no KV blocks (bounded wait)."""
@@ -94,27 +91,32 @@ def serve_in_thread(app: Any, name: str) -> Iterator[str]:
         thread.join(timeout=30)
 
 
-_shared: LiveServer | None = None
+LIVE_CONFIG = ServerConfig(
+    served_model_name=SERVED_NAME, api_key=API_KEY, max_body_bytes=MAX_BODY_BYTES, shutdown_timeout=5.0
+)
 
 
-@pytest.fixture(scope="session")
-def live_server() -> Iterator[LiveServer]:
-    global _shared
-    if _shared is not None:
-        yield _shared
-        return
+@contextmanager
+def start_live_server(
+    config: ServerConfig = LIVE_CONFIG,
+    *,
+    num_blocks: int = NUM_BLOCKS,
+    max_model_len: int = MAX_MODEL_LEN,
+    max_num_seqs: int = 16,
+) -> Iterator[LiveServer]:
+    """The default model on CPU behind the real app with ``config``, served until the block exits.
+
+    The ``live_server`` fixture is the one with the defaults; a test that needs other limits (a tiny queue,
+    fresh metrics) starts its own with this."""
     from engine.engine import Engine
 
     engine = Engine.from_pretrained(
-        model="default", device="cpu", num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN, max_num_seqs=16
-    )
-    config = ServerConfig(
-        served_model_name=SERVED_NAME, api_key=API_KEY, max_body_bytes=MAX_BODY_BYTES, shutdown_timeout=5.0
+        model="default",
+        device="cpu",
+        num_blocks=num_blocks,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
     )
     app = build_app(engine, config)
-    with serve_in_thread(app, "test-uvicorn") as base_url:
-        _shared = LiveServer(base_url, API_KEY, SERVED_NAME, app.state.server)
-        try:
-            yield _shared
-        finally:
-            _shared = None
+    with serve_in_thread(app, f"{config.served_model_name}-uvicorn") as base_url:
+        yield LiveServer(base_url, config.api_key, config.served_model_name, app.state.server)

@@ -14,6 +14,7 @@ def test_layer_shapes_are_the_fused_projections() -> None:
     assert layer_shapes(576, 1536, 9, 3) == [(576, 960), (576, 576), (576, 3072), (1536, 576)]
 
 
+@pytest.mark.slow  # every system timed
 def test_prints_one_line_per_row_count(capsys: pytest.CaptureFixture[str]) -> None:
     if not prepacked.can_prepack(torch.device("cpu"), torch.float32):
         pytest.skip("no oneDNN prepacking in this torch build")
@@ -21,7 +22,19 @@ def test_prints_one_line_per_row_count(capsys: pytest.CaptureFixture[str]) -> No
         small_gemm.load()
     except KernelUnavailable as e:
         pytest.skip(f"the small-batch kernel cannot be built here: {e}")
-    argv = ["--rows", "3", "40", "--hidden", "64", "--intermediate", "96", "--q-heads", "4", "--kv-heads", "2"]
+    argv = [
+        "--rows",
+        "3",
+        "40",
+        "--hidden",
+        "64",
+        "--intermediate",
+        "96",
+        "--q-heads",
+        "4",
+        "--kv-heads",
+        "2",
+    ]
     assert main([*argv, "--rounds", "1"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("rows")]
     assert [line.split(":")[0].split()[-1] for line in lines] == ["3", "40"]

@@ -6,6 +6,8 @@ import pytest
 
 from bench import decode_stack_ab
 
+pytestmark = pytest.mark.slow  # both sides timed on the default model
+
 
 def test_prints_both_sides(capsys: pytest.CaptureFixture[str]) -> None:
     rc = decode_stack_ab.main(["--runs", "2", "--prompts", "3", "--prompt-len", "20", "--new-tokens", "3"])

@@ -131,7 +131,9 @@ class FakeOpenAIServer:
             headers = {k.strip().lower(): v.strip() for k, v in (h.split(":", 1) for h in header_lines)}
             body = await reader.readexactly(int(headers.get("content-length", "0")))
             if method == "GET" and path == "/v1/models":
-                self._respond(writer, 200, {"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+                self._respond(
+                    writer, 200, {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+                )
             elif method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
                 await self._stream(writer, json.loads(body), headers, chat=path.endswith("chat/completions"))
             else:
@@ -150,8 +152,9 @@ class FakeOpenAIServer:
             + data
         )
 
-    async def _stream(self, writer: asyncio.StreamWriter, body: dict[str, Any], headers: dict[str, str],
-                      chat: bool) -> None:
+    async def _stream(
+        self, writer: asyncio.StreamWriter, body: dict[str, Any], headers: dict[str, str], chat: bool
+    ) -> None:
         self.num_requests += 1
         number = self.num_requests
         self.bodies.append(body)
@@ -174,7 +177,9 @@ class FakeOpenAIServer:
                 if number in b.stream_error_on and i == 2:
                     await self._event(writer, {"error": {"message": "injected stream error", "code": 500}})
                     return
-                delta: dict[str, Any] = {"delta": {"content": b.chunk_text}} if chat else {"text": b.chunk_text}
+                delta: dict[str, Any] = (
+                    {"delta": {"content": b.chunk_text}} if chat else {"text": b.chunk_text}
+                )
                 await self._event(writer, {"choices": [{"index": 0, **delta, "finish_reason": None}]})
             last: dict[str, Any] = {"delta": {}} if chat else {"text": ""}
             await self._event(writer, {"choices": [{"index": 0, **last, "finish_reason": "length"}]})
@@ -205,12 +210,29 @@ def make_server() -> Iterator[Any]:
         server.__exit__(None, None, None)
 
 
-def _run(server: FakeOpenAIServer, tmp_path: Path, *extra: str, name: str = "run") -> tuple[int, dict[str, Any]]:
+def _run(
+    server: FakeOpenAIServer, tmp_path: Path, *extra: str, name: str = "run"
+) -> tuple[int, dict[str, Any]]:
     result_path = tmp_path / f"{name}.json"
     argv = [
-        "--base-url", server.url, "--dataset", "random", "--num-prompts", "8", "--random-input-len", "12",
-        "--random-output-len", "5", "--max-concurrency", "4", "--disable-tqdm", "--timeout", "30",
-        "--save-result", str(result_path), *extra,
+        "--base-url",
+        server.url,
+        "--dataset",
+        "random",
+        "--num-prompts",
+        "8",
+        "--random-input-len",
+        "12",
+        "--random-output-len",
+        "5",
+        "--max-concurrency",
+        "4",
+        "--disable-tqdm",
+        "--timeout",
+        "30",
+        "--save-result",
+        str(result_path),
+        *extra,
     ]
     rc = main(argv, tokenizer_loader=_tokenizer_loader)
     result = json.loads(result_path.read_text()) if result_path.exists() else {}
@@ -220,7 +242,9 @@ def _run(server: FakeOpenAIServer, tmp_path: Path, *extra: str, name: str = "run
 # ----------------------------------------------------------------------------------------------- end to end
 
 
-def test_known_timings_are_measured(make_server: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_known_timings_are_measured(
+    make_server: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     server = make_server(ttft=0.05, itl=0.01)
     rc, r = _run(server, tmp_path, "--ignore-eos", "--plot", str(tmp_path / "run.png"))
     assert rc == 0
@@ -259,12 +283,39 @@ def test_known_timings_are_measured(make_server: Any, tmp_path: Path, capsys: py
     assert warm["max_tokens"] == 8 and warm["prompt"] not in measured
     assert not any(p.startswith(warm["prompt"][:8]) for p in measured)
     # Saved with vLLM's key names.
-    for key in ("date", "backend", "model_id", "num_prompts", "request_rate", "burstiness", "max_concurrency",
-                "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
-                "request_throughput", "output_throughput", "total_token_throughput", "max_output_tokens_per_s",
-                "max_concurrent_requests", "mean_ttft_ms", "median_ttft_ms", "std_ttft_ms", "p99_ttft_ms",
-                "p50_tpot_ms", "p90_itl_ms", "mean_e2el_ms", "input_lens", "output_lens", "ttfts", "itls",
-                "latencies", "generated_texts", "errors"):
+    for key in (
+        "date",
+        "backend",
+        "model_id",
+        "num_prompts",
+        "request_rate",
+        "burstiness",
+        "max_concurrency",
+        "duration",
+        "completed",
+        "failed",
+        "total_input_tokens",
+        "total_output_tokens",
+        "request_throughput",
+        "output_throughput",
+        "total_token_throughput",
+        "max_output_tokens_per_s",
+        "max_concurrent_requests",
+        "mean_ttft_ms",
+        "median_ttft_ms",
+        "std_ttft_ms",
+        "p99_ttft_ms",
+        "p50_tpot_ms",
+        "p90_itl_ms",
+        "mean_e2el_ms",
+        "input_lens",
+        "output_lens",
+        "ttfts",
+        "itls",
+        "latencies",
+        "generated_texts",
+        "errors",
+    ):
         assert key in r, key
     assert r["request_rate"] == "inf" and r["max_concurrency"] == 4 and r["backend"] == "openai"
     assert r["generated_texts"][0] == "qqqqq"
@@ -276,10 +327,13 @@ def test_known_timings_are_measured(make_server: Any, tmp_path: Path, capsys: py
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
-def test_chat_endpoint_skips_role_chunk_and_counts_text_without_usage(make_server: Any, tmp_path: Path) -> None:
+def test_chat_endpoint_skips_role_chunk_and_counts_text_without_usage(
+    make_server: Any, tmp_path: Path
+) -> None:
     server = make_server(ttft=0.05, itl=0.01, chunk_text="qq", send_usage=False)
-    rc, r = _run(server, tmp_path, "--endpoint", "/v1/chat/completions", "--model", "my-model",
-                 "--api-key", "sk-test")
+    rc, r = _run(
+        server, tmp_path, "--endpoint", "/v1/chat/completions", "--model", "my-model", "--api-key", "sk-test"
+    )
     assert rc == 0 and r["completed"] == 8 and r["backend"] == "openai-chat"
     # The role-only delta arrives at once; TTFT waits for the first content.
     assert min(r["ttfts"]) >= 0.045
@@ -324,8 +378,18 @@ def test_timeout_cancels_unfinished_requests(make_server: Any, tmp_path: Path) -
 def test_timeout_before_requests_are_sent(make_server: Any, tmp_path: Path) -> None:
     # One at a time, 3 s each: the first is cancelled, the rest never leave the client.
     server = make_server(ttft=3.0)
-    rc, r = _run(server, tmp_path, "--num-prompts", "3", "--num-warmups", "0", "--max-concurrency", "1",
-                 "--timeout", "0.5")
+    rc, r = _run(
+        server,
+        tmp_path,
+        "--num-prompts",
+        "3",
+        "--num-warmups",
+        "0",
+        "--max-concurrency",
+        "1",
+        "--timeout",
+        "0.5",
+    )
     assert rc == 1  # nothing succeeded
     assert r["failed"] == 3 and r["completed"] == 0
     assert sum(e.startswith("cancelled") for e in r["errors"]) == 1
@@ -339,8 +403,19 @@ def test_unreachable_server_and_bad_options(tmp_path: Path, capsys: pytest.Captu
     with socket.socket() as s:  # a free port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    base = ["--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "2", "--random-input-len", "4",
-            "--random-output-len", "2", "--disable-tqdm", "--timeout", "10"]
+    base = [
+        "--base-url",
+        f"http://127.0.0.1:{port}",
+        "--num-prompts",
+        "2",
+        "--random-input-len",
+        "4",
+        "--random-output-len",
+        "2",
+        "--disable-tqdm",
+        "--timeout",
+        "10",
+    ]
     assert main(base, tokenizer_loader=_tokenizer_loader) == 1
     assert "cannot read a model id" in capsys.readouterr().err
     assert main([*base, "--model", "m"], tokenizer_loader=_tokenizer_loader) == 1
@@ -351,7 +426,10 @@ def test_unreachable_server_and_bad_options(tmp_path: Path, capsys: pytest.Captu
     assert "--dataset-path" in capsys.readouterr().err
 
 
-def test_compare_and_plot_two_runs(make_server: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.slow  # two timed runs and a matplotlib figure
+def test_compare_and_plot_two_runs(
+    make_server: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     fast, slow = make_server(itl=0.01), make_server(itl=0.15)
     assert _run(fast, tmp_path, "--label", "fast", name="a")[0] == 0
     assert _run(slow, tmp_path, "--label", "slow", name="b")[0] == 0
@@ -396,7 +474,7 @@ def test_arrival_offsets() -> None:
 
 
 def test_sse_parsing_and_payloads() -> None:
-    assert sse_data("data: {\"a\": 1}") == '{"a": 1}'
+    assert sse_data('data: {"a": 1}') == '{"a": 1}'
     assert sse_data("data:[DONE]") == "[DONE]"
     assert sse_data(": keep-alive") is None and sse_data("event: x") is None and sse_data("") is None
     assert chunk_content({"text": "hi"}, is_chat=False) == "hi"
@@ -406,10 +484,24 @@ def test_sse_parsing_and_payloads() -> None:
     assert chunk_content({"delta": {"reasoning_content": "hm"}}, is_chat=True) == "hm"
     config = BenchConfig(extra_body={"top_k": 1}, ignore_eos=True)
     payload = build_payload(config, "m", SampleRequest("p", 1, 7))
-    assert payload == {"model": "m", "prompt": "p", "max_tokens": 7, "temperature": 0.0, "stream": True,
-                       "stream_options": {"include_usage": True}, "ignore_eos": True, "top_k": 1}
-    for bad in ({"endpoint": "/v1/embeddings"}, {"num_prompts": 0}, {"max_concurrency": 0},
-                {"burstiness": 0.0}, {"timeout": float("inf")}, {"base_url": "localhost:8000"}):
+    assert payload == {
+        "model": "m",
+        "prompt": "p",
+        "max_tokens": 7,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "top_k": 1,
+    }
+    for bad in (
+        {"endpoint": "/v1/embeddings"},
+        {"num_prompts": 0},
+        {"max_concurrency": 0},
+        {"burstiness": 0.0},
+        {"timeout": float("inf")},
+        {"base_url": "localhost:8000"},
+    ):
         with pytest.raises(ValueError):
             BenchConfig(**bad)
 
@@ -423,7 +515,9 @@ def test_special_ids_are_found_without_being_declared() -> None:
 
 def test_random_prompts_have_exact_lengths_and_no_special_tokens() -> None:
     tok = MergingTokenizer()
-    requests = sample_random_requests(tok, num_prompts=30, input_len=40, output_len=10, range_ratio=0.5, seed=3)
+    requests = sample_random_requests(
+        tok, num_prompts=30, input_len=40, output_len=10, range_ratio=0.5, seed=3
+    )
     assert len(requests) == 30
     for r in requests:
         ids = tok.encode(r.prompt)
@@ -441,6 +535,7 @@ def test_random_prompts_have_exact_lengths_and_no_special_tokens() -> None:
         sample_random_requests(tok, 1, 8, 8, range_ratio=1.0)
 
 
+@pytest.mark.slow  # the default model's tokenizer, read from its GGUF
 def test_random_prompts_are_exact_under_the_served_model_tokenizer() -> None:
     # The real byte-level BPE (SmolLM2's, from the GGUF): merges across token boundaries are common.
     from engine.loader.model_loader import load_tokenizer
@@ -475,17 +570,42 @@ def test_sharegpt_filters_and_measures_reply_length(tmp_path: Path) -> None:
     tok = MergingTokenizer()
     long_prompt = "a" * 1100  # 1100 tokens > 1024
     data = [
-        {"id": "ok1", "conversations": [{"from": "human", "value": "the cat sat"},
-                                        {"from": "gpt", "value": "and then it ran away"}]},
-        {"id": "ok2", "conversations": [{"from": "system", "value": "be kind"},
-                                        {"from": "human", "value": "hello there friend"},
-                                        {"from": "gpt", "value": "hi hi hi hi"}]},
-        {"id": "short_prompt", "conversations": [{"from": "human", "value": "ab"},
-                                                 {"from": "gpt", "value": "long enough reply"}]},
-        {"id": "short_reply", "conversations": [{"from": "human", "value": "long enough prompt"},
-                                                {"from": "gpt", "value": "no"}]},
-        {"id": "too_long", "conversations": [{"from": "human", "value": long_prompt},
-                                             {"from": "gpt", "value": "fine reply here"}]},
+        {
+            "id": "ok1",
+            "conversations": [
+                {"from": "human", "value": "the cat sat"},
+                {"from": "gpt", "value": "and then it ran away"},
+            ],
+        },
+        {
+            "id": "ok2",
+            "conversations": [
+                {"from": "system", "value": "be kind"},
+                {"from": "human", "value": "hello there friend"},
+                {"from": "gpt", "value": "hi hi hi hi"},
+            ],
+        },
+        {
+            "id": "short_prompt",
+            "conversations": [
+                {"from": "human", "value": "ab"},
+                {"from": "gpt", "value": "long enough reply"},
+            ],
+        },
+        {
+            "id": "short_reply",
+            "conversations": [
+                {"from": "human", "value": "long enough prompt"},
+                {"from": "gpt", "value": "no"},
+            ],
+        },
+        {
+            "id": "too_long",
+            "conversations": [
+                {"from": "human", "value": long_prompt},
+                {"from": "gpt", "value": "fine reply here"},
+            ],
+        },
         {"id": "no_reply", "conversations": [{"from": "human", "value": "anyone here at all"}]},
         {"id": "not_a_list", "conversations": "oops"},
     ]

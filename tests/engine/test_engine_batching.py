@@ -17,6 +17,8 @@ from engine.outputs import RequestStatus
 from scheduler.errors import RequestTooLargeError
 from scheduler.request import FinishReason
 
+pytestmark = pytest.mark.slow  # the real model, float32
+
 SHARED = (
     "You are a helpful assistant. Answer briefly and precisely, and never make up facts you do not know. "
 )

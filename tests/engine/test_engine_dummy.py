@@ -13,27 +13,16 @@ from engine.errors import InvalidRequestError
 from engine.loader.model_loader import load_tokenizer
 from engine.model_config import ModelConfig
 
+pytestmark = pytest.mark.slow  # the default model's tokenizer, read from its GGUF
+
 TOKENIZER_IDS = 49152  # the default model's tokenizer
 
 
 @pytest.fixture(scope="module")
-def wide_dummy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small Llama with a 60,000-row embedding (Llama 3's is 128,256) and the default tokenizer."""
+def wide_dummy(tmp_path_factory: pytest.TempPathFactory, tiny_model_config: ModelConfig) -> Path:
+    """The tiny Llama with a 60,000-row embedding (Llama 3's is 128,256) and the default tokenizer."""
     folder = tmp_path_factory.mktemp("wide-dummy")
-    config = ModelConfig(
-        architecture="llama",
-        vocab_size=60000,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=512,
-        eos_token_ids=(2,),
-    )
+    config = tiny_model_config.replace(vocab_size=60000)
     (folder / "config.json").write_text(json.dumps(config.to_hf_dict()))
     load_tokenizer("default").save(folder)
     return folder
@@ -45,7 +34,13 @@ def test_a_dummy_model_generates_only_ids_its_tokenizer_spells(wide_dummy: Path)
     assert engine.vocab_size == TOKENIZER_IDS
     prompts = [engine.tokenizer.encode(t) for t in ("Hello there", "1, 2, 3,", "The sea")]
     outputs = engine.generate_batch(
-        prompts, progress_bar=False, max_new_tokens=48, do_sample=True, temperature=5.0, seed=3, ignore_eos=True
+        prompts,
+        progress_bar=False,
+        max_new_tokens=48,
+        do_sample=True,
+        temperature=5.0,
+        seed=3,
+        ignore_eos=True,
     )
     generated = [t for out in outputs.values() for t in out.generated_ids]
     assert len(generated) == 3 * 48

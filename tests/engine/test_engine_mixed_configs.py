@@ -12,6 +12,8 @@ from engine.engine import Engine
 from engine.outputs import GenerationOutput, RequestStatus
 from scheduler.request import FinishReason
 
+pytestmark = pytest.mark.slow  # the real model, float32
+
 PROMPTS = [
     "The capital of France is",
     "Write a short poem about the sea:",
@@ -77,7 +79,9 @@ def test_mixed_batch_equals_each_alone(engine):
 
 def test_stop_string_ending_inside_a_token(engine):
     prompt = engine.tokenizer.encode("The capital of France is")
-    free = engine.generate_batch([prompt], progress_bar=False, max_new_tokens=8, do_sample=False)["batch_req_0"]
+    free = engine.generate_batch([prompt], progress_bar=False, max_new_tokens=8, do_sample=False)[
+        "batch_req_0"
+    ]
     assert free.text.startswith(" Paris")
     out = engine.generate_batch(
         [prompt], progress_bar=False, max_new_tokens=8, do_sample=False, stop_strings=["aris"]

@@ -9,6 +9,8 @@ import pytest
 from engine.engine import CacheOptions, Engine
 from engine.outputs import RequestStatus
 
+pytestmark = pytest.mark.slow  # the real model, float32
+
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:

@@ -73,6 +73,7 @@ def test_memory_is_backed_by_huge_pages() -> None:
     assert anon_huge_kb(t.data_ptr()) >= 2048
 
 
+@pytest.mark.slow  # a model of SmolLM2's width, prepacked
 @pytest.mark.skipif(thp_mode() not in ("always", "madvise"), reason="transparent huge pages are off here")
 def test_the_cpu_kv_cache_and_packed_weights_are_on_huge_pages() -> None:
     cache = KVCache(4, 256, 16, 2, 64, torch.float32, "cpu")  # 8 MiB, zeroed
@@ -93,4 +94,6 @@ def test_the_cpu_kv_cache_and_packed_weights_are_on_huge_pages() -> None:
     assert len({p.untyped_storage().data_ptr() for p in packed if p is not None}) == 1  # one allocation
     assert model.lm_head_small is not None
     assert anon_huge_kb(model.lm_head_small.data_ptr()) >= 2048
-    assert small_gemm.SmallGemm.packed_shape(cfg.vocab_size, cfg.hidden_size) == tuple(model.lm_head_small.shape)
+    assert small_gemm.SmallGemm.packed_shape(cfg.vocab_size, cfg.hidden_size) == tuple(
+        model.lm_head_small.shape
+    )

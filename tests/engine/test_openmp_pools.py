@@ -48,6 +48,7 @@ print(before, after, threads())
 """
 
 
+@pytest.mark.slow  # an engine set up in a fresh interpreter
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc")
 def test_engine_set_up_leaves_no_openmp_pool_on_the_calling_thread() -> None:
     done = subprocess.run(

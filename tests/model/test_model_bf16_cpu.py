@@ -11,6 +11,8 @@ from engine.executor.kernels import prepacked
 from engine.executor.kv_cache import KVCache
 from engine.loader.model_loader import load_model
 
+pytestmark = pytest.mark.slow  # the real model, in float32 and bfloat16
+
 TEXTS = [
     "The capital of France is",
     "def fibonacci(n):\n    ",

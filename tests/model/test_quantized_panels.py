@@ -18,6 +18,8 @@ from engine.executor.models import LlamaForCausalLM
 from engine.executor.models.layers import Linear
 from engine.loader.model_loader import load_model
 
+pytestmark = pytest.mark.slow  # the real model's quantized blocks, step by step
+
 CPU = torch.device("cpu")
 
 

@@ -14,10 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-import server_fixtures
 from server_fixtures import MAX_BODY_BYTES, MAX_MODEL_LEN, LiveServer
-
-live_server = server_fixtures.live_server  # the session-scoped real server fixture
 
 VOCAB_SIZE = 49152  # SmolLM2's vocabulary
 COMPLETIONS = "/v1/completions"
@@ -28,12 +25,6 @@ BASE_CHAT: dict[str, Any] = {
     "max_tokens": 2,
     "temperature": 0,
 }
-
-
-@pytest.fixture(scope="module")
-def http(live_server: LiveServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=live_server.base_url, headers=live_server.headers, timeout=60) as client:
-        yield client
 
 
 def check_error(

@@ -13,11 +13,8 @@ from typing import Any
 
 import httpx
 import pytest
-import server_fixtures
 from prometheus_client.parser import text_string_to_metric_families
 from server_fixtures import LiveServer, wait_until
-
-live_server = server_fixtures.live_server  # the session-scoped real server fixture
 
 NUM_STREAMS = 100
 CONCURRENCY = 16

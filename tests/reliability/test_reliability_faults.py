@@ -18,15 +18,12 @@ from typing import Any
 
 import httpx
 import pytest
-import server_fixtures
 import torch
 from executor_faults import FaultyExecutor
 from server_fixtures import LiveServer, wait_until
 
 from engine.manager import ContinuousBatchingManager
 from scheduler.batch import ScheduledBatch
-
-live_server = server_fixtures.live_server  # the session-scoped real server fixture
 
 MAX_TOKENS = 30
 

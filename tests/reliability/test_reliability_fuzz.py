@@ -16,13 +16,10 @@ from typing import Any
 import pytest
 import requests
 import schemathesis
-import server_fixtures
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from server_fixtures import LiveServer
-
-live_server = server_fixtures.live_server  # the session-scoped real server fixture
 
 MAX_EXAMPLES = 25
 MAX_NEW_TOKENS = 4

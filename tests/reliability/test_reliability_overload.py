@@ -3,8 +3,8 @@ is refused at once with 429 and the OpenAI error body (``rate_limit_error`` / ``
 request that was accepted completes in full (streaming or not); afterwards the server is idle and admits
 again.
 
-A dedicated server (uvicorn in a thread over ``build_app``) with ``max_queue=3`` and two sequences running
-at most, so that most of the burst must wait and the queue really fills.
+A dedicated server (``start_live_server``: uvicorn in a thread over ``build_app``) with ``max_queue=3`` and
+two sequences running at most, so that most of the burst must wait and the queue really fills.
 """
 
 from __future__ import annotations
@@ -16,11 +16,9 @@ from typing import Any
 
 import httpx
 import pytest
-from server_fixtures import serve_in_thread, wait_until
+from server_fixtures import LiveServer, start_live_server, wait_until
 
-from server.app import build_app
 from server.config import ServerConfig
-from server.lifecycle import ServerState
 
 MAX_QUEUE = 3
 MAX_NUM_SEQS = 2
@@ -29,24 +27,14 @@ MAX_TOKENS = 8
 BURST_TIMEOUT_S = 180.0
 
 
-class ThreadServer:
-    def __init__(self, base_url: str, state: ServerState) -> None:
-        self.base_url = base_url
-        self.state = state
+pytestmark = pytest.mark.slow  # the real model behind its own server
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ThreadServer]:
-    from engine.engine import Engine
-
-    engine = Engine.from_pretrained(
-        model="default", device="cpu", num_blocks=64, max_model_len=256, max_num_seqs=MAX_NUM_SEQS
-    )
-    app = build_app(
-        engine, ServerConfig(served_model_name="overload", max_queue=MAX_QUEUE, shutdown_timeout=1)
-    )
-    with serve_in_thread(app, "overload-uvicorn") as base_url:
-        yield ThreadServer(base_url, app.state.server)
+def server() -> Iterator[LiveServer]:
+    config = ServerConfig(served_model_name="overload", max_queue=MAX_QUEUE, shutdown_timeout=1)
+    with start_live_server(config, num_blocks=64, max_model_len=256, max_num_seqs=MAX_NUM_SEQS) as server:
+        yield server
 
 
 def body(i: int) -> dict[str, Any]:
@@ -77,7 +65,7 @@ async def burst(base_url: str) -> list[tuple[int, Any]]:
         )
 
 
-def test_burst_beyond_the_queue_gets_429_and_the_rest_completes(server: ThreadServer) -> None:
+def test_burst_beyond_the_queue_gets_429_and_the_rest_completes(server: LiveServer) -> None:
     results = asyncio.run(burst(server.base_url))
     statuses = [status for status, _ in results]
     assert set(statuses) <= {200, 429}, statuses

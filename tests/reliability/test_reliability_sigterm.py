@@ -15,8 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_fixtures import free_port, wait_until
+
+pytestmark = pytest.mark.slow  # a `cbserve serve` subprocess on the real model
 
 NUM_STREAMS = 4
 NUM_PLAIN = 2

@@ -4,16 +4,9 @@ are served. The server stays healthy after each."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
 import pytest
-import server_fixtures
 from server_fixtures import LiveServer
-
-live_server = server_fixtures.live_server  # the session-scoped real server fixture
-
-pytestmark = pytest.mark.slow
 
 SURROGATE = "\\ud800"  # as JSON spells it: the decoder turns it into a lone surrogate
 CASES = [  # (path, raw JSON body, the field the error names)
@@ -38,12 +31,6 @@ CASES = [  # (path, raw JSON body, the field the error names)
     ("/tokenize", '{"prompt": "%s"}', "prompt"),
     ("/tokenize", '{"messages": [{"role": "user", "content": "%s"}]}', "messages"),
 ]
-
-
-@pytest.fixture(scope="module")
-def http(live_server: LiveServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=live_server.base_url, headers=live_server.headers, timeout=60) as client:
-        yield client
 
 
 def post_raw(http: httpx.Client, path: str, body: str) -> httpx.Response:

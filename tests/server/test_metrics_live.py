@@ -19,11 +19,11 @@ import httpx
 import pytest
 from executor_faults import FaultyExecutor
 from prometheus_client.parser import text_string_to_metric_families
-from server_fixtures import serve_in_thread, wait_until
+from server_fixtures import LiveServer, start_live_server, wait_until
 
-from server.app import build_app
 from server.config import ServerConfig
-from server.lifecycle import ServerState
+
+pytestmark = pytest.mark.slow  # the real model behind its own server
 
 MODEL = "metrics-live"
 M = {"model_name": MODEL}
@@ -51,22 +51,15 @@ class Delta:
         return self.after.get(name, **labels) - self.before.get(name, **labels)
 
 
-@dataclass
-class Live:
-    base_url: str
-    state: ServerState
-
-
 @pytest.fixture(scope="module")
-def live() -> Iterator[Live]:
-    from engine.engine import Engine
-
-    engine = Engine.from_pretrained(
-        model="default", device="cpu", num_blocks=64, max_model_len=256, max_num_seqs=8
-    )
-    app = build_app(engine, ServerConfig(served_model_name=MODEL, shutdown_timeout=1))
-    with serve_in_thread(app, "metrics-uvicorn") as base_url:
-        yield Live(base_url, app.state.server)
+def live() -> Iterator[LiveServer]:
+    with start_live_server(
+        ServerConfig(served_model_name=MODEL, shutdown_timeout=1),
+        num_blocks=64,
+        max_model_len=256,
+        max_num_seqs=8,
+    ) as server:
+        yield server
 
 
 def scrape(base_url: str) -> Scrape:
@@ -135,7 +128,7 @@ class EnginePause:
             self.resume.wait(timeout=60)
 
 
-def test_metrics_move_with_requests(live: Live) -> None:
+def test_metrics_move_with_requests(live: LiveServer) -> None:
     base_url = live.base_url
     manager = live.state.manager
     assert manager is not None

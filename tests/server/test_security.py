@@ -25,12 +25,9 @@ from typing import Any
 
 import httpx
 import pytest
-import server_fixtures
 from server_fixtures import LiveServer, free_port, wait_until
 
 from cli.main import build_parser
-
-live_server = server_fixtures.live_server  # the session-scoped real server fixture
 
 PROTECTED = [
     ("GET", "/v1/models", None),
@@ -174,6 +171,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Subprocess]:
             proc.wait(10)
 
 
+@pytest.mark.slow
 def test_no_prompt_text_or_key_in_default_logs(served: Subprocess) -> None:
     h = served.headers
     url = served.base
@@ -206,6 +204,7 @@ def test_no_prompt_text_or_key_in_default_logs(served: Subprocess) -> None:
     assert SUBPROCESS_API_KEY not in text
 
 
+@pytest.mark.slow
 def test_cors_only_for_configured_origins(served: Subprocess) -> None:
     resp = preflight(served.base, ALLOWED_ORIGIN)
     assert resp.status_code == 200, resp.text
@@ -237,6 +236,7 @@ def listening_addresses(port: int) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs Linux /proc/net/tcp")
 def test_subprocess_listens_on_loopback_only(served: Subprocess) -> None:
     # 0100007F is 127.0.0.1 in /proc's little-endian hex; 0.0.0.0 or :: would expose the server.

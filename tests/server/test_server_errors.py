@@ -9,18 +9,9 @@ from typing import Any
 
 import httpx
 import pytest
-import server_fixtures
 from server_fixtures import MAX_BODY_BYTES, MAX_MODEL_LEN, LiveServer
 
 import server.serving_completions
-
-live_server = server_fixtures.live_server  # the session-scoped real server fixture
-
-
-@pytest.fixture(scope="module")
-def http(live_server: LiveServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=live_server.base_url, headers=live_server.headers, timeout=60) as client:
-        yield client
 
 
 def assert_error(

@@ -15,10 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-import server_fixtures
 from server_fixtures import LiveServer, free_port, wait_until
-
-live_server = server_fixtures.live_server  # the session-scoped real server fixture
 
 
 def _long_request(stream: bool) -> dict[str, Any]:
@@ -81,6 +78,7 @@ def _wait_health(base: str, proc: subprocess.Popen[bytes], timeout: float) -> bo
     return wait_until(ok, timeout, interval=0.5) and proc.poll() is None
 
 
+@pytest.mark.slow
 def test_cli_serve_health_and_sigterm_drain(tmp_path: Path) -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"

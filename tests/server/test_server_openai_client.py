@@ -8,11 +8,8 @@ from typing import Any
 
 import openai
 import pytest
-import server_fixtures
 from openai.types.chat import ChatCompletionMessageParam
 from server_fixtures import LiveServer
-
-live_server = server_fixtures.live_server  # the session-scoped real server fixture
 
 PROMPT = "The capital of France is"
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name three colors."}]

@@ -3,24 +3,12 @@ and CORS (off by default, on with origins)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
-import pytest
-import server_fixtures
 from fastapi.testclient import TestClient
 from server_fixtures import MAX_MODEL_LEN, LiveServer
 
 from server.app import build_app
 from server.config import ServerConfig
-
-live_server = server_fixtures.live_server  # the session-scoped real server fixture
-
-
-@pytest.fixture(scope="module")
-def http(live_server: LiveServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=live_server.base_url, headers=live_server.headers, timeout=60) as client:
-        yield client
 
 
 def test_tokenize_prompt_and_detokenize_round_trip(live_server: LiveServer, http: httpx.Client) -> None:

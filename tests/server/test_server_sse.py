@@ -9,11 +9,8 @@ from typing import Any
 
 import httpx
 import pytest
-import server_fixtures
 from executor_faults import faulty_executor
 from server_fixtures import LiveServer
-
-live_server = server_fixtures.live_server  # the session-scoped real server fixture
 
 
 def sse_events(server: LiveServer, path: str, body: dict[str, Any]) -> Iterator[Any]:
