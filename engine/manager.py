@@ -1,6 +1,6 @@
 """The continuous-batching manager: one background thread owns the model and runs the loop
 
-    batch = scheduler.schedule(); logits = runner.forward(batch); tokens = sample(batch, logits)
+    batch = scheduler.schedule(); logits = runner.execute(batch); tokens = sample(batch, logits)
     finished = stop_and_publish(batch, tokens); scheduler.update(batch, tokens, finished)
 
 Requests and cancellations cross into the engine thread through a thread-safe inbox; outputs cross back
@@ -349,7 +349,7 @@ class ContinuousBatchingManager:
         try:
             if self.fault_hook is not None:
                 self.fault_hook(batch)
-            logits = self.runner.forward(batch)
+            logits = self.runner.execute(batch)
             if self.logits_hook is not None:
                 logits = self.logits_hook(batch, logits)
             sampled = self._sample(batch, logits)
