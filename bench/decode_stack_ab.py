@@ -11,6 +11,7 @@ the prompts at once. The side that goes first alternates.
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import statistics
 import time
@@ -21,7 +22,6 @@ import torch
 from engine.engine import Engine
 from engine.executor.inputs import BatchInputs
 from engine.executor.kv_cache import KVCache
-from engine.executor.models import LlamaForCausalLM
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -41,11 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     engine = Engine.from_pretrained(args.model, dtype="float32", device="cpu")
-    model = engine.model
-    if not isinstance(model, LlamaForCausalLM) or model.decode_stack is None:
+    stack = engine.decode_stack
+    if stack is None:
         print("this model runs no decode stack here (not float32 on the CPU, or no C compiler)")
         return 1
-    stack = model.decode_stack
+    model = stack.model
     rng = random.Random(0)
     vocab = model.config.vocab_size
 
@@ -64,18 +64,19 @@ def main(argv: list[str] | None = None) -> int:
     step = BatchInputs.build([[7]] * args.prompts, [args.prompt_len] * args.prompts, tables, ones, block)
     model(filled, cache, engine.decode_kernel)
 
-    sides = {"layer by layer": None, "decode stack": stack}
+    sides = {"layer by layer": None, "decode stack": stack}  # the engine's runners take it from here
     whole: dict[str, list[float]] = {name: [] for name in sides}
     forward: dict[str, list[float]] = {name: [] for name in sides}
     kwargs = dict(progress_bar=False, max_new_tokens=args.new_tokens, do_sample=False, ignore_eos=True)
     for run in range(args.runs):
         order = list(sides) if run % 2 == 0 else list(sides)[::-1]
         for name in order:
-            model.decode_stack = sides[name]
+            engine.decode_stack = sides[name]
+            run_step: Callable[..., torch.Tensor] = model if sides[name] is None else stack.forward
             whole[name].append(_timed(lambda: engine.generate_batch(prompts(), **kwargs)))
             for _ in range(3):
-                forward[name].append(_timed(lambda: model(step, cache, engine.decode_kernel)))
-    model.decode_stack = stack
+                forward[name].append(_timed(functools.partial(run_step, step, cache, engine.decode_kernel)))
+    engine.decode_stack = stack
     for name in sides:
         w, f = whole[name], forward[name]
         print(

@@ -15,6 +15,7 @@ from engine.cpu.allocator import keep_freed_memory
 from engine.cpu.openmp_pools import on_scratch_thread
 from engine.executor.attention.backend import select_decode_kernel
 from engine.executor.cuda_graphs import CudaGraphDecoder
+from engine.executor.decode_stack import CpuDecodeStack
 from engine.executor.kv_cache import KVCache
 from engine.executor.runner import ModelRunner
 from engine.generation.config import GenerationConfig
@@ -102,6 +103,7 @@ class Engine:
                 options.max_num_seqs,
                 self.device,
             )
+        self.decode_stack = CpuDecodeStack.for_model(self.model)  # None: not a float32 CPU model's fast path
         self._manager: ContinuousBatchingManager | None = None
 
     @classmethod
@@ -180,7 +182,13 @@ class Engine:
         )
         scheduler = make_scheduler(opts["scheduler"], sched_config)
         executor = ModelRunner(
-            self.model, self.kv_cache, self.block_size, self.device, self.decode_kernel, self.cuda_graphs
+            self.model,
+            self.kv_cache,
+            self.block_size,
+            self.device,
+            self.decode_kernel,
+            self.cuda_graphs,
+            self.decode_stack,
         )
         eos = tuple(self.tokenizer.eos_token_ids) or tuple(self.model_config.eos_token_ids)
         sampler = Sampler(self.vocab_size, self.device, eos_token_ids=eos)

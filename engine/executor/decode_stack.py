@@ -1,31 +1,43 @@
-"""The decoder layers of a CPU decode step in one C call (``kernels/csrc/decode_stack.c``).
+"""The decoder layers of a CPU decode step in one C call (``kernels/csrc/decode_stack.c``): an executor
+fast path, next to the CUDA-graph decoder (engine/executor/cuda_graphs.py); the runner picks it per step.
 
 A decode step of a small model on a few cores is ~300 short C calls when run layer by layer from Python:
-the matmuls (engine/executor/kernels/small_gemm.py), decode attention (engine/executor/attention/cpu_kernel.py) and the
-fused element-wise ops (engine/executor/kernels/cpu_ops.py). Between them one thread runs Python while the other
-waits in OpenMP's barrier. ``DecodeStack`` runs the same kernels, in the same order, for every layer in one
-parallel region: the result is that of the layer-by-layer path (``tests/model/test_decode_stack.py``).
+the matmuls (engine/executor/kernels/small_gemm.py), decode attention (engine/executor/attention/cpu_kernel.py)
+and the fused element-wise ops (engine/executor/kernels/cpu_ops.py). Between them one thread runs Python
+while the other waits in OpenMP's barrier. The stack runs the same kernels, in the same order, for every
+layer in one parallel region: the result is that of the layer-by-layer path (tests/model/test_decode_stack.py).
 
-It takes float32 models whose projections are all in the small kernel's panels, with the fused CPU ops,
-no per-head q/k norms, and steps where every sequence computes one token with the CPU decode kernel
-(``LlamaForCausalLM.forward`` checks). Everything else runs layer by layer.
+It reads its weights from the model's flat table (``LlamaForCausalLM.decoder_table``) once the CPU fast
+paths are in (engine/executor/fast_paths.py): float32, every projection in the small kernel's panels, the
+fused ops, no per-head q/k norms. It runs steps where every sequence computes one token with the CPU
+decode kernel (``CpuDecodeStack.can_run``); everything else runs layer by layer.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
 
 import torch
+from torch import nn
 
-from engine.cpu.native_build import BuildOnce
+from engine.cpu.native_build import BuildOnce, KernelUnavailable
+from engine.executor.attention.decode_kernel import DecodeKernel
 from engine.executor.inputs import BatchInputs
+from engine.executor.kernels.modules import (
+    FusedRMSNorm,
+    FusedRotaryEmbedding,
+    FusedSiLUMul,
+    QuantPanelLinear,
+    SmallGemmLinear,
+)
 from engine.executor.kernels.small_gemm import has_offsets
 from engine.executor.kv_cache import KVCache
+from engine.executor.models.llama import LayerModules, LlamaForCausalLM
 
-if TYPE_CHECKING:
-    from engine.executor.models.llama import DecoderLayer, LlamaForCausalLM
+logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "kernels" / "csrc" / "decode_stack.c"
 
@@ -63,8 +75,49 @@ def _ptr_of(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+Panels = SmallGemmLinear | QuantPanelLinear
+
+
+@dataclass(frozen=True)
+class StackLayer:
+    """One layer's weights as the stack reads them: the norms' weights, and per projection its float32
+    panels, its bias and (where the checkpoint stored it in blocks) its quantized panels."""
+
+    input_norm: torch.Tensor
+    qkv: Panels
+    o: Panels
+    post_norm: torch.Tensor
+    gate_up: Panels
+    down: Panels
+
+    @staticmethod
+    def of(layer: LayerModules) -> StackLayer | None:
+        """``layer``'s weights, or None where a module is not the fast path the stack reproduces."""
+        projections = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        if not (
+            all(isinstance(m, Panels) for m in projections)
+            and isinstance(layer.input_norm, FusedRMSNorm)
+            and isinstance(layer.post_norm, FusedRMSNorm)
+            and isinstance(layer.act_fn, FusedSiLUMul)
+        ):
+            return None
+        qkv, o, gate_up, down = (m for m in projections if isinstance(m, Panels))
+        return StackLayer(layer.input_norm.weight, qkv, o, layer.post_norm.weight, gate_up, down)
+
+    def struct(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> _Layer:
+        projections = (self.qkv, self.o, self.gate_up, self.down)
+        floats = [m.rest.panels if isinstance(m, QuantPanelLinear) else m.panels for m in projections]
+        quantized = [m.qpanels if isinstance(m, QuantPanelLinear) else None for m in projections]
+        return _Layer(
+            _ptr_of(self.input_norm), _ptr_of(floats[0]), _ptr_of(self.qkv.bias), _ptr_of(floats[1]),
+            _ptr_of(self.o.bias), _ptr_of(self.post_norm), _ptr_of(floats[2]), _ptr_of(floats[3]),
+            k_cache.data_ptr(), v_cache.data_ptr(),
+            *(_ptr_of(q) for q in quantized), *(int(q is not None and has_offsets(q)) for q in quantized),
+        )  # fmt: skip
+
+
 class DecodeStack:
-    """``ctypes`` binding of ``cbserve_decode_stack``; ``bind`` it to a model once, call it per step."""
+    """``ctypes`` binding of ``cbserve_decode_stack`` (arguments as ``CpuDecodeStack.__call__`` passes them)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -73,46 +126,103 @@ class DecodeStack:
         self._fn.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64]
         self._fn.restype = ctypes.c_int
 
-    def bind(self, model: LlamaForCausalLM) -> BoundDecodeStack:
-        return BoundDecodeStack(self, model)
+    def __call__(self, *args: object) -> int:
+        return int(self._fn(*args))
 
 
-class BoundDecodeStack:
-    """The stack of one model: its weights' addresses gathered once; the KV cache's on first use."""
+class CpuDecodeStack:
+    """The stack bound to one model: ``can_run(inputs, decode_kernel)`` then ``run(inputs, kv_cache)``, as
+    the runner calls it; the C structs for a KV cache are built on its first step and kept."""
 
-    def __init__(self, stack: DecodeStack, model: LlamaForCausalLM) -> None:
-        self.stack = stack
+    def __init__(
+        self,
+        kernel: DecodeStack,
+        model: LlamaForCausalLM,
+        layers: list[StackLayer],
+        final_norm: FusedRMSNorm,
+        rotary: FusedRotaryEmbedding,
+        head: Panels,
+    ) -> None:
+        self.kernel = kernel
         self.model = model
+        self.layers = layers
+        self.final_norm = final_norm
+        self.rotary = rotary
+        self.head = head
         self._tables: tuple[KVCache, _Model, ctypes.Array[_Layer]] | None = None
+
+    @staticmethod
+    def for_model(model: nn.Module) -> CpuDecodeStack | None:
+        """The stack for ``model``, or None where it does not apply (not a float32 Llama with the CPU fast
+        paths in, or per-head q/k norms) or cannot be built (the reason is logged)."""
+        if not isinstance(model, LlamaForCausalLM) or model.dtype != torch.float32 or model.config.qk_norm:
+            return None
+        table = model.decoder_table()
+        layers = [StackLayer.of(layer) for layer in table.layers]
+        norm, rotary, head = table.final_norm, table.rotary, model.lm_head
+        if not (
+            isinstance(norm, FusedRMSNorm)
+            and isinstance(rotary, FusedRotaryEmbedding)
+            and isinstance(head, Panels)
+        ):
+            return None
+        stack_layers = [layer for layer in layers if layer is not None]
+        if len(stack_layers) < len(layers):
+            return None
+        try:
+            kernel = load()
+        except KernelUnavailable as e:
+            logger.warning("decode steps run layer by layer (%s)", e)
+            return None
+        return CpuDecodeStack(kernel, model, stack_layers, norm, rotary, head)
+
+    def can_run(self, inputs: BatchInputs, decode_kernel: DecodeKernel | None) -> bool:
+        """Every sequence computes one token, decode attention is the CPU kernel's, and every projection
+        would take the small kernel's panels (the output head decides: all of them where oneDNN holds no
+        copy of the weights, else at most ``small_gemm.MAX_ROWS`` rows)."""
+        num_seqs = inputs.num_seqs
+        return (
+            decode_kernel is not None
+            and decode_kernel.name == "cpu"
+            and 0 < num_seqs == inputs.num_decode_seqs == inputs.num_tokens
+            and self.head.takes(num_seqs)
+        )
+
+    @torch.inference_mode()
+    def run(self, inputs: BatchInputs, kv_cache: KVCache) -> torch.Tensor:
+        """The model's forward for a step that ``can_run``: fp32 logits ``[num_logits, vocab]``."""
+        x = self.model.embed(inputs.input_ids)  # [num_seqs, hidden]
+        h = self(x, inputs, kv_cache)  # [num_seqs, hidden], after the final norm
+        h = h.index_select(0, inputs.logits_indices)  # [num_logits, hidden] in the caller's order
+        return self.model.compute_logits(h)  # [num_logits, vocab]
+
+    def forward(
+        self, inputs: BatchInputs, kv_cache: KVCache, decode_kernel: DecodeKernel | None = None
+    ) -> torch.Tensor:
+        """A step as the runner runs it: in the stack where it ``can_run``, else the model layer by layer
+        (for drivers without a scheduler: the model tests, bench/decode_stack_ab.py)."""
+        if self.can_run(inputs, decode_kernel):
+            return self.run(inputs, kv_cache)
+        return self.model(inputs, kv_cache, decode_kernel)
 
     def _describe(self, kv_cache: KVCache) -> tuple[_Model, ctypes.Array[_Layer]]:
         """The C structs for ``kv_cache`` (kept: the model and the cache do not move)."""
         if self._tables is not None and self._tables[0] is kv_cache:
             return self._tables[1], self._tables[2]
-        model, cfg = self.model, self.model.config
-        if kv_cache.dtype != torch.float32 or kv_cache.num_layers < len(model.model.layers):
+        cfg = self.model.config
+        if kv_cache.dtype != torch.float32 or kv_cache.num_layers < len(self.layers):
             raise ValueError("the decode stack needs a float32 KV cache with one K and V per layer")
-        layers = (_Layer * len(model.model.layers))()
-        for i, module in enumerate(model.model.layers):
-            layer = cast("DecoderLayer", module)
-            attn, mlp = layer.self_attn, layer.mlp
+        layers = (_Layer * len(self.layers))()
+        for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache.k_caches[i], kv_cache.v_caches[i]
             if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
                 raise ValueError("the decode stack needs contiguous K and V caches")
-            quantized = [m.small_qpacked for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            layers[i] = _Layer(
-                _ptr_of(layer.input_layernorm.weight), _ptr_of(attn.qkv_proj.small_packed),
-                _ptr_of(attn.qkv_proj.bias), _ptr_of(attn.o_proj.small_packed), _ptr_of(attn.o_proj.bias),
-                _ptr_of(layer.post_attention_layernorm.weight), _ptr_of(mlp.gate_up_proj.small_packed),
-                _ptr_of(mlp.down_proj.small_packed), k_cache.data_ptr(), v_cache.data_ptr(),
-                *(_ptr_of(q) for q in quantized), *(int(q is not None and has_offsets(q)) for q in quantized),
-            )  # fmt: skip
-        rotary = model.rotary
+            layers[i] = layer.struct(k_cache, v_cache)
         desc = _Model(
-            len(model.model.layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+            len(self.layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.head_dim, cfg.intermediate_size, kv_cache.num_blocks, kv_cache.block_size,
-            cfg.sliding_window or 0, rotary.cos.shape[0], cfg.rms_norm_eps, cfg.head_dim**-0.5,
-            rotary.cos.data_ptr(), rotary.sin_signed.data_ptr(), model.model.norm.weight.data_ptr(),
+            cfg.sliding_window or 0, self.rotary.cos.shape[0], cfg.rms_norm_eps, cfg.head_dim**-0.5,
+            self.rotary.cos.data_ptr(), self.rotary.sin_signed.data_ptr(), self.final_norm.weight.data_ptr(),
         )  # fmt: skip
         self._tables = (kv_cache, desc, layers)
         return desc, layers
@@ -130,7 +240,7 @@ class BoundDecodeStack:
             inputs.block_tables if inputs.block_tables.stride(1) == 1 else inputs.block_tables.contiguous()
         )
         out = torch.empty(num_seqs, hidden, dtype=torch.float32)
-        rc = self.stack._fn(
+        rc = self.kernel(
             ctypes.byref(desc), layers, out.data_ptr(), x.data_ptr(), inputs.positions.data_ptr(),
             inputs.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0), inputs.seq_lens.data_ptr(),
             num_seqs,

@@ -6,6 +6,7 @@ import torch
 
 from engine.executor.attention.decode_kernel import DecodeKernel
 from engine.executor.cuda_graphs import CudaGraphDecoder
+from engine.executor.decode_stack import CpuDecodeStack
 from engine.executor.inputs import BatchInputs
 from engine.executor.kv_cache import KVCache
 from scheduler.batch import ScheduledBatch
@@ -22,6 +23,7 @@ class ModelRunner:
         device: torch.device,
         decode_kernel: DecodeKernel | None = None,
         cuda_graphs: CudaGraphDecoder | None = None,
+        decode_stack: CpuDecodeStack | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -29,6 +31,7 @@ class ModelRunner:
         self.device = device
         self.decode_kernel = decode_kernel  # None: decode attention in SDPA
         self.cuda_graphs = cuda_graphs  # None: every step runs eagerly
+        self.decode_stack = decode_stack  # None: CPU decode steps run layer by layer
 
     def prepare(self, batch: ScheduledBatch) -> BatchInputs:
         return BatchInputs.build(
@@ -53,5 +56,7 @@ class ModelRunner:
             rows = [i for i, s in enumerate(batch.requests) if s.needs_sample]
             return logits[torch.tensor(rows, device=logits.device)]
         inputs = self.prepare(batch)
+        if self.decode_stack is not None and self.decode_stack.can_run(inputs, self.decode_kernel):
+            return self.decode_stack.run(inputs, self.kv_cache)  # [num_sampled, vocab]
         logits = self.model(inputs, self.kv_cache, self.decode_kernel)  # [num_sampled, vocab]
         return logits.float()

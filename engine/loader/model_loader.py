@@ -4,6 +4,9 @@
     config, tokenizer, defaults = <read the source>    # ModelConfig, Tokenizer, generation_config.json
     model = build_model(config, dtype, device)         # engine.executor.models.registry
     model.load_weights(<the source's weights>)         # (hf_name, tensor) pairs, one at a time
+    apply_cpu_fast_paths(model, <its blocks>)          # the CPU kernels' modules swapped in
+
+The last step changes no result beyond float rounding; engine/executor/fast_paths.py says what goes where.
 """
 
 from __future__ import annotations
@@ -97,12 +100,12 @@ def load_model(
 ) -> LoadedModel:
     """Load ``model`` (see ``resolve_model``) and its tokenizer. Raises ``ModelLoadError`` subclasses naming
     the file at fault, ``TokenizerMismatchError`` when the tokenizer has more ids than the embedding.
-    ``prepack``: on the CPU, put the weights in oneDNN's prepacked layout (engine/executor/kernels/prepacked.py) and
-    run the element-wise steps in the fused CPU ops (engine/executor/kernels/cpu_ops.py); in float32, decode steps'
-    layers then run in one C call (engine/executor/decode_stack.py)."""
-    from engine.executor.models.registry import (
-        build_model,  # NOTE: imported here: models import engine.model_config
-    )
+    ``prepack``: on the CPU, swap in the kernels' modules (engine/executor/fast_paths.py): matmuls over
+    prepacked weights, the fused element-wise ops; in float32 the engine then runs decode steps' layers in
+    one C call (engine/executor/decode_stack.py)."""
+    # NOTE: imported here: models import engine.model_config
+    from engine.executor.fast_paths import apply_cpu_fast_paths
+    from engine.executor.models.registry import build_model
 
     source = resolve_model(model, load_format)
     torch_device = resolve_device(device)
@@ -115,9 +118,7 @@ def load_model(
     with torch.no_grad():
         net.load_weights(opened.weights)
         if prepack:
-            net.prepack_weights(opened.blocks)
-            net.use_cpu_ops()
-            net.use_decode_stack()
+            apply_cpu_fast_paths(net, opened.blocks)
     net.eval()
     return LoadedModel(
         config=config,
@@ -236,7 +237,9 @@ def _parse_gguf(path: Path) -> ParsedGGUF:
 @functools.lru_cache(maxsize=2)
 def _parse_gguf_cached(path: str, size: int, mtime_ns: int) -> ParsedGGUF:
     reader = open_gguf(path)
-    return ParsedGGUF(config_from_gguf(reader, path), Tokenizer.from_gguf(reader, path), tuple(reader.tensors))
+    return ParsedGGUF(
+        config_from_gguf(reader, path), Tokenizer.from_gguf(reader, path), tuple(reader.tensors)
+    )
 
 
 def _gguf_generation_defaults(tokenizer: Tokenizer) -> dict[str, Any]:

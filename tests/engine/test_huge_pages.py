@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from engine.cpu import huge_pages
+from engine.executor.fast_paths import apply_cpu_fast_paths
 from engine.executor.kernels import prepacked, small_gemm
+from engine.executor.kernels.modules import SmallGemmLinear
 from engine.executor.kv_cache import KVCache
-from engine.executor.models.layers import Linear
 from engine.executor.models.registry import build_model
 from engine.loader.dummy import get_preset
 
@@ -86,14 +87,12 @@ def test_the_cpu_kv_cache_and_packed_weights_are_on_huge_pages() -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
-    model.prepack_weights()
-    if not model.uses_small_gemm:
+    if apply_cpu_fast_paths(model).small_gemm is None:
         pytest.skip("the small-batch matmul kernel is not used here")
-    packed = [m.small_packed for m in model.modules() if isinstance(m, Linear)] + [model.lm_head_small]
-    assert all(p is not None for p in packed)
-    assert len({p.untyped_storage().data_ptr() for p in packed if p is not None}) == 1  # one allocation
-    assert model.lm_head_small is not None
-    assert anon_huge_kb(model.lm_head_small.data_ptr()) >= 2048
-    assert small_gemm.SmallGemm.packed_shape(cfg.vocab_size, cfg.hidden_size) == tuple(
-        model.lm_head_small.shape
-    )
+    packed = [m.panels for m in model.modules() if isinstance(m, SmallGemmLinear)]
+    assert len(packed) == 4 * cfg.num_hidden_layers + 1  # the projections and the output head
+    assert len({p.untyped_storage().data_ptr() for p in packed}) == 1  # one allocation
+    head = model.lm_head
+    assert isinstance(head, SmallGemmLinear)
+    assert anon_huge_kb(head.panels.data_ptr()) >= 2048
+    assert small_gemm.SmallGemm.packed_shape(cfg.vocab_size, cfg.hidden_size) == tuple(head.panels.shape)

@@ -13,10 +13,11 @@ import torch.nn.functional as F
 
 from engine.cpu.native_build import KernelUnavailable
 from engine.engine import Engine
+from engine.executor import fast_paths
 from engine.executor.kernels import cpu_ops
 from engine.executor.kernels.cpu_ops import CpuOps
-from engine.executor.models import llama
-from engine.executor.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from engine.executor.kernels.modules import FusedRMSNorm, FusedRotaryEmbedding
+from engine.executor.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, SiluAndMul
 from engine.executor.models.registry import build_model
 from engine.loader.dummy import get_preset
 
@@ -139,8 +140,7 @@ def test_bad_arguments_are_refused(ops: CpuOps) -> None:
 
 
 def test_positions_past_the_rotary_table_raise_before_the_ops_read_it(ops: CpuOps) -> None:
-    rotary = RotaryEmbedding(16, 32, 10000.0, None, torch.float32, CPU)
-    rotary.cpu_ops = ops
+    rotary = FusedRotaryEmbedding(RotaryEmbedding(16, 32, 10000.0, None, torch.float32, CPU), ops)
     with pytest.raises(IndexError, match="outside the rotary table"):
         rotary.prepare(torch.tensor([3, 32]))
 
@@ -151,10 +151,9 @@ def test_modules_use_the_ops_only_where_they_apply(ops: CpuOps) -> None:
     norm = _norm(16, torch.float32, gen)
     x = torch.randn(3, 4, 16, generator=gen)
     ref = norm(x)
-    norm.cpu_ops = ops
-    torch.testing.assert_close(norm(x), ref)
+    torch.testing.assert_close(FusedRMSNorm(norm, ops)(x), ref)
     mlp = GatedMLP(16, 24, torch.float32, CPU)
-    assert mlp.cpu_ops is None
+    assert type(mlp.act_fn) is SiluAndMul  # a module is plain PyTorch until the fast paths swap it
 
 
 def test_a_model_without_the_ops_runs_pytorch_and_says_why(
@@ -168,10 +167,11 @@ def test_a_model_without_the_ops_runs_pytorch_and_says_why(
         raise KernelUnavailable("no C compiler (cc or gcc) on PATH")
 
     monkeypatch.setattr(cpu_ops, "load", unavailable)
-    with caplog.at_level(logging.WARNING, logger=llama.__name__):
-        assert model.use_cpu_ops() is False
-    assert "no C compiler" in caplog.text and not model.uses_cpu_ops
-    assert build_model(small, torch.float16, CPU).use_cpu_ops() is False
+    with caplog.at_level(logging.WARNING, logger=fast_paths.__name__):
+        assert fast_paths.swap_fused_ops(model) is None
+    assert "no C compiler" in caplog.text
+    assert not any(isinstance(m, FusedRMSNorm | FusedRotaryEmbedding) for m in model.modules())
+    assert fast_paths.swap_fused_ops(build_model(small, torch.float16, CPU)) is None
 
 
 @pytest.mark.slow
@@ -182,7 +182,7 @@ def test_engine_greedy_outputs_are_the_same_with_and_without_the_ops(ops: CpuOps
     outputs = []
     for fast in (True, False):
         engine = Engine.from_pretrained("default", device="cpu", dtype="float32", prepack_weights=fast)
-        assert engine.model.uses_cpu_ops is fast
+        assert isinstance(engine.model.rotary, FusedRotaryEmbedding) is fast
         ids = [engine.tokenizer.encode(p) for p in prompts]
         results = engine.generate_batch(ids, progress_bar=False, max_new_tokens=24, do_sample=False)
         outputs.append([r.generated_ids for r in results.values()])

@@ -1,7 +1,8 @@
 """The decode stack (engine/executor/decode_stack.py): every decoder layer of a float32 CPU decode step in one C
 call gives the bits of the layer-by-layer path (the same kernels in the same order), writes the same K/V,
 keeps the caller's logits order, refuses bad slots and positions before writing anything, and runs
-exactly the steps it can: pure decode batches with the CPU decode kernel, float32, no per-head q/k norms.
+exactly the steps it can: pure decode batches with the CPU decode kernel, float32 with the CPU fast paths in,
+no per-head q/k norms.
 Its agreement with transformers is checked by tests/model/test_model_correctness.py (the "cpu" path)."""
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from model_harness import cpu_kernel_or_skip
 from engine.cpu import native_build
 from engine.engine import Engine
 from engine.executor.attention.cpu_kernel import PagedDecodeKernel
-from engine.executor.decode_stack import BoundDecodeStack
+from engine.executor.decode_stack import CpuDecodeStack
+from engine.executor.fast_paths import apply_cpu_fast_paths
 from engine.executor.inputs import BatchInputs
-from engine.executor.kernels import prepacked
 from engine.executor.kv_cache import KVCache
 from engine.executor.models import LlamaForCausalLM, build_model
 from engine.loader.dummy import get_preset
@@ -33,21 +34,23 @@ BLOCK = 16
 NUM_BLOCKS = 48
 
 
-def _model(cfg: ModelConfig, seed: int = 0) -> LlamaForCausalLM:
-    """``cfg`` with random weights, set up as the engine sets up a CPU model."""
+def _model(cfg: ModelConfig, seed: int = 0) -> CpuDecodeStack:
+    """``cfg`` with random weights, set up as the engine sets up a CPU model: its decode stack."""
     model = build_model(cfg, torch.float32, CPU)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             scale = 1.0 if "norm" in name else 0.05
             p.copy_(torch.randn(p.shape, generator=gen) * scale + (1.0 if "norm" in name else 0.0))
-    if not model.prepack_weights():
-        pytest.skip("this torch build cannot prepack weights (no oneDNN)")
-    if not model.use_cpu_ops():
+    paths = apply_cpu_fast_paths(model)
+    if paths.small_gemm is None:
+        pytest.skip("this torch build cannot prepack weights (no oneDNN) or the small kernel cannot be built")
+    if paths.fused_ops is None:
         pytest.skip("the fused CPU ops cannot be built here")
-    if not model.use_decode_stack():
+    stack = CpuDecodeStack.for_model(model)
+    if stack is None:
         pytest.skip("the decode stack cannot be built here")
-    return model
+    return stack
 
 
 # SmolLM2-135M's layer shapes (9 query heads over 3 KV heads of 64: the kernel's unrolled attention), 2 layers
@@ -89,9 +92,10 @@ def _prefilled(
         pages = -(-(n + 1) // BLOCK)
         tables.append(blocks[:pages])
         blocks = blocks[pages:]
-    vocab = model.config.vocab_size
+    cfg = model.config
+    vocab = cfg.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
-    caches = [_cache(model.config), _cache(model.config)]
+    caches = [_cache(cfg), _cache(cfg)]
     prefill = BatchInputs.build(prompts, [0] * len(lengths), tables, [True] * len(lengths), BLOCK)
     for cache in caches:
         model(prefill, cache, kernel)
@@ -101,24 +105,16 @@ def _prefilled(
     return {"caches": caches, "decode": decode}
 
 
-def _layer_by_layer(model: LlamaForCausalLM, *args: Any) -> torch.Tensor:
-    stack, model.decode_stack = model.decode_stack, None
-    try:
-        return model(*args)
-    finally:
-        model.decode_stack = stack
-
-
-def _count_calls(model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def _count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The batch size of every decode-stack call from now on."""
     calls: list[int] = []
-    real = BoundDecodeStack.__call__
+    real = CpuDecodeStack.__call__
 
-    def counted(self: BoundDecodeStack, x: torch.Tensor, *args: Any) -> torch.Tensor:
+    def counted(self: CpuDecodeStack, x: torch.Tensor, *args: Any) -> torch.Tensor:
         calls.append(x.shape[0])
         return real(self, x, *args)
 
-    monkeypatch.setattr(BoundDecodeStack, "__call__", counted)
+    monkeypatch.setattr(CpuDecodeStack, "__call__", counted)
     return calls
 
 
@@ -129,27 +125,25 @@ def test_the_same_bits_as_layer_by_layer(
 ) -> None:
     """Logits and both caches' K/V are equal bit for bit; the sequences come in unsorted, so the batch is
     reordered by length and the logits must come back in the caller's order."""
-    model = _model(cfg)
-    state = _prefilled(model, kernel, lengths, seed=len(lengths))
+    stack = _model(cfg)
+    state = _prefilled(stack.model, kernel, lengths, seed=len(lengths))
     stacked_cache, layered_cache = state["caches"]
-    calls = _count_calls(model, monkeypatch)
-    stacked = model(state["decode"], stacked_cache, kernel)
+    calls = _count_calls(monkeypatch)
+    stacked = stack.forward(state["decode"], stacked_cache, kernel)
     assert calls == [len(lengths)]
-    layered = _layer_by_layer(model, state["decode"], layered_cache, kernel)
+    layered = stack.model(state["decode"], layered_cache, kernel)
     assert torch.equal(stacked, layered)
     assert torch.equal(stacked_cache.kv, layered_cache.kv)
     assert stacked.shape == (len(lengths), cfg.vocab_size)
 
 
 def test_bad_slots_and_positions_are_refused_before_anything_is_written(kernel: PagedDecodeKernel) -> None:
-    model = _model(SMOL)
-    state = _prefilled(model, kernel, [5, 9], seed=1)
+    stack = _model(SMOL)
+    state = _prefilled(stack.model, kernel, [5, 9], seed=1)
     cache = state["caches"][0]
     before = cache.kv.clone()
     good: BatchInputs = state["decode"]
     x = torch.zeros(2, SMOL.hidden_size)
-    stack = model.decode_stack
-    assert stack is not None
     outside = torch.tensor([NUM_BLOCKS * BLOCK, 3])
     with pytest.raises(ValueError, match="slot outside"):
         stack(x, dataclasses.replace(good, slot_mapping=outside), cache)
@@ -165,26 +159,24 @@ def test_bad_slots_and_positions_are_refused_before_anything_is_written(kernel: 
 def test_only_pure_float32_decode_steps_with_the_cpu_kernel_take_it(
     kernel: PagedDecodeKernel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = _model(SMOL)
-    state = _prefilled(model, kernel, [5, 9], seed=2)
-    calls = _count_calls(model, monkeypatch)
+    stack = _model(SMOL)
+    state = _prefilled(stack.model, kernel, [5, 9], seed=2)
+    calls = _count_calls(monkeypatch)
     cache = state["caches"][0]
-    model(state["decode"], cache, None)  # decode attention in SDPA
+    stack.forward(state["decode"], cache, None)  # decode attention in SDPA
     mixed = BatchInputs.build([[3], [4, 5, 6]], [5, 9], [[1], [2]], [True, True], BLOCK)
-    model(mixed, cache, kernel)  # a prefill chunk in the batch
+    stack.forward(mixed, cache, kernel)  # a prefill chunk in the batch
     assert calls == []
-    model(state["decode"], cache, kernel)
+    stack.forward(state["decode"], cache, kernel)
     assert calls == [2]
     qwen3 = dataclasses.replace(SMOL, architecture="qwen3", qk_norm=True)
     with_norms = build_model(qwen3, torch.float32, CPU)
-    if prepacked.can_prepack(CPU, torch.float32):
-        with_norms.prepack_weights()
-    with_norms.use_cpu_ops()
-    assert not with_norms.use_decode_stack() and with_norms.decode_stack is None
+    apply_cpu_fast_paths(with_norms)
+    assert CpuDecodeStack.for_model(with_norms) is None
     bf16 = build_model(SMOL, torch.bfloat16, CPU)
-    bf16.prepack_weights()
-    bf16.use_cpu_ops()
-    assert not bf16.use_decode_stack()
+    apply_cpu_fast_paths(bf16)
+    assert CpuDecodeStack.for_model(bf16) is None
+    assert CpuDecodeStack.for_model(build_model(SMOL, torch.float32, CPU)) is None  # no fast paths swapped in
 
 
 @pytest.fixture(scope="module")
@@ -197,18 +189,17 @@ def test_the_engine_decodes_through_it_with_the_same_tokens(
 ) -> None:
     """The default model through the Engine API: a float32 CPU engine runs its decode steps in the stack,
     and greedy generation gives the tokens of the layer-by-layer path."""
-    model = engine.model
-    assert isinstance(model, LlamaForCausalLM) and model.decode_stack is not None
+    assert isinstance(engine.model, LlamaForCausalLM) and engine.decode_stack is not None
     prompts = [engine.tokenizer.encode(t) for t in ("The capital of France is", "1, 2, 3,", "Hello, my name")]
     kwargs: dict[str, Any] = dict(progress_bar=False, max_new_tokens=12, do_sample=False, ignore_eos=True)
-    calls = _count_calls(model, monkeypatch)
+    calls = _count_calls(monkeypatch)
     stacked = engine.generate_batch(prompts, **kwargs)
     assert len(calls) >= 11 and max(calls) == 3
-    stack, model.decode_stack = model.decode_stack, None
+    stack, engine.decode_stack = engine.decode_stack, None
     try:
         layered = engine.generate_batch(prompts, **kwargs)
     finally:
-        model.decode_stack = stack
+        engine.decode_stack = stack
     assert [o.generated_ids for o in stacked.values()] == [o.generated_ids for o in layered.values()]
     assert all(len(o.generated_ids) == 12 for o in stacked.values())
 

@@ -8,6 +8,7 @@ import torch
 from model_harness import prompt_logits
 
 from engine.executor.kernels import prepacked
+from engine.executor.kernels.modules import PackedLinear
 from engine.executor.kv_cache import KVCache
 from engine.loader.model_loader import load_model
 
@@ -50,7 +51,7 @@ def test_bfloat16_prepacks_only_where_the_cpu_has_bfloat16_matmuls(monkeypatch: 
     monkeypatch.setattr(prepacked, "_cpu_has_bf16_matmuls", lambda: False)
     assert not prepacked.can_prepack(cpu, torch.bfloat16)
     loaded = load_model("default", dtype="bfloat16", device="cpu")
-    assert not loaded.model.is_prepacked
+    assert not any(isinstance(m, PackedLinear) for m in loaded.model.modules())
     ids = [loaded.tokenizer.encode(TEXTS[0])]
     cfg = loaded.config
     kv = KVCache(cfg.num_hidden_layers, 8, 16, cfg.num_key_value_heads, cfg.head_dim, torch.bfloat16, "cpu")

@@ -17,9 +17,12 @@ import torch
 from model_harness import MODES, Mode, cpu_kernel_or_skip, prompt_logits, run_greedy
 
 from engine.executor.attention.cpu_kernel import PagedDecodeKernel
+from engine.executor.decode_stack import CpuDecodeStack
+from engine.executor.fast_paths import CpuFastPaths, apply_cpu_fast_paths, swap_fused_ops
+from engine.executor.kernels.modules import FusedRotaryEmbedding
 from engine.executor.kv_cache import KVCache
 from engine.executor.models import LlamaForCausalLM, WeightMismatchError, build_model
-from engine.executor.models.layers import rope_inv_freq
+from engine.executor.models.layers import Linear, rope_inv_freq
 from engine.model_config import ModelConfig
 
 transformers = pytest.importorskip("transformers")
@@ -81,7 +84,9 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "qwen2_bias_tied": (
         "Qwen2Config",
-        dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, use_sliding_window=False),
+        dict(
+            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, use_sliding_window=False
+        ),
     ),
     "qwen3_qk_norm": (
         "Qwen3Config",
@@ -133,11 +138,9 @@ def _hf_greedy_one_by_one(hf_model: Any, prompts: list[list[int]]) -> list[list[
 def tiny(request: pytest.FixtureRequest) -> dict[str, Any]:
     hf_model = _tiny_hf_model(request.param)
     with_ops = _ours_from(hf_model)
-    with_ops.use_cpu_ops()
+    swap_fused_ops(with_ops)  # the fused ops over dense matmuls
     stacked = _ours_from(hf_model)  # as the engine sets up a float32 CPU model
-    stacked.prepack_weights()
-    stacked.use_cpu_ops()
-    stacked.use_decode_stack()
+    apply_cpu_fast_paths(stacked)
     gen = torch.Generator().manual_seed(7)
     vocab = hf_model.config.vocab_size
     prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
@@ -146,7 +149,7 @@ def tiny(request: pytest.FixtureRequest) -> dict[str, Any]:
         "hf": hf_model,
         "ours": _ours_from(hf_model),
         "with_cpu_ops": with_ops,
-        "stacked": stacked,
+        "stacked": CpuDecodeStack.for_model(stacked) or stacked,
         "prompts": prompts,
         "ref_logits": _hf_last_logits(hf_model, prompts),
         "ref_tokens": _hf_greedy_one_by_one(hf_model, prompts),
@@ -193,7 +196,7 @@ def test_tiny_greedy_tokens_with_the_cpu_decode_kernel_and_ops(tiny: dict[str, A
     rows of 64 and 160 and heads of 16 and 32 run the fused CPU ops' vector loops, Qwen3's per-head q/k
     norms their PyTorch fallback."""
     ours: LlamaForCausalLM = tiny["with_cpu_ops"]
-    if not ours.uses_cpu_ops:
+    if not isinstance(ours.rotary, FusedRotaryEmbedding):
         pytest.skip("the fused CPU ops cannot be built here")
     kernel = cpu_kernel_or_skip()
     cache = _cache_for(ours, tiny["prompts"], 16)
@@ -206,11 +209,12 @@ def test_tiny_greedy_tokens_through_the_decode_stack(tiny: dict[str, Any], mode:
     """Prepacked weights, the fused ops and decode steps' layers in one C call (engine/executor/decode_stack.py):
     Llama's scaled RoPE, Mistral's window and Qwen2's biases inside the stack; Qwen3's q/k norms keep it
     layer by layer."""
-    ours: LlamaForCausalLM = tiny["stacked"]
-    if ours.decode_stack is None and tiny["kind"] != "qwen3_qk_norm":
+    ours: CpuDecodeStack | LlamaForCausalLM = tiny["stacked"]
+    if not isinstance(ours, CpuDecodeStack) and tiny["kind"] != "qwen3_qk_norm":
         pytest.skip("the decode stack cannot be used here (no oneDNN or no C compiler)")
     kernel = cpu_kernel_or_skip()
-    tokens = run_greedy(ours, _cache_for(ours, tiny["prompts"], 16), tiny["prompts"], NEW_TOKENS, mode,
+    model = ours.model if isinstance(ours, CpuDecodeStack) else ours
+    tokens = run_greedy(ours, _cache_for(model, tiny["prompts"], 16), tiny["prompts"], NEW_TOKENS, mode,
                         decode_kernel=kernel)  # fmt: skip
     assert tokens == tiny["ref_tokens"]
 
@@ -218,7 +222,9 @@ def test_tiny_greedy_tokens_through_the_decode_stack(tiny: dict[str, Any], mode:
 def test_tiny_configs_exercise_the_features_they_name() -> None:
     """Guards the fixture: each tiny model really has the feature its test relies on."""
     cfgs = {k: ModelConfig.from_hf_dict(_tiny_hf_model(k).config.to_dict()) for k in TINY_CONFIGS}
-    assert cfgs["llama3_rope_gqa"].rope_scaling is not None and cfgs["llama3_rope_gqa"].num_queries_per_kv == 2
+    assert (
+        cfgs["llama3_rope_gqa"].rope_scaling is not None and cfgs["llama3_rope_gqa"].num_queries_per_kv == 2
+    )
     assert cfgs["mistral_sliding_window"].sliding_window == 8
     assert cfgs["qwen2_bias_tied"].attention_bias and cfgs["qwen2_bias_tied"].tie_word_embeddings
     assert cfgs["qwen3_qk_norm"].qk_norm and cfgs["qwen3_qk_norm"].head_dim * 4 != 64
@@ -293,6 +299,7 @@ SMOL_PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. Again: the",
 ]
 
+
 @pytest.fixture(scope="session")
 def smollm2(oracle_model: Any, oracle_tokenizer: Any) -> dict[str, Any]:
     """Ours loaded from the oracle's dequantized state dict (conftest.py loads the GGUF through transformers),
@@ -308,12 +315,11 @@ def smollm2(oracle_model: Any, oracle_tokenizer: Any) -> dict[str, Any]:
                                         pad_token_id=oracle_tokenizer.pad_token_id or 0)  # fmt: skip
         width = enc["input_ids"].shape[1]
         packed = _ours_from(oracle_model)
-        packed.prepack_weights()
-        packed.use_cpu_ops()
-        packed.use_decode_stack()
+        paths = apply_cpu_fast_paths(packed)
         return {
             "ours": _ours_from(oracle_model),
-            "packed": packed,  # what the engine runs on a CPU: prepacked weights, fused CPU ops, the decode stack
+            "packed": CpuDecodeStack.for_model(packed) or packed,  # as the engine runs a CPU model
+            "paths": paths,
             "prompts": prompts,
             "ref_logits": _hf_last_logits(oracle_model, prompts),
             "ref_tokens": [row[width:].tolist() for row in out],
@@ -328,23 +334,28 @@ def smollm2(oracle_model: Any, oracle_tokenizer: Any) -> dict[str, Any]:
 PATHS = ["cpu", "reference"]
 
 
-def _path(smollm2: dict[str, Any], path: str) -> tuple[LlamaForCausalLM, PagedDecodeKernel | None]:
+def _path(
+    smollm2: dict[str, Any], path: str
+) -> tuple[LlamaForCausalLM | CpuDecodeStack, LlamaForCausalLM, PagedDecodeKernel | None]:
+    """(what runs the steps, its model, the decode kernel) of ``path``."""
     if path == "reference":
-        return smollm2["ours"], None
-    if not smollm2["packed"].is_prepacked:
+        return smollm2["ours"], smollm2["ours"], None
+    paths: CpuFastPaths = smollm2["paths"]
+    if not paths.prepacked:
         pytest.skip("this torch build cannot prepack weights (no oneDNN)")
-    if not smollm2["packed"].uses_cpu_ops:
+    if paths.fused_ops is None:
         pytest.skip("the fused CPU ops cannot be built here")
-    return smollm2["packed"], cpu_kernel_or_skip()
+    packed = smollm2["packed"]
+    return packed, packed.model if isinstance(packed, CpuDecodeStack) else packed, cpu_kernel_or_skip()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("mode", MODES)
 def test_smollm2_last_token_logits(smollm2: dict[str, Any], mode: Mode, path: str) -> None:
-    ours, kernel = _path(smollm2, path)
+    ours, model, kernel = _path(smollm2, path)
     assert len({len(p) for p in smollm2["prompts"]}) >= 6  # varied lengths
-    logits = prompt_logits(ours, _cache_for(ours, smollm2["prompts"], 16), smollm2["prompts"], mode,
+    logits = prompt_logits(ours, _cache_for(model, smollm2["prompts"], 16), smollm2["prompts"], mode,
                            decode_kernel=kernel)  # fmt: skip
     assert (logits - smollm2["ref_logits"]).abs().max().item() <= 1e-3
 
@@ -353,18 +364,18 @@ def test_smollm2_last_token_logits(smollm2: dict[str, Any], mode: Mode, path: st
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("mode", MODES)
 def test_smollm2_greedy_tokens_match_generate(smollm2: dict[str, Any], mode: Mode, path: str) -> None:
-    ours, kernel = _path(smollm2, path)
+    ours, model, kernel = _path(smollm2, path)
     prompts = smollm2["prompts"]
-    tokens = run_greedy(ours, _cache_for(ours, prompts, 16), prompts, NEW_TOKENS, mode, decode_kernel=kernel)
+    tokens = run_greedy(ours, _cache_for(model, prompts, 16), prompts, NEW_TOKENS, mode, decode_kernel=kernel)
     assert tokens == smollm2["ref_tokens"]
 
 
 def test_prepacked_model_refuses_to_load_again(llama_pair: tuple[Any, LlamaForCausalLM]) -> None:
     hf_model, _ = llama_pair
     model = _ours_from(hf_model)
-    if not model.prepack_weights():
+    if not apply_cpu_fast_paths(model).prepacked:
         pytest.skip("this torch build cannot prepack weights (no oneDNN)")
     qkv = model.model.layers[0].self_attn.qkv_proj  # type: ignore[union-attr]
-    assert qkv.is_prepacked and qkv.weight.numel() == 0  # the dense copy is freed
-    with pytest.raises(RuntimeError, match="after prepack_weights"):
+    assert not isinstance(qkv, Linear) and not hasattr(qkv, "weight")  # the dense copy is gone
+    with pytest.raises(RuntimeError, match="after the fast paths replaced"):
         model.load_weights(hf_model.state_dict().items())

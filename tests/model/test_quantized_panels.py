@@ -10,12 +10,14 @@ import torch
 from model_harness import cpu_kernel_or_skip, run_greedy
 
 from engine.cpu.native_build import KernelUnavailable
+from engine.executor.decode_stack import CpuDecodeStack
+from engine.executor.fast_paths import apply_cpu_fast_paths
 from engine.executor.inputs import BatchInputs
 from engine.executor.kernels.block_codes import BLOCK, BlockCodes
+from engine.executor.kernels.modules import QuantPanelLinear, SmallGemmLinear
 from engine.executor.kernels.small_gemm import PANEL, QUANTIZED_MAX_ROWS, SmallGemm, load, qblock_bytes
 from engine.executor.kv_cache import KVCache
 from engine.executor.models import LlamaForCausalLM
-from engine.executor.models.layers import Linear
 from engine.loader.model_loader import load_model
 
 pytestmark = pytest.mark.slow  # the real model's quantized blocks, step by step
@@ -110,49 +112,50 @@ def test_cat_refuses_mixed_kinds() -> None:
 
 
 @pytest.fixture(scope="module")
-def models(kernel: SmallGemm) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
+def models(kernel: SmallGemm) -> tuple[CpuDecodeStack, CpuDecodeStack]:
     """The default model as the engine loads it (its Q4_1 and Q8_0 matrices in quantized panels too), and the
-    same file with float32 panels only."""
+    same file with float32 panels only; each with its decode stack, as the engine runs them."""
     quantized = load_model("default", dtype="float32", device="cpu").model
     plain = load_model("default", dtype="float32", device="cpu", prepack=False).model
     assert isinstance(quantized, LlamaForCausalLM) and isinstance(plain, LlamaForCausalLM)
     with torch.no_grad():
-        plain.prepack_weights()
-        plain.use_cpu_ops()
-        plain.use_decode_stack()
-    if quantized.decode_stack is None or plain.decode_stack is None:
+        apply_cpu_fast_paths(plain)
+    stacks = CpuDecodeStack.for_model(quantized), CpuDecodeStack.for_model(plain)
+    if stacks[0] is None or stacks[1] is None:
         pytest.skip("the decode stack cannot be built here")
-    return quantized, plain
+    return stacks[0], stacks[1]
 
 
-def test_the_default_model_keeps_its_blocks(models: tuple[LlamaForCausalLM, LlamaForCausalLM]) -> None:
-    quantized, plain = models
-    linears = [m for m in quantized.modules() if isinstance(m, Linear)]
-    qpanels = [m.small_qpacked for m in linears]
-    assert all(p is not None and p.dtype == torch.uint8 for p in qpanels)
-    assert all(m.small_qpacked is None for m in plain.modules() if isinstance(m, Linear))
+def test_the_default_model_keeps_its_blocks(models: tuple[CpuDecodeStack, CpuDecodeStack]) -> None:
+    quantized, plain = (stack.model for stack in models)
+    swapped = [m for m in quantized.modules() if isinstance(m, QuantPanelLinear | SmallGemmLinear)]
+    linears = [m for m in swapped if isinstance(m, QuantPanelLinear)]
+    assert (
+        len(swapped) == 2 * len(linears) > 0
+    )  # every projection keeps its blocks (float32 panels behind them)
+    assert all(m.qpanels.dtype == torch.uint8 for m in linears)
+    assert not any(isinstance(m, QuantPanelLinear) for m in plain.modules())
     # every projection is Q4_1 (d * q + m), the tied output head Q8_0 (d * q)
-    head = quantized.packed_head
-    assert head is not None and head.small_qpacked is not None
-    assert head.small_qpacked.shape[-1] == qblock_bytes(False)
-    assert {
-        p.shape[-1] for m, p in zip(linears, qpanels, strict=True) if m is not head and p is not None
-    } == {qblock_bytes(True)}
-    q_bytes = sum(p.numel() for p in qpanels if p is not None)
-    f_bytes = sum(m.small_packed.numel() * 4 for m in linears if m.small_packed is not None)
+    head = quantized.lm_head
+    assert isinstance(head, QuantPanelLinear) and head.qpanels.shape[-1] == qblock_bytes(False)
+    assert {m.qpanels.shape[-1] for m in linears if m is not head} == {qblock_bytes(True)}
+    q_bytes = sum(m.qpanels.numel() for m in linears)
+    f_bytes = sum(m.rest.panels.numel() * 4 for m in linears)
     assert q_bytes < f_bytes / 3.2, (q_bytes, f_bytes)
 
 
 @pytest.mark.parametrize("num_seqs", [1, 2, QUANTIZED_MAX_ROWS, QUANTIZED_MAX_ROWS + 1])
 def test_the_default_model_computes_the_same_bits(
-    models: tuple[LlamaForCausalLM, LlamaForCausalLM], num_seqs: int, monkeypatch: pytest.MonkeyPatch
+    models: tuple[CpuDecodeStack, CpuDecodeStack], num_seqs: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Prefill, decode steps in the decode stack (from the quantized panels up to QUANTIZED_MAX_ROWS
     sequences) and the output head: equal logits and K/V; then greedy generation, batched and chunked."""
     decode_kernel = cpu_kernel_or_skip()
     quantized, plain = models
-    cfg = quantized.config
-    calls = _count_quantized_calls(quantized.small, monkeypatch)
+    cfg = quantized.model.config
+    head = quantized.model.lm_head
+    assert isinstance(head, QuantPanelLinear)
+    calls = _count_quantized_calls(head.rest.small, monkeypatch)
     caches = [KVCache(cfg.num_hidden_layers, 64, 16, cfg.num_key_value_heads, cfg.head_dim) for _ in range(2)]
     prompts = [[(7 * i + 3 * s) % cfg.vocab_size for i in range(3 + 11 * s)] for s in range(num_seqs)]
     tables = [[1 + 6 * s + j for j in range(6)] for s in range(num_seqs)]
@@ -162,9 +165,9 @@ def test_the_default_model_computes_the_same_bits(
     quantized_calls = []
     for batch in (prefill, decode):
         calls.clear()
-        out_q = quantized(batch, caches[0], decode_kernel)
+        out_q = quantized.forward(batch, caches[0], decode_kernel)
         quantized_calls.append(list(calls))
-        out_f = plain(batch, caches[1], decode_kernel)
+        out_f = plain.forward(batch, caches[1], decode_kernel)
         assert torch.equal(out_q, out_f)
     assert torch.equal(caches[0].kv, caches[1].kv)
     if num_seqs == 1:  # a prefill of 3 tokens: every projection of the 30 layers and the head's one row
@@ -186,9 +189,8 @@ def test_the_default_model_computes_the_same_bits(
         assert runs[0] == runs[1]
 
 
-def _count_quantized_calls(small: SmallGemm | None, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def _count_quantized_calls(small: SmallGemm, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Row counts of the calls of ``small.linear`` on quantized panels, from now on."""
-    assert small is not None
     calls: list[int] = []
     original = small.linear
 

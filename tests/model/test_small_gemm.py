@@ -1,25 +1,16 @@
 """The float32 small-batch matmul kernel (engine/executor/kernels/small_gemm.py): within float32 rounding of a
 float64 reference at the model's shapes, output tails that are not a multiple of the panel and k past one
-1024 block; the same bits for a row whatever its batch; strided rows, bias, argument checks, and its use by
-the model. NOTE: oneDNN is never the reference for bits: it picks other kernels on other CPUs."""
+1024 block; the same bits for a row whatever its batch; strided rows, bias and argument checks (its use by the model: tests/model/test_fast_paths.py). NOTE: oneDNN is never the reference for bits: it picks other kernels on other CPUs."""
 
 from __future__ import annotations
-
-import dataclasses
-from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine.cpu.native_build import KernelUnavailable
-from engine.executor.inputs import BatchInputs
 from engine.executor.kernels import prepacked, small_gemm
 from engine.executor.kernels.small_gemm import SmallGemm
-from engine.executor.kv_cache import KVCache
-from engine.executor.models.layers import Linear
-from engine.executor.models.registry import build_model
-from engine.loader.dummy import get_preset
 
 CPU = torch.device("cpu")
 UNIT_ROUNDOFF = 2.0**-24  # float32
@@ -111,96 +102,3 @@ def test_bad_arguments_are_refused(kernel: SmallGemm) -> None:
         kernel.linear(torch.randn(2, 8), packed, 17, None)  # more outputs than packed
     with pytest.raises(ValueError):
         kernel.pack(torch.randn(16, 8, dtype=torch.bfloat16))
-
-
-def _loaded_linear() -> tuple[Linear, torch.Tensor, torch.Tensor]:
-    """A 32 -> 48 Linear with a bias, loaded with random weights: (layer, W, b)."""
-    lin = Linear(32, 48, True, torch.float32, CPU)
-    w, b = torch.randn(48, 32), torch.randn(48)
-    with torch.no_grad():
-        lin.weight.copy_(w)
-        assert lin.bias is not None
-        lin.bias.copy_(b)
-    return lin, w, b
-
-
-def _count_kernel_calls(kernel: SmallGemm, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The row counts of every ``kernel.linear`` call from now on."""
-    calls: list[int] = []
-    real = kernel.linear
-
-    def counted(x: torch.Tensor, *args: Any) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return real(x, *args)
-
-    monkeypatch.setattr(kernel, "linear", counted)
-    return calls
-
-
-def test_linear_uses_the_kernel_for_few_rows_only(kernel: SmallGemm, monkeypatch: pytest.MonkeyPatch) -> None:
-    if not prepacked.can_prepack(CPU, torch.float32):
-        pytest.skip("this torch build cannot prepack weights (no oneDNN)")
-    lin, w, b = _loaded_linear()
-    lin.prepack(kernel)
-    calls = _count_kernel_calls(kernel, monkeypatch)
-    for m in (1, small_gemm.MAX_ROWS, small_gemm.MAX_ROWS + 1):
-        x = torch.randn(m, 32)
-        torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
-    assert calls == [1, small_gemm.MAX_ROWS]  # more rows than MAX_ROWS go to oneDNN
-
-
-def test_without_onednn_every_call_goes_to_the_kernel(
-    kernel: SmallGemm, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Where the kernel takes every batch, a prepacked Linear keeps only its panels and serves any row count,
-    3-D inputs and strided ones."""
-    if not prepacked.can_prepack(CPU, torch.float32):
-        pytest.skip("this torch build cannot prepack weights (no oneDNN)")
-    lin, w, b = _loaded_linear()
-    lin.prepack(kernel, onednn=False)
-    assert lin.packed is None and lin.weight.numel() == 0 and lin.is_prepacked
-    calls = _count_kernel_calls(kernel, monkeypatch)
-    for x in (torch.randn(1, 32), torch.randn(300, 32), torch.randn(3, 5, 32), torch.randn(32, 7).T):
-        torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
-    assert calls == [1, 300, 15, 7]
-
-
-@pytest.mark.parametrize("onednn_copy", [True, False], ids=["with-onednn", "kernel-only"])
-def test_model_logits_with_and_without_the_kernel(
-    kernel: SmallGemm, monkeypatch: pytest.MonkeyPatch, onednn_copy: bool
-) -> None:
-    """A float32 prepacked model uses the kernel for a decode step (and its output head); its prefill and
-    decode logits equal the dense model's up to float rounding, and with oneDNN's copy kept (AVX-512 CPUs)
-    the same step through oneDNN alone gives them too. bfloat16 models never use it."""
-    if not prepacked.can_prepack(CPU, torch.float32):
-        pytest.skip("this torch build cannot prepack weights (no oneDNN)")
-    monkeypatch.setattr(small_gemm, "takes_every_batch", lambda: not onednn_copy)
-    cfg = dataclasses.replace(get_preset("smollm2-135m"), vocab_size=200, hidden_size=64, intermediate_size=160,
-                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
-    model, dense = build_model(cfg, torch.float32, CPU), build_model(cfg, torch.float32, CPU)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p, q in zip(model.parameters(), dense.parameters(), strict=True):
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-            q.copy_(p)
-    model.prepack_weights()
-    assert model.uses_small_gemm and model.is_prepacked
-    assert (model.lm_head_packed is None) == (not onednn_copy)
-    cache = KVCache(cfg.num_hidden_layers, 16, 16, cfg.num_key_value_heads, cfg.head_dim, torch.float32, CPU)
-    dense_cache = KVCache(
-        cfg.num_hidden_layers, 16, 16, cfg.num_key_value_heads, cfg.head_dim, torch.float32, CPU
-    )
-    prompts = [list(range(5, 75)), [9, 10, 11]]  # 73 prefill rows: more than MAX_ROWS
-    prefill = BatchInputs.build(prompts, [0, 0], [[1, 3, 4, 5, 6], [2]], [True, True], 16)
-    torch.testing.assert_close(model(prefill, cache), dense(prefill, dense_cache), rtol=1e-4, atol=1e-4)
-    decode = BatchInputs.build([[12], [13]], [70, 3], [[1, 3, 4, 5, 6], [2]], [True, True], 16)
-    with_kernel = model(decode, cache)
-    torch.testing.assert_close(with_kernel, dense(decode, dense_cache), rtol=1e-4, atol=1e-4)
-    if not onednn_copy:
-        return
-    model.small = None
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.small = None
-    torch.testing.assert_close(model(decode, cache), with_kernel, rtol=1e-4, atol=1e-4)
-    assert not build_model(cfg, torch.bfloat16, CPU).uses_small_gemm

@@ -1,0 +1,194 @@
+"""The CPU's fast paths, applied to a loaded model by swapping its modules (engine/executor/kernels/modules.py),
+as gpt-fast's ``replace_linear_int4`` does: the model's code stays the architecture alone.
+
+    apply_cpu_fast_paths(model, blocks):
+        every Linear (the output head included) ->
+            float32, the small kernel built:  SmallGemmLinear (+ PackedLinear for more than MAX_ROWS rows,
+                                              unless the kernel takes every batch), wrapped in a
+                                              QuantPanelLinear where the checkpoint's blocks give W exactly
+            otherwise, where oneDNN packs:    PackedLinear
+        RMSNorm -> FusedRMSNorm, RotaryEmbedding -> FusedRotaryEmbedding, SiluAndMul -> FusedSiLUMul
+            (float32 or bfloat16 on the CPU, where the ops could be built)
+
+Nothing is swapped where the CPU, the dtype or the torch build does not allow it, and a kernel that cannot
+be built is logged and skipped: the PyTorch modules run instead. Why each is faster: the modules' files and
+docs/MODEL.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.cpu import huge_pages
+from engine.cpu.native_build import KernelUnavailable
+from engine.executor.kernels import cpu_ops, prepacked, small_gemm
+from engine.executor.kernels.block_codes import BlockCodes
+from engine.executor.kernels.cpu_ops import CpuOps
+from engine.executor.kernels.modules import (
+    FusedRMSNorm,
+    FusedRotaryEmbedding,
+    FusedSiLUMul,
+    PackedLinear,
+    QuantPanelLinear,
+    SmallGemmLinear,
+)
+from engine.executor.kernels.small_gemm import SmallGemm
+from engine.executor.models.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
+from engine.executor.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CpuFastPaths:
+    """What ``apply_cpu_fast_paths`` swapped in: the matmuls' kernels and the fused ops (None: not used)."""
+
+    prepacked: bool  # every Linear replaced (PackedLinear and/or SmallGemmLinear)
+    small_gemm: SmallGemm | None
+    fused_ops: CpuOps | None
+
+
+def apply_cpu_fast_paths(
+    model: LlamaForCausalLM, blocks: Mapping[str, BlockCodes] | None = None
+) -> CpuFastPaths:
+    """Swap the CPU kernels' modules into ``model`` after ``load_weights`` (which cannot run afterwards: the
+    dense projections are freed; the embedding stays dense). ``blocks``: the checkpoint's block-quantized
+    tensors by Hugging Face name (the GGUF loader's), kept as quantized panels where they give the loaded
+    weight bit for bit."""
+    small = swap_linears(model, blocks or {})
+    ops = swap_fused_ops(model)
+    return CpuFastPaths(not any(isinstance(m, Linear) for m in model.modules()), small, ops)
+
+
+def swap_linears(model: LlamaForCausalLM, blocks: Mapping[str, BlockCodes]) -> SmallGemm | None:
+    """Every ``Linear`` replaced where oneDNN can prepack this dtype (else none is); returns the small
+    kernel where it serves them."""
+    if not prepacked.can_prepack(model.device, model.dtype):
+        return None
+    small: SmallGemm | None = None
+    if small_gemm.supports(model.device, model.dtype):
+        try:
+            small = small_gemm.load()
+        except KernelUnavailable as e:
+            logger.warning("the small-batch matmul kernel is not used (%s); oneDNN runs decode steps", e)
+    onednn = small is None or not small_gemm.takes_every_batch()
+    places = [
+        (parent, name) for parent, name, m in _children(model) if isinstance(m, Linear)
+    ]  # the head last
+    linears = [getattr(parent, name) for parent, name in places]
+    panels: list[torch.Tensor | None] = [None] * len(places)
+    codes: list[BlockCodes | None] = [None] * len(places)
+    qpanels: list[torch.Tensor | None] = [None] * len(places)
+    if small is not None:  # all panels in one allocation on huge pages (engine/cpu/huge_pages.py)
+        codes = _block_codes(model, linears, blocks)
+        panels, qpanels = _arena(linears, codes)
+    del (
+        linears
+    )  # NOTE: each dense weight is freed as soon as its module is swapped, as it was when packed in place
+    for (parent, name), out, c, qout in zip(places, panels, codes, qpanels, strict=True):
+        linear = getattr(parent, name)
+        setattr(parent, name, _fast_linear(linear, small, onednn, out, c, qout))
+    return small
+
+
+def _fast_linear(
+    linear: Linear,
+    small: SmallGemm | None,
+    onednn: bool,
+    out: torch.Tensor | None,
+    codes: BlockCodes | None,
+    qout: torch.Tensor | None,
+) -> nn.Module:
+    """``linear``'s replacement: oneDNN's copy (where ``onednn`` or without ``small``), the small kernel's
+    panels (into ``out``) and the blocks' quantized panels (``codes``, into ``qout``)."""
+    weight, bias = linear.weight.detach(), linear.bias
+    if small is None:
+        return PackedLinear(weight, bias)
+    large = PackedLinear(weight, bias) if onednn else None
+    fast = SmallGemmLinear(small, weight, bias, large, out)
+    return fast if codes is None else QuantPanelLinear(small.pack_blocks(codes, qout), fast)
+
+
+def _arena(
+    linears: list[Linear], codes: list[BlockCodes | None]
+) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """Per Linear: its float32 panels and (where it has ``codes``) its quantized panels, all in one
+    allocation on huge pages."""
+    shapes = [SmallGemm.packed_shape(m.out_features, m.in_features) for m in linears]
+    qshapes = [
+        SmallGemm.qpacked_shape(m.out_features, m.in_features, c.offsets is not None)
+        for m, c in zip(linears, codes, strict=True)
+        if c is not None
+    ]
+    dtypes = [torch.float32] * len(shapes) + [torch.uint8] * len(qshapes)
+    arena = iter(huge_pages.empty_many([*shapes, *qshapes], dtypes))
+    panels: list[torch.Tensor | None] = [next(arena) for _ in shapes]
+    qpanels: list[torch.Tensor | None] = [None if c is None else next(arena) for c in codes]
+    return panels, qpanels
+
+
+def _block_codes(
+    model: LlamaForCausalLM, linears: list[Linear], blocks: Mapping[str, BlockCodes]
+) -> list[BlockCodes | None]:
+    """Per Linear: its weight as ``blocks`` hold it (the fused ones' parts in row order), or None where a
+    part is missing, parts mix kinds, or the blocks do not give the loaded weight bit for bit."""
+    parts: dict[int, list[tuple[int, int, BlockCodes]]] = {}
+    for name, (param, start, end) in model.weight_slots().items():
+        if name in blocks:
+            parts.setdefault(param.data_ptr(), []).append((start, end, blocks[name]))
+    result: list[BlockCodes | None] = []
+    for module in linears:
+        pieces = sorted(parts.get(module.weight.data_ptr(), []), key=lambda piece: piece[0])
+        starts = [0] + [end for _, end, _ in pieces]
+        whole = (
+            bool(pieces) and [s for s, _, _ in pieces] == starts[:-1] and starts[-1] == module.out_features
+        )
+        joined = BlockCodes.cat([c for _, _, c in pieces]) if whole else None
+        if joined is not None and torch.equal(joined.dequantize(), module.weight.detach()):
+            result.append(joined)
+        else:
+            result.append(None)
+    return result
+
+
+def swap_fused_ops(model: LlamaForCausalLM) -> CpuOps | None:
+    """RMSNorm (with its residual add), the rotary embedding and SwiGLU's activation in the fused CPU ops:
+    only on the CPU, in float32 or bfloat16, where the ops could be built (else the reason is logged)."""
+    if not CpuOps.supports(model.device, model.dtype):
+        return None
+    try:
+        ops = cpu_ops.load()
+    except KernelUnavailable as e:
+        logger.warning("the fused CPU ops are not used (%s); PyTorch runs them", e)
+        return None
+    for parent, name, module in _children(model):
+        fused = _fused(module, ops)
+        if fused is not None:
+            setattr(parent, name, fused)
+    return ops
+
+
+def _fused(module: nn.Module, ops: CpuOps) -> nn.Module | None:
+    """``module``'s fused replacement, if it has one. NOTE: exact types: a module swapped already stays."""
+    if type(module) is RMSNorm:
+        return FusedRMSNorm(module, ops)
+    if type(module) is RotaryEmbedding:
+        return FusedRotaryEmbedding(module, ops)
+    if type(module) is SiluAndMul:
+        return FusedSiLUMul(ops)
+    return None
+
+
+def _children(root: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute name, module) for every module under ``root``, in ``root.modules()`` order."""
+    found: list[tuple[nn.Module, str, nn.Module]] = []
+    for path, module in root.named_modules():
+        if path:
+            parent, _, name = path.rpartition(".")
+            found.append((root.get_submodule(parent), name, module))
+    return found

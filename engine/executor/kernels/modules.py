@@ -1,0 +1,148 @@
+"""The CPU kernels as modules that take the place of the model's own after loading, as gpt-fast's
+``WeightOnlyInt4Linear`` takes ``nn.Linear``'s: each has the contract of the module it replaces and one
+``forward``. engine/executor/fast_paths.py decides which go where; the model never learns they exist.
+
+    PackedLinear          oneDNN over a weight reordered once into its blocked layout (prepacked.py)
+    SmallGemmLinear       the float32 small-batch kernel's panels (small_gemm.py), oneDNN for larger calls
+    QuantPanelLinear      a quantized checkpoint's blocks, expanded in registers, for calls of a few rows
+    FusedRMSNorm          RMSNorm with its residual add in one C call (cpu_ops.py)
+    FusedRotaryEmbedding  q and k rotated in place in one C call
+    FusedSiLUMul          SwiGLU's ``silu(gate) * up`` in one C call
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.executor.kernels import prepacked, small_gemm
+from engine.executor.kernels.cpu_ops import CpuOps
+from engine.executor.kernels.small_gemm import SmallGemm
+from engine.executor.models.layers import RMSNorm, RotaryEmbedding, RotaryInputs
+
+
+class PackedLinear(nn.Module):
+    """``x W^T + b`` with ``W`` in oneDNN's prepacked layout (an opaque tensor only ``prepacked.linear`` reads)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed = prepacked.prepack(weight)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return prepacked.linear(x, self.packed, self.bias)  # [..., out_features]
+
+
+class SmallGemmLinear(nn.Module):
+    """``x W^T + b`` with ``W`` in the small kernel's 16-output panels (``SmallGemm.pack``; into ``out`` if
+    given). With ``large`` (the weights also in oneDNN's layout), calls of more than ``small_gemm.MAX_ROWS``
+    rows go there; without, the kernel takes every call (``small_gemm.takes_every_batch``)."""
+
+    def __init__(
+        self,
+        small: SmallGemm,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        large: PackedLinear | None,
+        out: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.small = small
+        self.panels = small.pack(weight.detach(), out)  # [ceil(out / 16), in, 16]
+        self.bias = bias
+        self.large = large
+
+    def takes(self, num_rows: int) -> bool:
+        """Whether a call of ``num_rows`` contiguous float32 rows runs on the panels."""
+        return self.large is None or num_rows <= small_gemm.MAX_ROWS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.large is None:
+            return self.small.matmul(x, self.panels, self.out_features, self.bias)  # [..., out_features]
+        if small_gemm.fits(x):
+            return self.small.linear(x, self.panels, self.out_features, self.bias)  # [rows, out_features]
+        return self.large(x)
+
+
+class QuantPanelLinear(nn.Module):
+    """``x W^T + b`` for a ``W`` that the checkpoint stored in blocks of codes (``BlockCodes``; their
+    ``dequantize()`` is the loaded ``W`` bit for bit): calls of at most ``small_gemm.QUANTIZED_MAX_ROWS``
+    rows read the blocks (``qpanels``, from ``SmallGemm.pack_blocks``), the same bits from a third to a
+    quarter of the bytes; other calls go to ``rest``, the float32 panels of the same ``W``."""
+
+    def __init__(self, qpanels: torch.Tensor, rest: SmallGemmLinear) -> None:
+        super().__init__()
+        self.out_features, self.in_features = rest.out_features, rest.in_features
+        self.qpanels = qpanels  # uint8 [ceil(out / 16), in / 32, block bytes]
+        self.rest = rest
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.rest.bias
+
+    def takes(self, num_rows: int) -> bool:
+        """Whether a call of ``num_rows`` contiguous float32 rows runs on panels (quantized or not)."""
+        return self.rest.takes(num_rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if small_gemm.fits_quantized(x):
+            return self.rest.small.linear(
+                x, self.qpanels, self.out_features, self.bias
+            )  # [rows, out_features]
+        return self.rest(x)
+
+
+class FusedRMSNorm(RMSNorm):
+    """``RMSNorm`` of rows in one C call, and ``add_and_norm`` with the residual updated in place. Per-head
+    norms (Qwen3's q/k: 3-D) stay on the PyTorch path."""
+
+    def __init__(self, norm: RMSNorm, ops: CpuOps) -> None:
+        super().__init__(0, norm.eps, norm.weight.dtype, norm.weight.device)
+        self.weight = norm.weight  # NOTE: the loaded weight, shared; the empty one made above is dropped
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.stride(1) == 1:
+            return self.ops.rms_norm(x, self.weight, self.eps)  # [rows, hidden]
+        return super().forward(x)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.rms_norm(x, self.weight, self.eps, residual), residual  # residual += x, in place
+
+
+class FusedRotaryEmbedding(nn.Module):
+    """``RotaryEmbedding``'s rotation in one C call, in place, reading ``rotary``'s cos/sin tables by
+    position (``prepare`` checks the positions once per forward, so the op need not)."""
+
+    def __init__(self, rotary: RotaryEmbedding, ops: CpuOps) -> None:
+        super().__init__()
+        self.head_dim = rotary.head_dim
+        self.cos: torch.Tensor
+        self.sin_signed: torch.Tensor
+        self.register_buffer("cos", rotary.cos, persistent=False)  # [max_pos, head_dim]
+        self.register_buffer("sin_signed", rotary.sin_signed, persistent=False)  # [max_pos, head_dim]
+        self.ops = ops
+
+    def prepare(self, positions: torch.Tensor) -> RotaryInputs:
+        if positions.numel():
+            lo, hi = (int(p) for p in torch.aminmax(positions))
+            if lo < 0 or hi >= self.cos.shape[0]:
+                raise IndexError(f"positions {lo}..{hi} outside the rotary table of {self.cos.shape[0]}")
+        return RotaryInputs(positions)
+
+    def rotate_with(self, x: torch.Tensor, inputs: RotaryInputs) -> torch.Tensor:
+        self.ops.rotary(x, inputs.positions, self.cos, self.sin_signed)  # x: [num_tokens, heads, head_dim]
+        return x
+
+
+class FusedSiLUMul(nn.Module):
+    """``SiluAndMul`` in one C call: ``gate_up`` ``[rows, 2 * inter]`` -> ``[rows, inter]``."""
+
+    def __init__(self, ops: CpuOps) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.ops.silu_and_mul(gate_up)  # [rows, inter]

@@ -1,0 +1,191 @@
+"""The CPU fast paths as module swaps (engine/executor/fast_paths.py, engine/executor/kernels/modules.py):
+which module takes each Linear, norm, rotary and activation per dtype and CPU; that each kernel module
+routes its calls as documented (the small kernel for few rows, oneDNN for more, or the kernel for all where
+it takes every batch); and that a swapped model's logits are the plain model's up to float rounding."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.cpu.native_build import KernelUnavailable
+from engine.executor.fast_paths import apply_cpu_fast_paths
+from engine.executor.inputs import BatchInputs
+from engine.executor.kernels import prepacked, small_gemm
+from engine.executor.kernels.modules import (
+    FusedRMSNorm,
+    FusedRotaryEmbedding,
+    FusedSiLUMul,
+    PackedLinear,
+    SmallGemmLinear,
+)
+from engine.executor.kernels.small_gemm import SmallGemm
+from engine.executor.kv_cache import KVCache
+from engine.executor.models import LlamaForCausalLM, build_model
+from engine.executor.models.layers import Linear, RMSNorm, SiluAndMul
+from engine.loader.dummy import get_preset
+
+CPU = torch.device("cpu")
+TINY = dataclasses.replace(get_preset("smollm2-135m"), vocab_size=200, hidden_size=64, intermediate_size=160,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def kernel() -> SmallGemm:
+    try:
+        return small_gemm.load()
+    except KernelUnavailable as e:
+        pytest.skip(f"the small-batch matmul kernel cannot be built here: {e}")
+
+
+def _pair(dtype: torch.dtype) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
+    """Two copies of TINY with the same random weights."""
+    model, plain = build_model(TINY, dtype, CPU), build_model(TINY, dtype, CPU)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+            q.copy_(p)
+    return model, plain
+
+
+def _types(model: nn.Module, kind: type[nn.Module]) -> set[type[nn.Module]]:
+    """The types of the modules that took the place of ``kind``'s (its attribute names in a plain model)."""
+    plain = build_model(TINY, torch.float32, CPU)
+    names = {name for name, m in plain.named_modules() if type(m) is kind}
+    return {type(m) for name, m in model.named_modules() if name in names}
+
+
+def test_a_float32_model_gets_the_kernels_modules(kernel: SmallGemm) -> None:
+    if not prepacked.can_prepack(CPU, torch.float32):
+        pytest.skip("this torch build cannot prepack weights (no oneDNN)")
+    model, _ = _pair(torch.float32)
+    paths = apply_cpu_fast_paths(model)
+    assert paths.prepacked and paths.small_gemm is not None
+    assert _types(model, Linear) == {SmallGemmLinear}
+    head = model.lm_head
+    assert isinstance(head, SmallGemmLinear)
+    onednn_copy = not small_gemm.takes_every_batch()  # with AVX-512
+    assert isinstance(head.large, PackedLinear) == onednn_copy
+    if paths.fused_ops is None:
+        pytest.skip("the fused CPU ops cannot be built here")
+    assert _types(model, RMSNorm) == {FusedRMSNorm}
+    assert _types(model, SiluAndMul) == {FusedSiLUMul}
+    assert isinstance(model.rotary, FusedRotaryEmbedding)
+
+
+def test_a_bfloat16_model_gets_onednn_and_the_fused_ops() -> None:
+    model, _ = _pair(torch.bfloat16)
+    paths = apply_cpu_fast_paths(model)
+    assert paths.small_gemm is None  # the small kernel is float32 only
+    onednn = prepacked.can_prepack(CPU, torch.bfloat16)
+    assert paths.prepacked == onednn
+    assert _types(model, Linear) == ({PackedLinear} if onednn else {Linear})
+    if paths.fused_ops is not None:
+        assert _types(model, RMSNorm) == {FusedRMSNorm} and isinstance(model.rotary, FusedRotaryEmbedding)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_swapped_model_gives_the_plain_models_logits(dtype: torch.dtype) -> None:
+    """Prefill (more rows than the small kernel takes) and a decode step, SDPA attention: the same logits
+    up to float rounding (bfloat16: its ~3 significant digits)."""
+    model, plain = _pair(dtype)
+    apply_cpu_fast_paths(model)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
+    caches = [KVCache(TINY.num_hidden_layers, 16, 16, TINY.num_key_value_heads, TINY.head_dim, dtype, CPU) for _ in range(2)]  # fmt: skip
+    prompts, tables = [list(range(5, 75)), [9, 10, 11]], [[1, 3, 4, 5, 6], [2]]  # 73 prefill rows
+    prefill = BatchInputs.build(prompts, [0, 0], tables, [True, True], 16)
+    decode = BatchInputs.build([[12], [13]], [70, 3], tables, [True, True], 16)
+    for batch in (prefill, decode):
+        torch.testing.assert_close(model(batch, caches[0]), plain(batch, caches[1]), **tol)  # type: ignore[arg-type]
+
+
+def _loaded_weights() -> tuple[torch.Tensor, torch.Tensor]:
+    """A 32 -> 48 weight and bias."""
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(48, 32, generator=gen), torch.randn(48, generator=gen)
+
+
+def _count_kernel_calls(kernel: SmallGemm, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The row counts of every ``kernel.linear`` call from now on."""
+    calls: list[int] = []
+    real = kernel.linear
+
+    def counted(x: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(kernel, "linear", counted)
+    return calls
+
+
+def test_the_kernel_takes_few_rows_and_onednn_the_rest(
+    kernel: SmallGemm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not prepacked.can_prepack(CPU, torch.float32):
+        pytest.skip("this torch build cannot prepack weights (no oneDNN)")
+    w, b = _loaded_weights()
+    lin = SmallGemmLinear(kernel, w, b, PackedLinear(w, b))
+    calls = _count_kernel_calls(kernel, monkeypatch)
+    for m in (1, small_gemm.MAX_ROWS, small_gemm.MAX_ROWS + 1):
+        x = torch.randn(m, 32)
+        torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+    assert calls == [1, small_gemm.MAX_ROWS]  # more rows than MAX_ROWS go to oneDNN
+
+
+def test_without_onednn_every_call_goes_to_the_kernel(
+    kernel: SmallGemm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the kernel takes every batch, its module keeps only the panels and serves any row count, 3-D
+    inputs and strided ones."""
+    w, b = _loaded_weights()
+    lin = SmallGemmLinear(kernel, w, b, None)
+    calls = _count_kernel_calls(kernel, monkeypatch)
+    for x in (torch.randn(1, 32), torch.randn(300, 32), torch.randn(3, 5, 32), torch.randn(32, 7).T):
+        torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+    assert calls == [1, 300, 15, 7]
+
+
+def _onednn_only(model: nn.Module) -> None:
+    """Every SmallGemmLinear in ``model`` replaced by its oneDNN copy."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, SmallGemmLinear) and module.large is not None:
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, module.large)
+
+
+@pytest.mark.parametrize("onednn_copy", [True, False], ids=["with-onednn", "kernel-only"])
+def test_model_logits_with_and_without_the_kernel(
+    kernel: SmallGemm, monkeypatch: pytest.MonkeyPatch, onednn_copy: bool
+) -> None:
+    """A float32 model uses the kernel for a decode step (and its output head): prefill and decode logits
+    equal the dense model's up to float rounding, and with oneDNN's copy kept (AVX-512 CPUs) the same step
+    through oneDNN alone gives them too. NOTE: within rounding, not bits: oneDNN's kernels differ by CPU."""
+    if not prepacked.can_prepack(CPU, torch.float32):
+        pytest.skip("this torch build cannot prepack weights (no oneDNN)")
+    monkeypatch.setattr(small_gemm, "takes_every_batch", lambda: not onednn_copy)
+    model, dense = _pair(torch.float32)
+    assert apply_cpu_fast_paths(model).small_gemm is not None
+    head = model.lm_head
+    assert isinstance(head, SmallGemmLinear) and (head.large is None) == (not onednn_copy)
+    cfg = TINY
+    cache = KVCache(cfg.num_hidden_layers, 16, 16, cfg.num_key_value_heads, cfg.head_dim, torch.float32, CPU)
+    dense_cache = KVCache(
+        cfg.num_hidden_layers, 16, 16, cfg.num_key_value_heads, cfg.head_dim, torch.float32, CPU
+    )
+    prompts = [list(range(5, 75)), [9, 10, 11]]  # 73 prefill rows: more than MAX_ROWS
+    prefill = BatchInputs.build(prompts, [0, 0], [[1, 3, 4, 5, 6], [2]], [True, True], 16)
+    torch.testing.assert_close(model(prefill, cache), dense(prefill, dense_cache), rtol=1e-4, atol=1e-4)
+    decode = BatchInputs.build([[12], [13]], [70, 3], [[1, 3, 4, 5, 6], [2]], [True, True], 16)
+    with_kernel = model(decode, cache)
+    torch.testing.assert_close(with_kernel, dense(decode, dense_cache), rtol=1e-4, atol=1e-4)
+    if not onednn_copy:
+        return
+    _onednn_only(model)
+    assert not any(isinstance(m, SmallGemmLinear) for m in model.modules())
+    torch.testing.assert_close(model(decode, cache), with_kernel, rtol=1e-4, atol=1e-4)
