@@ -80,14 +80,19 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         paged._prefill_part = kernel_part  # type: ignore[assignment]
         llama.paged_attention = real_attention  # type: ignore[assignment]
-    for name in sides:
+    _report(step, attention, f"{args.prompts} x {args.prompt_len}")
+    return 0
+
+
+def _report(step: dict[str, list[float]], attention: dict[str, list[float]], shape: str) -> None:
+    """Each side's whole prefill step and its attention's share: best and median of the runs."""
+    for name in step:
         s, a = step[name], attention[name]
         print(
-            f"{name:17s} prefill of {args.prompts} x {args.prompt_len}: best {min(s):.3f} s, median "
+            f"{name:17s} prefill of {shape}: best {min(s):.3f} s, median "
             f"{statistics.median(s):.3f} s;  attention: best {1e3 * min(a):.1f} ms, median "
             f"{1e3 * statistics.median(a):.1f} ms"
         )
-    return 0
 
 
 if __name__ == "__main__":

@@ -3,9 +3,9 @@ server iterates.
 
 The engine thread ``put``s each output on its request's sink as a step publishes it and ``flush``es the
 sinks once the step is done. An asyncio sink's outputs wait in its event loop's ``LoopMailbox`` until
-then and cross over in one wake-up of the loop for the whole step: a wake-up per output (16 a step at 16
-streams) cost the engine thread ~0.1 ms each, a GIL hand-over and a context switch to the loop's thread
-and back (docs/BENCHMARKS.md).
+then and cross over in one wake-up of the loop for the whole step: a wake-up per output costs the engine
+thread a GIL hand-over and a context switch to the loop's thread and back, per output (measured:
+docs/benchmarks-log.md).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Decode steps replayed from CUDA graphs: the step's hundreds of kernel launches cost one.
 
-Why: a decode step of a model on a GPU is bound by the host, not the GPU. On an H200 with a dummy
-Llama-3-8B in bfloat16 (64 sequences, ~540 tokens of context) the GPU needs a few milliseconds for the
-step while Python and the launches of 32 layers took ~18 ms. vLLM and SGLang capture the decode step once
+Why: a decode step of a model on a GPU is bound by the host, not the GPU: Python and the launches of
+every layer take several times the GPU's own time for the step (measured: docs/benchmarks-log.md). vLLM and SGLang capture the decode step once
 per batch size at start-up and replay it; so does this.
 
 How (as vLLM does):

@@ -224,9 +224,9 @@ class ParsedGGUF:
 
 def _parse_gguf(path: Path) -> ParsedGGUF:
     """The file's parse, shared by every load of the same file (path, size and modification time) in this
-    process. gguf-py reads a vocabulary's ~100k strings one by one: ~10 s for the default model on a 2-core
-    machine, paid again by every engine a test suite or a benchmark builds. Only what loading uses is kept,
-    not the reader's ~1M metadata objects (160 MB)."""
+    process. gguf-py reads a vocabulary's strings one by one, seconds for the default model, paid again by
+    every engine a test suite or a benchmark builds. Only what loading uses is kept, not the reader's
+    metadata objects."""
     try:
         stat = path.stat()
     except OSError as e:

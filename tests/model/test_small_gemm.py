@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from engine.cpu.native_build import KernelUnavailable
-from engine.executor.kernels import prepacked, small_gemm
+from engine.executor.kernels import small_gemm
 from engine.executor.kernels.small_gemm import SmallGemm
 
 CPU = torch.device("cpu")

@@ -9,13 +9,12 @@ plus the padding. The kernel reads each page once, in place, through the block t
 callers that choose the backend automatically fall back to the PyTorch path on that error.
 
 The same library writes each step's new K/V into their cache slots (``write_kv``): one pass over the new
-tokens instead of two ``index_put_`` calls per layer. In a bfloat16 decode step of 16 sequences on the
-benchmark machine (py-spy), the writes took 4.4 ms of 44 ms through ``index_put_`` and 0.24 ms here.
+tokens instead of two ``index_put_`` calls per layer, a tenth of a decode step's time saved
+(measured: docs/benchmarks-log.md).
 
 And it runs the prefill part of a batch (``prefill``): every sequence's new queries over its pages, causal,
 in one call per layer instead of one SDPA call per sequence, each K/V page read once per tile of 16 queries
-(16 prompts of 128 tokens, one layer of SmolLM2 on the 2-core benchmark machine: 3.8-4.2 ms against SDPA's
-6.2-8.5 ms).
+(measured against SDPA: ``python -m bench.prefill_attention_ab``, docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations

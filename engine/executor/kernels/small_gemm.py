@@ -4,8 +4,7 @@
 Why: at 16 rows oneDNN's prepacked float32 kernels reach well under the machine's FMA peak and memory
 bandwidth (docs/BENCHMARKS.md); streaming one panel per block of 16 rows, with every row's accumulator in
 a register, is compute-bound instead. The kernel computes on 8-float (AVX2) vectors: on a CPU whose widest
-vectors are those it also beats oneDNN at prefill sizes (2,048 rows: 160 against 144 GFLOPS, at the FMA
-peak), so there it takes every batch and the weights are not kept in oneDNN's layout at all
+vectors are those it also beats oneDNN at prefill sizes (``python -m bench.cpu_matmul``), so there it takes every batch and the weights are not kept in oneDNN's layout at all
 (``takes_every_batch``). With AVX-512, batches of more than ``MAX_ROWS`` rows stay on oneDNN.
 
 Each output is one fused multiply-add chain over ``k`` in order, then the bias.

@@ -1,9 +1,9 @@
 /* A decode step's decoder layers in one call: every layer of a float32 Llama-family model for a batch of
  * sequences that each compute one new token, inside one OpenMP parallel region.
  *
- * Why: run layer by layer from Python, a 16-sequence decode step of SmolLM2-135M on the 2-core benchmark
- * machine made ~300 calls into C (a matmul, an attention, a norm...); between them the main thread ran
- * ~10 ms of Python and PyTorch glue while the other thread spun in OpenMP's barrier, a sixth of the step.
+ * Why: run layer by layer from Python, a decode step makes hundreds of calls into C (a matmul, an
+ * attention, a norm...); between them the main thread runs Python and PyTorch glue while the other
+ * threads spin in OpenMP's barrier (measured: python -m bench.decode_stack_ab, docs/BENCHMARKS.md).
  * Here the threads go from one phase to the next through a barrier, and Python is entered once per step.
  *
  * Per layer (the phases of engine/executor/models/llama.py, with the same kernels, so the same bits):

@@ -1,9 +1,8 @@
 /* float32 y = x W^T (+ b) over W packed in 16-output panels.
  *
  * At 16 rows a matmul of this model reads each weight once and uses it 16 times: oneDNN's prepacked fp32
- * kernels reach 58-80 GFLOPS there on the benchmark machine (7-10 GB/s of weights), against ~159 GFLOPS of
- * FMA peak and ~27 GB/s of memory bandwidth. Here each row's accumulators live in registers while a panel
- * streams past:
+ * kernels reach well under both the FMA peak and the memory bandwidth there (python -m bench.cpu_matmul).
+ * Here each row's accumulators live in registers while a panel streams past:
  *
  *   packed W: [ceil(N / 16)][K][16]   (panel p holds outputs 16p..16p+15, zero-padded past N)
  *   for each panel:  for each group of <= 64 rows:  for each chunk of k:  for each block of <= 6 rows:
@@ -11,8 +10,8 @@
  *
  * The chunk of k: with few rows (a decode step) the panel comes from memory and the row blocks are few, so
  * the chunks are short (64 k = 4 KB of panel) and every row block reads the chunk from L1 while the next one
- * is prefetched: memory is read at an even rate instead of in bursts during the first block (a 16-row
- * step's matmuls 8-10% faster on the 2-core AVX2 machine). With many rows the whole k range is one chunk
+ * is prefetched: memory is read at an even rate instead of in bursts during the first block (faster on
+ * the AVX2 machine: docs/benchmarks-log.md). With many rows the whole k range is one chunk
  * per block (faster there: no accumulator traffic).
  *
  * Each output is one fused multiply-add chain over k in order (the accumulators carry over between chunks),
