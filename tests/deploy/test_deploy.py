@@ -435,3 +435,15 @@ def test_every_c_source_ships_in_the_package() -> None:
             for pattern in patterns
         )
         assert shipped, f"{rel} is not in pyproject's package-data"
+
+
+def test_dockerfile_copies_every_package_the_project_installs() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
+    copied = {
+        shlex.split(args)[0].strip("./")
+        for keyword, args in dockerfile_instructions()
+        if keyword == "COPY" and not args.startswith("--from")
+    }
+    assert packages <= copied, f"the image would lack {sorted(packages - copied)}"
