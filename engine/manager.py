@@ -20,6 +20,7 @@ from typing import Any
 from engine.admission import RequestLimits, check_prompt
 from engine.errors import EngineDeadError, QueueFullError
 from engine.generation.config import GenerationConfig
+from engine.generation.grammar import CompiledGrammar, GrammarCompiler
 from engine.generation.sampler import Sampler
 from engine.inbox import AddRequest, CancelRequest, EvictRequest
 from engine.loop import EngineLoop, Executor
@@ -55,6 +56,8 @@ class ContinuousBatchingManager:
         self._admission_lock = threading.Lock()  # NOTE: the queue-full check and the put are one step.
         self._ready: queue.Queue[str] = queue.Queue()
         self._sync_sinks: dict[str, SyncSink] = {}
+        self._grammars: GrammarCompiler | None = None  # built on the first constrained request
+        self._grammars_lock = threading.Lock()
 
     @property
     def executor(self) -> Executor:
@@ -220,6 +223,7 @@ class ContinuousBatchingManager:
             max_new = self.limits.default_max_new_tokens(len(prompt_ids))
         rid = request_id or _new_request_id()
         self.limits.check_fits(len(prompt_ids), max_new, rid)
+        grammar = self._compile_grammar(config)
         return SequenceGroup(
             rid,
             prompt_ids,
@@ -230,7 +234,20 @@ class ContinuousBatchingManager:
             record_timestamps,
             self.tokenizer,
             self.eos_token_ids,
+            grammar=grammar,
         )
+
+    def _compile_grammar(self, config: GenerationConfig) -> CompiledGrammar | None:
+        """The request's compiled grammar (cached by spec), on the caller's thread: a bad spec raises
+        ``GenerationConfigError`` here, and the engine thread never compiles."""
+        if config.structured_output is None:
+            return None
+        with self._grammars_lock:
+            if self._grammars is None:
+                # NOTE: reading the vocabulary costs a few hundred ms: only servers that use it pay.
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            compiler = self._grammars
+        return compiler.compile(config.structured_output)
 
     def _enqueue(self, group: SequenceGroup) -> None:
         with self._admission_lock:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from engine.generation.config import GenerationConfig
 from engine.generation.detokenizer import TokenDecoder
+from engine.generation.grammar import CompiledGrammar, GrammarMatcher
 from engine.generation.request_state import RequestGenerationState
 from engine.generation.rows import SampledToken
 from engine.request_handle import Sink
@@ -41,6 +42,7 @@ class SequenceGroup:
     sequences: list[Sequence] = field(default_factory=list)
     num_finished: int = 0  # final outputs published
     forked: bool = False  # the fan-out has happened (or can no longer happen)
+    grammar: CompiledGrammar | None = None  # what every sample's output must match (compiled at admission)
 
     @property
     def n(self) -> int:
@@ -48,7 +50,8 @@ class SequenceGroup:
 
     def start(self) -> Sequence:
         """Create sequence 0, the one that prefills the prompt (on admission)."""
-        seq = Sequence(self, 0, self._generation_state(0))
+        matcher = self.grammar.matcher() if self.grammar is not None else None
+        seq = Sequence(self, 0, self._generation_state(0, matcher))
         self.sequences.insert(0, seq)
         return seq
 
@@ -69,7 +72,9 @@ class SequenceGroup:
         """Sequences 1..n-1, created on first use."""
         children = self.sequences[1:]
         if not children:
-            children = [Sequence(self, i, self._generation_state(i)) for i in range(1, self.n)]
+            children = [
+                Sequence(self, i, self._generation_state(i, self._fork_matcher())) for i in range(1, self.n)
+            ]
             self.sequences.extend(children)
         return children
 
@@ -106,7 +111,15 @@ class SequenceGroup:
             payload=seq,
         )
 
-    def _generation_state(self, index: int) -> RequestGenerationState:
+    def _fork_matcher(self) -> GrammarMatcher | None:
+        """A sibling's matcher: a copy of sequence 0's (which has not sampled yet at the fan-out)."""
+        if self.grammar is None:
+            return None
+        parent = self.sequences[0].gen.grammar if self.sequences else None
+        # NOTE: sequence 0 drops its matcher when it finishes; its siblings then fail or never start.
+        return parent.copy() if parent is not None else self.grammar.matcher()
+
+    def _generation_state(self, index: int, grammar: GrammarMatcher | None = None) -> RequestGenerationState:
         return RequestGenerationState(
             self.config,
             self.prompt_ids,
@@ -115,6 +128,7 @@ class SequenceGroup:
             sample_index=index,
             max_new_tokens=self.max_new_tokens,
             start_time=self.arrival_time,
+            grammar=grammar,
         )
 
 

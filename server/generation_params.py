@@ -16,6 +16,7 @@ from typing import Any
 
 from engine.admission import check_context_length
 from engine.generation.config import GenerationConfig
+from engine.generation.grammar_spec import GrammarSpec
 from server.errors import APIError
 from server.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
@@ -84,6 +85,7 @@ def build_generation_config(
     max_new_tokens: int,
     output_logprobs: bool,
     top_logprobs: int,
+    structured_output: GrammarSpec | None = None,
 ) -> GenerationConfig:
     """The validated config for one prompt of ``req`` (raises ``GenerationConfigError`` / ``APIError``)."""
     overrides: dict[str, Any] = {
@@ -103,6 +105,7 @@ def build_generation_config(
         "skip_special_tokens": req.skip_special_tokens,
         "output_logprobs": output_logprobs,
         "top_logprobs": top_logprobs if output_logprobs else 0,
+        "structured_output": structured_output,
     }
     if req.top_k is not None:
         overrides["top_k"] = max(req.top_k, 0)

@@ -4,10 +4,12 @@ one is a 400 before anything is submitted."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from server.errors import APIError
-from server.schemas import ChatMessage
+from server.schemas import ChatMessage, ToolDefinition
+from server.tool_calls import tools_system_prompt
 
 
 def _check_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
@@ -66,17 +68,49 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         d: dict[str, Any] = {"role": message.role, "content": content if content is not None else ""}
         if message.name is not None:
             d["name"] = message.name
+        if message.tool_calls:
+            d["tool_calls"] = [c.model_dump() for c in message.tool_calls]
+        if message.tool_call_id is not None:
+            d["tool_call_id"] = message.tool_call_id
         out.append(d)
     return out
 
 
+def _without_template_tools(messages: list[dict[str, Any]], tools_prompt: str) -> list[dict[str, Any]]:
+    """For a template that knows no tools: the tools described in the system message, and earlier calls
+    written into their assistant message's content (as JSON) so that the model sees them."""
+    out = [dict(m) for m in messages]
+    for m in out:
+        calls = m.pop("tool_calls", None)
+        if calls and not m["content"]:
+            m["content"] = json.dumps([c["function"] for c in calls], ensure_ascii=False)
+    if out and out[0]["role"] == "system":
+        out[0]["content"] = f"{out[0]['content']}\n\n{tools_prompt}"
+    else:
+        out.insert(0, {"role": "system", "content": tools_prompt})
+    return out
+
+
 def chat_prompt(
-    messages: list[ChatMessage], tokenizer: Any, vocab_size: int, add_generation_prompt: bool
+    messages: list[ChatMessage],
+    tokenizer: Any,
+    vocab_size: int,
+    add_generation_prompt: bool,
+    tools: list[ToolDefinition] | None = None,
 ) -> list[int]:
-    """The token ids of ``messages`` rendered by the model's chat template."""
+    """The token ids of ``messages`` rendered by the model's chat template. ``tools`` reach the template
+    as ``tools`` (as transformers passes them); a template that never reads them gets them described in
+    a system message instead."""
+    dicts = message_dicts(messages)
+    extra: dict[str, Any] = {}
+    if tools:
+        if "tools" in (getattr(tokenizer, "chat_template", None) or ""):
+            extra["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+        else:
+            dicts = _without_template_tools(dicts, tools_system_prompt(tools))
     try:
         rendered = tokenizer.apply_chat_template(
-            message_dicts(messages), add_generation_prompt=add_generation_prompt, tokenize=True
+            dicts, add_generation_prompt=add_generation_prompt, tokenize=True, **extra
         )
     except APIError:
         raise

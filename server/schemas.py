@@ -59,6 +59,35 @@ class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(RequestBody):
+    """``response_format.json_schema``: OpenAI's named schema."""
+
+    name: str | None = None
+    description: str | None = None
+    # NOTE: aliased: ``schema`` would shadow a pydantic BaseModel method.
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema", description="The JSON Schema.")
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestBody):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(RequestBody):
+    """vLLM's ``structured_outputs``: exactly one of these constrains the output."""
+
+    json_: dict[str, Any] | bool | StrictStr | None = Field(
+        None, alias="json", description="A JSON Schema (object or JSON text)."
+    )
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = Field(None, description="A Lark or GBNF grammar.")
+    json_object: bool | None = None
+
+
 class SamplingRequest(RequestBody):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -84,6 +113,13 @@ class SamplingRequest(RequestBody):
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
     user: str | None = None  # accepted and ignored, as the OpenAI API documents it
+    # Structured outputs (server/structured_outputs.py): at most one of these.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | bool | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -103,10 +139,46 @@ class TextContentPart(RequestBody):
     text: str | None = None
 
 
+class ToolCallFunction(RequestBody):
+    name: StrictStr
+    arguments: StrictStr = Field(..., description="The arguments as a JSON string.")
+
+
+class ToolCall(RequestBody):
+    """A tool call of an earlier assistant message."""
+
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(RequestBody):
     role: ChatRole
     content: StrictStr | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: StrictStr | None = None  # tool messages: the call they answer
+
+
+class FunctionDefinition(RequestBody):
+    name: StrictStr = Field(..., pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON Schema of the arguments object.")
+    strict: bool | None = None
+
+
+class ToolDefinition(RequestBody):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestBody):
+    name: StrictStr
+
+
+class NamedToolChoice(RequestBody):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -115,6 +187,9 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(RequestBody):
@@ -180,16 +255,28 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class ResponseFunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as a string (OpenAI)
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionResponse(BaseModel):

@@ -13,6 +13,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
+from engine.generation.grammar_spec import GrammarSpec
+from engine.outputs import GenerationOutput
 from server.engine_client import output_error
 from server.errors import APIError
 from server.lifecycle import ServerState
@@ -25,6 +27,7 @@ from server.schemas import (
     ChatCompletionResponse,
     ChatLogprobs,
     ChatResponseMessage,
+    ToolDefinition,
 )
 from server.serving_common import (
     Admitted,
@@ -38,6 +41,8 @@ from server.serving_common import (
     usage,
 )
 from server.sse import DONE_EVENT, sse_event
+from server.structured_outputs import structured_output_spec
+from server.tool_calls import forced_tools, parse_tool_calls, tool_call_spec
 
 logger = logging.getLogger(__name__)
 
@@ -58,23 +63,66 @@ async def create_chat_completion(
     check_model(body.model, state)
     log_unknown_fields(body, "chat")
     num_top = _num_top(body)
+    tools = forced_tools(body)
+    spec = _output_spec(body, tools)
     engine = state.engine
     prompt = chat_prompt(
-        body.messages, state.tokenizer, engine.model_config.vocab_size, body.add_generation_prompt
+        body.messages, state.tokenizer, engine.model_config.vocab_size, body.add_generation_prompt, body.tools
     )
     admitted = admit(
-        state, request, body, [prompt], body.logprobs, num_top, id_prefix="chatcmpl", prompt_param="messages"
+        state,
+        request,
+        body,
+        [prompt],
+        body.logprobs,
+        num_top,
+        id_prefix="chatcmpl",
+        prompt_param="messages",
+        structured_output=spec,
     )
     if body.stream:
-        return streaming_response(state, admitted, _stream(state, body, admitted, num_top))
+        return streaming_response(state, admitted, _stream(state, body, admitted, num_top, tools))
     finals = await final_outputs(state, request, admitted)
     if finals is None:
         return Response(status_code=499)
-    return _response(state, body, admitted, num_top, finals)
+    return _response(state, body, admitted, num_top, finals, tools)
+
+
+def _output_spec(body: ChatCompletionRequest, tools: list[ToolDefinition]) -> GrammarSpec | None:
+    """What the output must match: a forced tool call, or the request's structured output."""
+    requested = structured_output_spec(body)
+    if not tools:
+        return requested
+    if requested is not None:
+        raise APIError(
+            400,
+            f"{requested.field}: cannot be combined with a forced tool call (tool_choice)",
+            param=requested.field,
+            code="invalid_value",
+        )
+    return tool_call_spec(body, tools)
+
+
+def _message(
+    body: ChatCompletionRequest, tools: list[ToolDefinition], out: GenerationOutput
+) -> tuple[ChatResponseMessage, str]:
+    """The assistant message of one finished sample and its finish reason: a forced call that completed
+    becomes ``tool_calls`` (content null); anything else stays text."""
+    reason = finish_reason(out)
+    if tools and reason == "stop":
+        return ChatResponseMessage(
+            content=None, tool_calls=parse_tool_calls(body, tools, out.text)
+        ), "tool_calls"
+    return ChatResponseMessage(content=out.text), reason
 
 
 def _response(
-    state: ServerState, body: ChatCompletionRequest, admitted: Admitted, num_top: int, finals: dict[Any, Any]
+    state: ServerState,
+    body: ChatCompletionRequest,
+    admitted: Admitted,
+    num_top: int,
+    finals: dict[Any, Any],
+    tools: list[ToolDefinition],
 ) -> ChatCompletionResponse:
     strings = TokenStrings(state.tokenizer)
     running = state.manager is not None and state.manager.is_running()
@@ -91,13 +139,9 @@ def _response(
             if body.logprobs
             else None
         )
+        message, reason = _message(body, tools, out)
         choices.append(
-            ChatChoice(
-                index=j,
-                message=ChatResponseMessage(content=out.text),
-                logprobs=logprobs,
-                finish_reason=finish_reason(out),  # type: ignore[arg-type]
-            )
+            ChatChoice(index=j, message=message, logprobs=logprobs, finish_reason=reason)  # type: ignore[arg-type]
         )
     return ChatCompletionResponse(
         id=admitted.response_id,
@@ -108,8 +152,27 @@ def _response(
     )
 
 
+def _tool_call_deltas(message: ChatResponseMessage) -> list[dict[str, Any]]:
+    """OpenAI's tool-call deltas of a message: per call its id and name first, then its arguments."""
+    deltas: list[dict[str, Any]] = []
+    for i, call in enumerate(message.tool_calls or []):
+        head = {
+            "index": i,
+            "id": call.id,
+            "type": "function",
+            "function": {"name": call.function.name, "arguments": ""},
+        }
+        deltas.append({"tool_calls": [head]})
+        deltas.append({"tool_calls": [{"index": i, "function": {"arguments": call.function.arguments}}]})
+    return deltas
+
+
 async def _stream(
-    state: ServerState, body: ChatCompletionRequest, admitted: Admitted, num_top: int
+    state: ServerState,
+    body: ChatCompletionRequest,
+    admitted: Admitted,
+    num_top: int,
+    tools: list[ToolDefinition],
 ) -> AsyncIterator[bytes]:
     strings = TokenStrings(state.tokenizer)
     include_usage = body.include_usage
@@ -145,11 +208,18 @@ async def _stream(
             if body.logprobs and out.delta_logprobs:
                 entries = chat_logprobs(out.delta_logprobs, strings, num_top)
                 logprobs = {"content": [e.model_dump() for e in entries]}
-            if out.delta_text or logprobs is not None:
+            # NOTE: a forced tool call is sent whole once it is complete (then it surely parses).
+            if (out.delta_text or logprobs is not None) and not tools:
                 yield chunk([choice(out.index, {"content": out.delta_text}, logprobs)])
             if out.is_finished:
                 num_completion_tokens += len(out.generated_ids)
-                yield chunk([choice(out.index, {}, None, finish_reason(out))])
+                reason = finish_reason(out)
+                if tools:
+                    message, reason = _message(body, tools, out)
+                    deltas = _tool_call_deltas(message) if message.tool_calls else [{"content": out.text}]
+                    for delta in deltas:
+                        yield chunk([choice(out.index, delta)])
+                yield chunk([choice(out.index, {}, None, reason)])
         if include_usage:
             info = usage(admitted.submission.num_prompt_tokens, num_completion_tokens)
             yield chunk([], info.model_dump())

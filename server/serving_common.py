@@ -13,6 +13,7 @@ from fastapi import Request
 
 from engine.errors import ContextLengthExceededError
 from engine.generation.config import GenerationConfig, GenerationConfigError
+from engine.generation.grammar_spec import GrammarSpec
 from engine.outputs import GenerationOutput
 from scheduler.request import FinishReason
 from server.engine_client import ClientDisconnected, Submission, collect_final_outputs, submit_prompts
@@ -88,8 +89,10 @@ def admit(
     top_logprobs: int,
     id_prefix: str,
     prompt_param: str,
+    structured_output: GrammarSpec | None = None,
 ) -> Admitted:
-    """Resolve every prompt's config (all checked before any is submitted), then submit them all."""
+    """Resolve every prompt's config (all checked before any is submitted), then submit them all.
+    ``structured_output``: what every output must match (compiled when submitted)."""
     manager = state.running_manager()
     engine = state.engine
     try:
@@ -104,7 +107,12 @@ def admit(
             )
             configs.append(
                 build_generation_config(
-                    body, engine.generation_defaults, max_new, output_logprobs, top_logprobs
+                    body,
+                    engine.generation_defaults,
+                    max_new,
+                    output_logprobs,
+                    top_logprobs,
+                    structured_output,
                 )
             )
     except (ContextLengthExceededError, GenerationConfigError) as exc:

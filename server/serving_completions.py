@@ -36,6 +36,7 @@ from server.serving_common import (
     usage,
 )
 from server.sse import DONE_EVENT, sse_event
+from server.structured_outputs import structured_output_spec
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Comple
         body.logprobs or 0,
         id_prefix="cmpl",
         prompt_param="prompt",
+        structured_output=structured_output_spec(body),
     )
     echoes = echo_texts(body, prompts, tokenizer) if body.echo else ["" for _ in prompts]
     if body.stream:

@@ -13,6 +13,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from engine.generation.errors import GenerationConfigError
+from engine.generation.grammar_spec import GrammarSpec
+
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "GenerationConfig", "GenerationConfigError"]
 # Used when neither the request nor the model's generation_config.json sets max_new_tokens.
 DEFAULT_MAX_NEW_TOKENS = 256
 # OpenAI caps top_logprobs at 20; so do we (the sampler's top-k over the vocabulary stays cheap).
@@ -20,14 +24,6 @@ MAX_TOP_LOGPROBS = 20
 # OpenAI's documented ranges.
 PENALTY_RANGE = (-2.0, 2.0)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
-
-
-class GenerationConfigError(ValueError):
-    """An option value, or a combination of them, that cannot work. ``field`` names the option."""
-
-    def __init__(self, field_name: str, message: str) -> None:
-        self.field = field_name
-        super().__init__(f"{field_name}: {message}")
 
 
 _FLOAT_FIELDS = (
@@ -96,6 +92,8 @@ class GenerationConfig:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # Structured outputs: what the output must match (engine/generation/grammar_spec.py).
+    structured_output: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         # NOTE: JSON gives ints for floats, string keys for logit_bias and lists for sequence_bias keys;
@@ -184,6 +182,7 @@ class GenerationConfig:
         self._validate_token_lists()
         self._validate_biases()
         self._validate_stop_strings()
+        self._validate_structured_output()
         if vocab_size is not None:
             self._validate_vocab(vocab_size)
 
@@ -316,6 +315,16 @@ class GenerationConfig:
                 raise GenerationConfigError("stop_strings", f"must hold strings, got {s!r}")
             if not s:
                 raise GenerationConfigError("stop_strings", "an empty stop string would stop at once")
+
+    def _validate_structured_output(self) -> None:
+        spec = self.structured_output
+        if spec is None:
+            return
+        if not isinstance(spec, GrammarSpec):
+            raise GenerationConfigError("structured_output", f"must be a GrammarSpec, got {spec!r}")
+        if self.ignore_eos:
+            # NOTE: a complete grammar allows only EOS; ignoring it would leave no token to sample.
+            raise GenerationConfigError("ignore_eos", "cannot be combined with structured output")
 
     def _validate_vocab(self, vocab_size: int) -> None:
         def check(name: str, ids: Iterable[int]) -> None:

@@ -181,7 +181,8 @@ def apply_no_repeat_ngram(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> 
         _mask_tokens(logits, [(i, t) for t in banned if t < vocab])
 
 
-def _row_eos(row: SamplingRow, default_eos: tuple[int, ...]) -> tuple[int, ...]:
+def row_eos_token_ids(row: SamplingRow, default_eos: tuple[int, ...]) -> tuple[int, ...]:
+    """The row's resolved EOS ids: its own, else its config's, else the model's ``default_eos``."""
     if row.eos_token_ids is not None:
         return row.eos_token_ids
     return row.config.eos_token_ids or default_eos
@@ -194,7 +195,7 @@ def apply_bad_words(logits: torch.Tensor, rows: Sequence[SamplingRow], default_e
     for i, row in enumerate(rows):
         if not row.config.bad_words_ids:
             continue
-        eos = set(_row_eos(row, default_eos))
+        eos = set(row_eos_token_ids(row, default_eos))
         context: list[int] | None = None
         for word in row.config.bad_words_ids:
             if len(word) == 1:
@@ -221,7 +222,7 @@ def apply_min_new_tokens(
             continue
         stops = list(cfg.stop_token_ids or [])
         if not cfg.ignore_eos:
-            stops += _row_eos(row, default_eos)
+            stops += row_eos_token_ids(row, default_eos)
         pairs.extend((i, t) for t in stops)
     _mask_tokens(logits, pairs)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from engine.generation.config import GenerationConfig
 from engine.generation.detokenizer import IncrementalDetokenizer, TokenDecoder
+from engine.generation.grammar import GrammarMatcher
 from engine.generation.rng import RequestRNG
 from engine.generation.rows import SamplingRow
 from engine.generation.stop_strings import StopStringMatcher
@@ -37,6 +38,8 @@ class RequestGenerationState:
     ``sample_index``: which of the request's ``num_return_sequences`` samples (its own RNG stream).
     ``max_new_tokens``: the engine's resolved limit (default: the config's, else ``DEFAULT_MAX_NEW_TOKENS``).
     ``start_time``: monotonic start for ``max_time`` (default: now).
+    ``grammar``: the sample's matcher when its output is constrained; every token but a final stop token
+    advances it, and it is dropped when the sequence ends.
     """
 
     def __init__(
@@ -48,6 +51,7 @@ class RequestGenerationState:
         sample_index: int = 0,
         max_new_tokens: int | None = None,
         start_time: float | None = None,
+        grammar: GrammarMatcher | None = None,
     ) -> None:
         self.config = config
         self.prompt_ids = prompt_ids
@@ -56,6 +60,7 @@ class RequestGenerationState:
         self.criteria = StoppingCriteria(config, eos_token_ids, max_new_tokens, start_time)
         self.detokenizer = IncrementalDetokenizer(tokenizer, config.skip_special_tokens)
         self.stop_matcher = StopStringMatcher(config.stop_string_list)
+        self.grammar = grammar
         self.output_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
         self.finish_reason: FinishReason | None = None
@@ -85,6 +90,7 @@ class RequestGenerationState:
             output_ids=self.output_ids if output_ids is None else output_ids,
             rng=self.rng,
             eos_token_ids=self.criteria.eos_token_ids,
+            grammar=self.grammar,
         )
 
     # ------------------------------------------------------------------ updates
@@ -94,13 +100,16 @@ class RequestGenerationState:
         if self.finish_reason is not None:
             raise RuntimeError(f"token {token_id} after the sequence finished ({self.finish_reason.value})")
         now = time.monotonic() if now is None else now
+        is_stop = self.criteria.is_stop_token(token_id, len(self.output_ids) + 1)
+        if self.grammar is not None and not is_stop:
+            self.grammar.accept_token(token_id)  # NOTE: raises before the token joins the output
         self.output_ids.append(token_id)
         if logprob is not None:
             self.logprobs.append(logprob)
         n = len(self.output_ids)
 
         reason: FinishReason | None = None
-        if self.criteria.is_stop_token(token_id, n):
+        if is_stop:
             reason = FinishReason.STOP  # its text is not part of the output
         else:
             checked = len(self._text)
@@ -136,6 +145,7 @@ class RequestGenerationState:
             # nothing more can complete a stop string: flush the detokenizer's pending bytes too
             self._text += self.detokenizer.finish()
         self.finish_reason = reason
+        self.grammar = None  # NOTE: a finished sequence samples no more: free the matcher now.
         return self._emit(len(self._text))
 
     def _emit(self, upto: int) -> TokenResult:

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.generation.config import GenerationConfig
+from engine.generation.grammar import GrammarMatcher
 from engine.generation.rng import RequestRNG
 from engine.outputs import TokenLogprob
 
@@ -17,7 +18,8 @@ class SamplingRow:
     A request with ``num_return_sequences > 1`` may appear several times (same prompt and logits, a
     different ``rng`` stream each). ``eos_token_ids`` are the resolved EOS ids used by min_new_tokens
     masking and bad_words filtering; ``None`` falls back to ``config.eos_token_id``, then to the
-    sampler's model default.
+    sampler's model default. ``grammar``: the sequence's matcher when its output is constrained (its
+    mask applies before every processor).
     """
 
     config: GenerationConfig
@@ -25,6 +27,7 @@ class SamplingRow:
     output_ids: Sequence[int]
     rng: RequestRNG | None = None
     eos_token_ids: tuple[int, ...] | None = None
+    grammar: GrammarMatcher | None = None
 
     @property
     def num_output_tokens(self) -> int:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.generation.grammar_mask import apply_grammar_masks
 from engine.generation.logprobs import compute_logprobs
 from engine.generation.processors import apply_logits_processors
 from engine.generation.rng import RequestRNG
@@ -78,6 +79,7 @@ class Sampler:
             # neutral values keep a broken row from producing warnings or NaNs in shared ops
             logits[torch.tensor(bad, device=logits.device)] = 0.0
 
+        apply_grammar_masks(logits, rows, errors, self.eos_token_ids)
         apply_logits_processors(logits, rows, self.eos_token_ids)
 
         # Every token masked (max -inf), or a penalty that pushed a logit to +inf or NaN (torch.max propagates

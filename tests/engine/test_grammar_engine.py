@@ -1,0 +1,88 @@
+"""Constrained requests in the engine loop on the real default model: preemption by recompute keeps each
+sequence's matcher valid, n > 1 forks copy it, and nothing (matcher, block) outlives a request."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from engine.engine import CacheOptions, Engine
+from engine.generation.grammar_spec import GrammarSpec
+from engine.outputs import RequestStatus
+
+pytestmark = pytest.mark.slow
+
+PATTERN = r"(alpha|beta|gamma)( [a-z]{2,6}){25,30}\."
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine.from_pretrained("default", device="cpu", dtype="float32", num_blocks=256)
+
+
+def test_preempted_and_forked_constrained_requests_stay_valid_and_leak_nothing(engine: Engine) -> None:
+    small = Engine(engine.loaded, CacheOptions(num_blocks=12, max_batch_tokens=48), "small")
+    manager = small.init_continuous_batching(safety_margin=0.0)
+    manager.start()
+    spec = GrammarSpec.regex(PATTERN)
+    prompts = ["Say three words:", "Name a Greek letter and more", "Go"]
+    try:
+        ids = [
+            manager.add_request(
+                small.tokenizer.encode(p),
+                max_new_tokens=100,
+                do_sample=True,
+                temperature=1.0,
+                seed=i,
+                num_return_sequences=2,
+                structured_output=spec,
+            )
+            for i, p in enumerate(prompts)
+        ]
+        outs = []
+        deadline = time.monotonic() + 300
+        while len(outs) < 2 * len(ids) and time.monotonic() < deadline:
+            out = manager.get_result(timeout=1.0)
+            if out is not None and out.is_finished:
+                outs.append(out)
+        num_preemptions = manager.stats().num_preemptions
+        groups = dict(manager.loop.outputs.groups)
+    finally:
+        manager.stop(timeout=30)
+    manager.check_integrity()
+    assert len(outs) == 2 * len(ids)
+    assert num_preemptions > 0, "the small cache should have preempted some sequence"
+    assert not groups  # every group, and with it every matcher, is gone
+    for out in outs:
+        assert out.status is RequestStatus.FINISHED, out.error
+        if out.finish_reason.value == "stop":
+            assert re.fullmatch(PATTERN, out.text), out.text
+        else:
+            assert len(out.generated_ids) == 100
+
+
+def test_cancelled_constrained_request_frees_its_matchers(engine: Engine) -> None:
+    manager = engine.init_continuous_batching()
+    manager.start()
+    try:
+        rid = manager.add_request(
+            engine.tokenizer.encode("Count:"),
+            max_new_tokens=200,
+            num_return_sequences=2,
+            structured_output=GrammarSpec.regex("[0-9 ]{200}"),
+            streaming=True,
+        )
+        first = next(manager.request_id_iter(rid, timeout=60))
+        group = manager.loop.outputs.groups.get(rid)
+        sequences = list(group.sequences) if group is not None else []
+        manager.cancel_request(rid)
+        finals = [o for o in manager.request_id_iter(rid, timeout=60) if o.is_finished]
+    finally:
+        manager.stop(timeout=30)
+    manager.check_integrity()
+    assert first.request_id == rid
+    assert [o.status for o in finals] == [RequestStatus.CANCELLED] * len(finals)
+    assert sequences and all(seq.gen.grammar is None for seq in sequences)
+    assert rid not in manager.loop.outputs.groups
