@@ -14,12 +14,10 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-import server_fixtures
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 from server_fixtures import LiveServer
 
 pytestmark = pytest.mark.slow
-live_server = server_fixtures.live_server
 
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Describe a person as JSON."}]
 
