@@ -15,7 +15,7 @@ import openai
 import pydantic
 import pytest
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
-from server_fixtures import LiveServer
+from server_fixtures import LiveServer, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -357,6 +357,6 @@ def test_cancelled_constrained_request_leaves_the_engine_clean(live_server: Live
     manager = live_server.state.manager
     assert manager is not None
     # NOTE: the role chunk comes before the engine has seen the request: wait for the cancel to land.
-    assert server_fixtures.wait_until(lambda: not manager.loop.outputs.groups, timeout=60)
+    assert wait_until(lambda: not manager.loop.outputs.groups, timeout=60)
     assert live_server.wait_idle()
     manager.check_integrity()
