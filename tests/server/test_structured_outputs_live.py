@@ -19,7 +19,6 @@ from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolPara
 from server_fixtures import LiveServer
 
 pytestmark = pytest.mark.slow
-live_server = server_fixtures.live_server
 
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Describe a person as JSON."}]
 
