@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from server.config import parse_bytes
+from server.config import REASONING_PARSERS, parse_bytes
 
 ENV_PREFIX = "CBSERVE_"
 
@@ -112,6 +112,13 @@ def _add_serve_flags(serve: argparse.ArgumentParser) -> None:
         help="comma-separated allowed origins (CORS off if unset)",
     )
     a("--max-body-bytes", type=parse_bytes, default=16 * 1024 * 1024, help="request body size limit")
+    a(
+        "--reasoning-parser",
+        choices=list(REASONING_PARSERS),
+        default="auto",
+        help="split <think>...</think> into reasoning_content: auto (when the tokenizer has those tokens), "
+        "think/qwen3/deepseek_r1 (always) or none",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -212,6 +219,7 @@ def _serve(args: argparse.Namespace) -> int:
             cors_origins=tuple(args.cors_origins or ()),
             shutdown_timeout=args.shutdown_timeout,
             max_queue=args.max_queue,
+            reasoning_parser=args.reasoning_parser,
         )
     except ServerConfigError as exc:
         logger.error("%s", exc)

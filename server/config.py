@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # 16 MiB: far above any prompt that fits a context window
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 DEFAULT_MAX_QUEUE = 256
+# auto: split <think>...</think> out of chat outputs when the tokenizer has both tokens; think: always;
+# none: never (the thinking stays in ``content``). vLLM's parser names for the same format are aliases.
+REASONING_PARSERS = ("auto", "think", "none", "qwen3", "deepseek_r1")
 
 
 class ServerConfigError(ValueError):
@@ -26,6 +29,7 @@ class ServerConfig:
     cors_origins: tuple[str, ...] = field(default_factory=tuple)
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     max_queue: int = DEFAULT_MAX_QUEUE
+    reasoning_parser: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.served_model_name, str) or not self.served_model_name.strip():
@@ -44,6 +48,10 @@ class ServerConfig:
             raise ServerConfigError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout!r}")
         if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 1:
             raise ServerConfigError(f"max_queue must be a positive integer, got {self.max_queue!r}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ServerConfigError(
+                f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}"
+            )
         if not isinstance(self.cors_origins, tuple) or not all(
             isinstance(o, str) and o for o in self.cors_origins
         ):

@@ -42,6 +42,7 @@ REQUEST_FIELD_OF_OPTION = {
     "stop_strings": "stop",
     "num_return_sequences": "n",
     "output_logprobs": "logprobs",
+    "bad_words_ids": "bad_words",
 }
 
 

@@ -3,7 +3,10 @@ the request sets), and the ``max_tokens`` default.
 
 Rules (vLLM's):
 - an unset field keeps the model's ``generation_config.json`` default;
-- ``temperature`` 0 is greedy; any other given temperature samples (``do_sample = temperature > 0``);
+- ``temperature`` 0 is greedy and any other temperature samples (``do_sample = temperature > 0``); an
+  unset temperature is the model's default temperature, else 1.0 (OpenAI's and vLLM's default): a
+  request samples unless it asks for 0, whatever ``do_sample`` the model's file says (as vLLM does);
+- ``bad_words`` (words) become token id sequences, each word with and without a leading space;
 - ``top_k`` -1 or 0 disables top-k;
 - ``max_tokens`` unset: 16 for /v1/completions (OpenAI's documented default), and for chat the model's
   ``max_new_tokens`` default, else ``DEFAULT_CHAT_MAX_TOKENS``; both capped by the room left in the
@@ -12,6 +15,7 @@ Rules (vLLM's):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from engine.admission import check_context_length
@@ -79,6 +83,19 @@ def _stop_strings(stop: str | list[str] | None) -> list[str] | None:
     return values or None
 
 
+def bad_words_ids(words: Sequence[str], tokenizer: Any) -> list[list[int]] | None:
+    """vLLM's ``bad_words``: the token ids of each word as it would appear at the start of a text and
+    after a space (a BPE tokenizer spells the two differently); words that encode to nothing are
+    skipped."""
+    out: list[list[int]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = list(tokenizer.encode(text, add_special_tokens=False)) if text.strip() else []
+            if ids and ids not in out:
+                out.append(ids)
+    return out or None
+
+
 def build_generation_config(
     req: SamplingRequest,
     defaults: GenerationConfig,
@@ -86,14 +103,22 @@ def build_generation_config(
     output_logprobs: bool,
     top_logprobs: int,
     structured_output: GrammarSpec | None = None,
+    bad_words: list[list[int]] | None = None,
 ) -> GenerationConfig:
-    """The validated config for one prompt of ``req`` (raises ``GenerationConfigError`` / ``APIError``)."""
+    """The validated config for one prompt of ``req`` (raises ``GenerationConfigError`` / ``APIError``).
+    ``bad_words``: ``req.bad_words`` as token ids (``bad_words_ids``)."""
+    temperature = float(req.temperature) if req.temperature is not None else defaults.temperature
     overrides: dict[str, Any] = {
         "max_new_tokens": max_new_tokens,
         "min_new_tokens": req.min_tokens,
         "num_return_sequences": req.n,
         "top_p": req.top_p,
         "min_p": req.min_p,
+        "typical_p": req.typical_p,
+        "epsilon_cutoff": req.epsilon_cutoff,
+        "eta_cutoff": req.eta_cutoff,
+        "no_repeat_ngram_size": req.no_repeat_ngram_size,
+        "bad_words_ids": bad_words,
         "presence_penalty": req.presence_penalty,
         "frequency_penalty": req.frequency_penalty,
         "repetition_penalty": req.repetition_penalty,
@@ -106,10 +131,9 @@ def build_generation_config(
         "output_logprobs": output_logprobs,
         "top_logprobs": top_logprobs if output_logprobs else 0,
         "structured_output": structured_output,
+        "temperature": temperature,
+        "do_sample": temperature > 0,
     }
     if req.top_k is not None:
         overrides["top_k"] = max(req.top_k, 0)
-    if req.temperature is not None:
-        overrides["temperature"] = float(req.temperature)
-        overrides["do_sample"] = req.temperature > 0
     return defaults.merged(**overrides)

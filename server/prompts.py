@@ -97,12 +97,14 @@ def chat_prompt(
     vocab_size: int,
     add_generation_prompt: bool,
     tools: list[ToolDefinition] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """The token ids of ``messages`` rendered by the model's chat template. ``tools`` reach the template
     as ``tools`` (as transformers passes them); a template that never reads them gets them described in
-    a system message instead."""
+    a system message instead. ``template_kwargs`` (the request's ``chat_template_kwargs``) are more
+    template variables."""
     dicts = message_dicts(messages)
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = dict(template_kwargs or {})
     if tools:
         if "tools" in (getattr(tokenizer, "chat_template", None) or ""):
             extra["tools"] = [t.model_dump(exclude_none=True) for t in tools]

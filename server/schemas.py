@@ -2,15 +2,31 @@
 and return them.
 
 Requests allow unknown fields (a client written for another server sends fields we do not know); the
-serving code logs each unknown field name once and ignores it. Value ranges are checked here, so a bad
-value is a 400 naming the field before anything reaches the engine.
+serving code logs each unknown field name once and ignores it, except the OpenAI/vLLM fields cbserve
+knows it cannot honour (server/unsupported_fields.py), which are a 400. Value ranges are checked here, so
+a bad value is a 400 naming the field before anything reaches the engine.
+
+Booleans and numbers are strict, as OpenAI's API is: ``"stream": "true"`` or ``"n": "2"`` is a 400, not
+coerced; an integer where a number is expected stays valid (JSON has one number type).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    field_validator,
+)
+
+from engine.loader.chat_template import RESERVED_TEMPLATE_VARIABLES
 
 # NOTE: every stop string is checked after every token on the engine thread, so a request with thousands
 # of them would slow every other request down; vLLM clients send a handful (OpenAI allows 4).
@@ -18,6 +34,20 @@ MAX_STOP_STRINGS = 256
 # The roles OpenAI's chat API defines. Any other string would reach the chat template verbatim, where it
 # becomes prompt text (a role such as "user<|im_end|>..." forges turns).
 ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
+def _json_number(value: Any) -> Any:
+    """``value`` when it is a JSON number (an int or a float); strings and booleans are refused, which
+    pydantic's lax float would coerce ("0.5" -> 0.5, true -> 1.0)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        # NOTE: the value itself is not echoed: error messages may be logged, request data may not.
+        kind = "boolean" if isinstance(value, bool) else type(value).__name__
+        raise ValueError(f"must be a number, got a {kind}")
+    return value
+
+
+# A number field as OpenAI's API reads one: an int or a float, nothing coerced (ints become floats).
+Number = Annotated[float, BeforeValidator(_json_number)]
 
 # ---------------------------------------------------------------------------------------------- requests
 
@@ -56,7 +86,7 @@ class RequestBody(BaseModel):
 
 
 class StreamOptions(RequestBody):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class JSONSchemaFormat(RequestBody):
@@ -66,7 +96,7 @@ class JSONSchemaFormat(RequestBody):
     description: str | None = None
     # NOTE: aliased: ``schema`` would shadow a pydantic BaseModel method.
     schema_: dict[str, Any] | bool | None = Field(None, alias="schema", description="The JSON Schema.")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(RequestBody):
@@ -85,33 +115,42 @@ class StructuredOutputs(RequestBody):
     regex: StrictStr | None = None
     choice: list[StrictStr] | None = None
     grammar: StrictStr | None = Field(None, description="A Lark or GBNF grammar.")
-    json_object: bool | None = None
+    json_object: StrictBool | None = None
 
 
 class SamplingRequest(RequestBody):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=64, description="Samples per prompt.")
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, description="0 = greedy; unset = the model's default.")
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, description="-1 or 0 disables top-k.")
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
-    logit_bias: dict[str, float] | None = Field(
+    n: StrictInt = Field(1, ge=1, le=64, description="Samples per prompt.")
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: Number | None = Field(
+        None, ge=0.0, description="0 = greedy; unset = the model's default, else 1.0."
+    )
+    top_p: Number | None = Field(None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(None, ge=-1, description="-1 or 0 disables top-k.")
+    min_p: Number | None = Field(None, ge=0.0, le=1.0)
+    typical_p: Number | None = Field(None, gt=0.0, le=1.0, description="Locally typical sampling; 1 = off.")
+    epsilon_cutoff: Number | None = Field(None, ge=0.0, lt=1.0, description="0 = off.")
+    eta_cutoff: Number | None = Field(None, ge=0.0, lt=1.0, description="0 = off.")
+    presence_penalty: Number | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Number | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: Number | None = Field(None, gt=0.0, description="1 = off.")
+    no_repeat_ngram_size: StrictInt | None = Field(None, ge=0, description="0 = off.")
+    bad_words: Annotated[list[StrictStr], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
+        None, description="Words never generated (vLLM's bad_words)."
+    )
+    logit_bias: dict[str, Number] | None = Field(
         None, description="Token id (as a string) -> bias in [-100, 100]."
     )
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: list[StrictInt] | None = None
-    seed: int | None = None
-    stream: bool = False
+    seed: StrictInt | None = None
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    skip_special_tokens: bool = True
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = Field(0, ge=0)
+    skip_special_tokens: StrictBool = True
     user: str | None = None  # accepted and ignored, as the OpenAI API documents it
     # Structured outputs (server/structured_outputs.py): at most one of these.
     response_format: ResponseFormat | None = None
@@ -120,6 +159,14 @@ class SamplingRequest(RequestBody):
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        # NOTE: OpenAI's rule: stream_options only means something for a stream.
+        if value is not None and info.data.get("stream") is not True:
+            raise ValueError("is only allowed when stream is true")
+        return value
 
     @property
     def include_usage(self) -> bool:
@@ -130,8 +177,8 @@ class CompletionRequest(SamplingRequest):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]] = Field(
         ..., description="A string, a list of strings, token ids, or a list of token-id lists."
     )
-    logprobs: int | None = Field(None, ge=0, le=20, description="Top log-probabilities per token.")
-    echo: bool = False
+    logprobs: StrictInt | None = Field(None, ge=0, le=20, description="Top log-probabilities per token.")
+    echo: StrictBool = False
 
 
 class TextContentPart(RequestBody):
@@ -164,7 +211,7 @@ class FunctionDefinition(RequestBody):
     name: StrictStr = Field(..., pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description="A JSON Schema of the arguments object.")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ToolDefinition(RequestBody):
@@ -183,13 +230,25 @@ class NamedToolChoice(RequestBody):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    add_generation_prompt: bool = True
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    add_generation_prompt: StrictBool = True
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description='More chat template variables, e.g. {"enable_thinking": false}.'
+    )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_variables(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        # NOTE: the server sets these itself; a request overriding them would forge the prompt's structure.
+        reserved = sorted(set(value or {}) & RESERVED_TEMPLATE_VARIABLES)
+        if reserved:
+            raise ValueError(f"must not set {', '.join(reserved)} (the server sets them)")
+        return value
 
 
 class TokenizeRequest(RequestBody):
@@ -198,9 +257,11 @@ class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = Field(None, description="Default: true for prompt, false for messages.")
-    add_generation_prompt: bool = True
-    return_token_strs: bool = False
+    add_special_tokens: StrictBool | None = Field(
+        None, description="Default: true for prompt, false for messages."
+    )
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
 
 
 class DetokenizeRequest(RequestBody):
@@ -270,6 +331,9 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ResponseToolCall] | None = None
+    # A reasoning model's thinking (server/reasoning_output.py): vLLM's field, and its newer name.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChoice(BaseModel):

@@ -20,6 +20,7 @@ from server.errors import APIError
 from server.lifecycle import ServerState
 from server.logprobs_format import TokenStrings, chat_logprobs
 from server.prompts import chat_prompt
+from server.reasoning_output import ChatReasoning
 from server.schemas import (
     ERROR_RESPONSES,
     ChatChoice,
@@ -67,8 +68,14 @@ async def create_chat_completion(
     spec = _output_spec(body, tools)
     engine = state.engine
     prompt = chat_prompt(
-        body.messages, state.tokenizer, engine.model_config.vocab_size, body.add_generation_prompt, body.tools
+        body.messages,
+        state.tokenizer,
+        engine.model_config.vocab_size,
+        body.add_generation_prompt,
+        body.tools,
+        body.chat_template_kwargs,
     )
+    reasoning = ChatReasoning.for_request(state, prompt)
     admitted = admit(
         state,
         request,
@@ -81,11 +88,11 @@ async def create_chat_completion(
         structured_output=spec,
     )
     if body.stream:
-        return streaming_response(state, admitted, _stream(state, body, admitted, num_top, tools))
+        return streaming_response(state, admitted, _stream(state, body, admitted, num_top, tools, reasoning))
     finals = await final_outputs(state, request, admitted)
     if finals is None:
         return Response(status_code=499)
-    return _response(state, body, admitted, num_top, finals, tools)
+    return _response(state, body, admitted, num_top, finals, tools, reasoning)
 
 
 def _output_spec(body: ChatCompletionRequest, tools: list[ToolDefinition]) -> GrammarSpec | None:
@@ -123,6 +130,7 @@ def _response(
     num_top: int,
     finals: dict[Any, Any],
     tools: list[ToolDefinition],
+    reasoning: ChatReasoning,
 ) -> ChatCompletionResponse:
     strings = TokenStrings(state.tokenizer)
     running = state.manager is not None and state.manager.is_running()
@@ -140,6 +148,7 @@ def _response(
             else None
         )
         message, reason = _message(body, tools, out)
+        message = reasoning.message(message)
         choices.append(
             ChatChoice(index=j, message=message, logprobs=logprobs, finish_reason=reason)  # type: ignore[arg-type]
         )
@@ -173,6 +182,7 @@ async def _stream(
     admitted: Admitted,
     num_top: int,
     tools: list[ToolDefinition],
+    reasoning: ChatReasoning,
 ) -> AsyncIterator[bytes]:
     strings = TokenStrings(state.tokenizer)
     include_usage = body.include_usage
@@ -209,8 +219,9 @@ async def _stream(
                 entries = chat_logprobs(out.delta_logprobs, strings, num_top)
                 logprobs = {"content": [e.model_dump() for e in entries]}
             # NOTE: a forced tool call is sent whole once it is complete (then it surely parses).
-            if (out.delta_text or logprobs is not None) and not tools:
-                yield chunk([choice(out.index, {"content": out.delta_text}, logprobs)])
+            delta = {} if tools else reasoning.delta(out.index, out.delta_text, out.is_finished)
+            if (delta or logprobs is not None) and not tools:
+                yield chunk([choice(out.index, delta or {"content": ""}, logprobs)])
             if out.is_finished:
                 num_completion_tokens += len(out.generated_ids)
                 reason = finish_reason(out)

@@ -18,11 +18,12 @@ from engine.outputs import GenerationOutput
 from scheduler.request import FinishReason
 from server.engine_client import ClientDisconnected, Submission, collect_final_outputs, submit_prompts
 from server.errors import APIError, api_error_from_engine
-from server.generation_params import build_generation_config, resolve_max_tokens
+from server.generation_params import bad_words_ids, build_generation_config, resolve_max_tokens
 from server.lifecycle import ServerState
 from server.middleware.request_id import request_id_of
 from server.schemas import SamplingRequest, UsageInfo
 from server.sse import EventStreamResponse
+from server.unsupported_fields import check_unsupported_fields
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +48,11 @@ def check_model(requested: str | None, state: ServerState) -> None:
 
 
 def log_unknown_fields(body: SamplingRequest | object, route: str) -> None:
-    """Unknown request fields are ignored; each field name is logged once per process (not per request,
-    which would flood the log with one client's habits)."""
+    """Unknown request fields: a 400 for one that cbserve knows but cannot honour (unsupported_fields.py);
+    the others are ignored, each field name logged once per process (not per request, which would flood
+    the log with one client's habits)."""
+    if isinstance(body, SamplingRequest):
+        check_unsupported_fields(body)
     extra = getattr(body, "model_extra", None) or {}
     for name in extra:
         key = f"{route}:{name}"
@@ -95,6 +99,7 @@ def admit(
     ``structured_output``: what every output must match (compiled when submitted)."""
     manager = state.running_manager()
     engine = state.engine
+    bad_words = bad_words_ids(body.bad_words, state.tokenizer) if body.bad_words else None
     try:
         configs: list[GenerationConfig] = []
         for prompt in prompts:
@@ -113,6 +118,7 @@ def admit(
                     output_logprobs,
                     top_logprobs,
                     structured_output,
+                    bad_words,
                 )
             )
     except (ContextLengthExceededError, GenerationConfigError) as exc:
