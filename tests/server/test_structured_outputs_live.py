@@ -19,7 +19,6 @@ from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolPara
 from server_fixtures import LiveServer
 
 pytestmark = pytest.mark.slow
-live_server = server_fixtures.live_server
 
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Describe a person as JSON."}]
 
@@ -326,7 +325,11 @@ BAD_INPUTS: list[tuple[str, dict[str, Any], str]] = [
         {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
         "tool_choice",
     ),
-    ("tool_choice_auto", {"tools": [WEATHER_TOOL]}, "tool_choice"),
+    (
+        "auto_tools_with_a_response_format",
+        {"tools": [WEATHER_TOOL], "response_format": {"type": "json_object"}},
+        "response_format",
+    ),
 ]
 
 
