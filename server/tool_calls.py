@@ -41,7 +41,7 @@ def forced_tools(body: ChatCompletionRequest) -> list[ToolDefinition]:
     tools = body.tools or []
     if choice is not None and choice != "none" and not tools:
         raise _bad("tool_choice", "needs tools")
-    if not tools or choice in (None, "none", "auto"):
+    if not tools or choice is None or choice == "none" or choice == "auto":
         return []
     if choice == "required":
         return list(tools)
