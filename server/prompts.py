@@ -10,6 +10,7 @@ from typing import Any
 from server.errors import APIError
 from server.schemas import ChatMessage, ToolDefinition
 from server.tool_calls import tools_system_prompt
+from server.tool_parser import CALL_CLOSE, CALL_OPEN
 
 
 def _check_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
@@ -76,19 +77,34 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
+def _hermes_calls(calls: list[dict[str, Any]]) -> str:
+    """Earlier calls as the generic format writes them (server/tool_parser.py)."""
+    blocks = []
+    for call in calls:
+        name = json.dumps(call["function"]["name"], ensure_ascii=False)
+        arguments = call["function"]["arguments"] or "{}"
+        blocks.append(f'{CALL_OPEN}\n{{"name": {name}, "arguments": {arguments}}}\n{CALL_CLOSE}')
+    return "\n".join(blocks)
+
+
 def _without_template_tools(messages: list[dict[str, Any]], tools_prompt: str) -> list[dict[str, Any]]:
     """For a template that knows no tools: the tools described in the system message, and earlier calls
-    written into their assistant message's content (as JSON) so that the model sees them."""
+    written into their assistant message's content (Hermes syntax) so that the model sees them."""
     out = [dict(m) for m in messages]
     for m in out:
         calls = m.pop("tool_calls", None)
-        if calls and not m["content"]:
-            m["content"] = json.dumps([c["function"] for c in calls], ensure_ascii=False)
+        if calls:
+            m["content"] = "\n".join(part for part in (m["content"], _hermes_calls(calls)) if part)
     if out and out[0]["role"] == "system":
         out[0]["content"] = f"{out[0]['content']}\n\n{tools_prompt}"
     else:
         out.insert(0, {"role": "system", "content": tools_prompt})
     return out
+
+
+def template_knows_tools(tokenizer: Any) -> bool:
+    """The chat template reads ``tools`` (else the generic format describes them in a system message)."""
+    return "tools" in (getattr(tokenizer, "chat_template", None) or "")
 
 
 def chat_prompt(
@@ -98,18 +114,19 @@ def chat_prompt(
     add_generation_prompt: bool,
     tools: list[ToolDefinition] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    auto_tools: bool = False,
 ) -> list[int]:
     """The token ids of ``messages`` rendered by the model's chat template. ``tools`` reach the template
     as ``tools`` (as transformers passes them); a template that never reads them gets them described in
-    a system message instead. ``template_kwargs`` (the request's ``chat_template_kwargs``) are more
-    template variables."""
+    a system message instead (with how to call them when ``auto_tools``: the model may answer instead).
+    ``template_kwargs`` (the request's ``chat_template_kwargs``) are more template variables."""
     dicts = message_dicts(messages)
     extra: dict[str, Any] = dict(template_kwargs or {})
     if tools:
-        if "tools" in (getattr(tokenizer, "chat_template", None) or ""):
+        if template_knows_tools(tokenizer):
             extra["tools"] = [t.model_dump(exclude_none=True) for t in tools]
         else:
-            dicts = _without_template_tools(dicts, tools_system_prompt(tools))
+            dicts = _without_template_tools(dicts, tools_system_prompt(tools, auto_tools))
     try:
         rendered = tokenizer.apply_chat_template(
             dicts, add_generation_prompt=add_generation_prompt, tokenize=True, **extra

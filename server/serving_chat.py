@@ -1,7 +1,8 @@
 """POST /v1/chat/completions: the messages through the model's chat template, then generation.
 
 Streams as OpenAI does: per choice a first chunk with ``{"role": "assistant", "content": ""}``, then
-content deltas, then a chunk with an empty delta and the ``finish_reason``; with
+content deltas (or tool-call deltas: server/tool_stream.py), then a chunk with an empty delta and the
+``finish_reason``; with
 ``stream_options.include_usage`` a last chunk with ``choices: []`` and the usage; then ``[DONE]``.
 """
 
@@ -19,7 +20,7 @@ from server.engine_client import output_error
 from server.errors import APIError
 from server.lifecycle import ServerState
 from server.logprobs_format import TokenStrings, chat_logprobs
-from server.prompts import chat_prompt
+from server.prompts import chat_prompt, template_knows_tools
 from server.reasoning_output import ChatReasoning
 from server.schemas import (
     ERROR_RESPONSES,
@@ -43,7 +44,16 @@ from server.serving_common import (
 )
 from server.sse import DONE_EVENT, sse_event
 from server.structured_outputs import structured_output_spec
-from server.tool_calls import forced_tools, parse_tool_calls, tool_call_spec
+from server.tool_calls import (
+    auto_tool_spec,
+    auto_tools,
+    forced_tools,
+    parse_tool_calls,
+    scanned_tool_calls,
+    tool_call_spec,
+)
+from server.tool_parser import Scan, scan
+from server.tool_stream import ToolCallStreamer
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +75,8 @@ async def create_chat_completion(
     log_unknown_fields(body, "chat")
     num_top = _num_top(body)
     tools = forced_tools(body)
-    spec = _output_spec(body, tools)
+    auto = auto_tools(body)
+    spec = _output_spec(body, tools, auto, template_knows_tools(state.tokenizer))
     engine = state.engine
     prompt = chat_prompt(
         body.messages,
@@ -74,6 +85,7 @@ async def create_chat_completion(
         body.add_generation_prompt,
         body.tools,
         body.chat_template_kwargs,
+        auto_tools=bool(auto),
     )
     reasoning = ChatReasoning.for_request(state, prompt)
     admitted = admit(
@@ -88,34 +100,55 @@ async def create_chat_completion(
         structured_output=spec,
     )
     if body.stream:
-        return streaming_response(state, admitted, _stream(state, body, admitted, num_top, tools, reasoning))
+        stream = _stream(state, body, admitted, num_top, tools, bool(auto), reasoning)
+        return streaming_response(state, admitted, stream)
     finals = await final_outputs(state, request, admitted)
     if finals is None:
         return Response(status_code=499)
-    return _response(state, body, admitted, num_top, finals, tools, reasoning)
+    return _response(state, body, admitted, num_top, finals, tools, bool(auto), reasoning)
 
 
-def _output_spec(body: ChatCompletionRequest, tools: list[ToolDefinition]) -> GrammarSpec | None:
-    """What the output must match: a forced tool call, or the request's structured output."""
+def _output_spec(
+    body: ChatCompletionRequest,
+    tools: list[ToolDefinition],
+    auto: list[ToolDefinition],
+    knows_tools: bool,
+) -> GrammarSpec | None:
+    """What the output must match: a forced tool call, a reply or calls (``auto`` with a template that
+    knows no tools; one that knows them has its own syntax, only parsed), or the structured output."""
     requested = structured_output_spec(body)
-    if not tools:
+    if not tools and not auto:
         return requested
     if requested is not None:
         raise APIError(
             400,
-            f"{requested.field}: cannot be combined with a forced tool call (tool_choice)",
+            f"{requested.field}: cannot be combined with tool calls (tools with tool_choice other than 'none')",
             param=requested.field,
             code="invalid_value",
         )
-    return tool_call_spec(body, tools)
+    if tools:
+        return tool_call_spec(body, tools)
+    return None if knows_tools else auto_tool_spec(body, auto)
+
+
+def _auto_message(scanned: Scan, text: str, reason: str) -> tuple[ChatResponseMessage, str]:
+    """An ``auto`` output's message: its calls (``tool_calls`` when all are complete) or its text."""
+    if scanned.mode != "calls":
+        return ChatResponseMessage(content=text), reason
+    calls = scanned_tool_calls(scanned)
+    return ChatResponseMessage(content=None, tool_calls=calls), (
+        "tool_calls" if reason == "stop" and scanned.all_complete else reason
+    )
 
 
 def _message(
-    body: ChatCompletionRequest, tools: list[ToolDefinition], out: GenerationOutput
+    body: ChatCompletionRequest, tools: list[ToolDefinition], auto: bool, out: GenerationOutput
 ) -> tuple[ChatResponseMessage, str]:
-    """The assistant message of one finished sample and its finish reason: a forced call that completed
-    becomes ``tool_calls`` (content null); anything else stays text."""
+    """The assistant message of one finished sample and its finish reason: a forced call that completed,
+    or ``auto`` calls, become ``tool_calls`` (content null); anything else stays text."""
     reason = finish_reason(out)
+    if auto:
+        return _auto_message(scan(out.text, finished=True), out.text, reason)
     if tools and reason == "stop":
         return ChatResponseMessage(
             content=None, tool_calls=parse_tool_calls(body, tools, out.text)
@@ -130,6 +163,7 @@ def _response(
     num_top: int,
     finals: dict[Any, Any],
     tools: list[ToolDefinition],
+    auto: bool,
     reasoning: ChatReasoning,
 ) -> ChatCompletionResponse:
     strings = TokenStrings(state.tokenizer)
@@ -147,7 +181,7 @@ def _response(
             if body.logprobs
             else None
         )
-        message, reason = _message(body, tools, out)
+        message, reason = _message(body, tools, auto, out)
         message = reasoning.message(message)
         choices.append(
             ChatChoice(index=j, message=message, logprobs=logprobs, finish_reason=reason)  # type: ignore[arg-type]
@@ -176,61 +210,79 @@ def _tool_call_deltas(message: ChatResponseMessage) -> list[dict[str, Any]]:
     return deltas
 
 
+def _content_step(
+    body: ChatCompletionRequest,
+    strings: TokenStrings,
+    num_top: int,
+    out: GenerationOutput,
+    reasoning: ChatReasoning,
+) -> tuple[list[tuple[dict[str, Any], Any]], str | None]:
+    """The content delta (reasoning split out, with its logprobs) of one output of a choice, and its
+    finish reason once finished."""
+    logprobs = None
+    if body.logprobs and out.delta_logprobs:
+        entries = chat_logprobs(out.delta_logprobs, strings, num_top)
+        logprobs = {"content": [e.model_dump() for e in entries]}
+    delta = reasoning.delta(out.index, out.delta_text, out.is_finished)
+    pieces = [(delta or {"content": ""}, logprobs)] if delta or logprobs is not None else []
+    return pieces, finish_reason(out) if out.is_finished else None
+
+
+def _step_deltas(
+    body: ChatCompletionRequest,
+    tools: list[ToolDefinition],
+    streamer: ToolCallStreamer | None,
+    out: GenerationOutput,
+) -> tuple[list[dict[str, Any]], str | None]:
+    """The deltas of one tool-call output of a choice, and its finish reason once finished."""
+    if streamer is not None:
+        deltas = streamer.deltas(out.text, out.is_finished)
+        if not out.is_finished:
+            return deltas, None
+        return deltas, _auto_message(streamer.scan, out.text, finish_reason(out))[1]
+    # NOTE: a forced tool call is sent whole once it is complete (then it surely parses).
+    if not out.is_finished:
+        return [], None
+    message, reason = _message(body, tools, False, out)
+    return (_tool_call_deltas(message) if message.tool_calls else [{"content": out.text}]), reason
+
+
 async def _stream(
     state: ServerState,
     body: ChatCompletionRequest,
     admitted: Admitted,
     num_top: int,
     tools: list[ToolDefinition],
+    auto: bool,
     reasoning: ChatReasoning,
 ) -> AsyncIterator[bytes]:
     strings = TokenStrings(state.tokenizer)
     include_usage = body.include_usage
+    streamers = {j: ToolCallStreamer() for j in range(body.n)} if auto else {}
 
     def chunk(choices: list[dict[str, Any]], usage_info: dict[str, Any] | None = None) -> bytes:
-        payload: dict[str, Any] = {
-            "id": admitted.response_id,
-            "object": "chat.completion.chunk",
-            "created": admitted.created,
-            "model": admitted.model,
-            "choices": choices,
-        }
-        if include_usage:
-            payload["usage"] = usage_info
-        return sse_event(payload)
-
-    def choice(
-        index: int, delta: dict[str, Any], logprobs: Any = None, reason: str | None = None
-    ) -> dict[str, Any]:
-        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        return _chunk(admitted, include_usage, choices, usage_info)
 
     num_completion_tokens = 0
     try:
         for j in range(body.n):
-            yield chunk([choice(j, {"role": "assistant", "content": ""})])
+            yield chunk([_choice(j, {"role": "assistant", "content": ""})])
         async for _, out in admitted.submission.outputs():
             error = output_error(out, state.manager is not None and state.manager.is_running())
             if error is not None:
                 yield sse_event(error.body())
                 yield DONE_EVENT
                 return
-            logprobs = None
-            if body.logprobs and out.delta_logprobs:
-                entries = chat_logprobs(out.delta_logprobs, strings, num_top)
-                logprobs = {"content": [e.model_dump() for e in entries]}
-            # NOTE: a forced tool call is sent whole once it is complete (then it surely parses).
-            delta = {} if tools else reasoning.delta(out.index, out.delta_text, out.is_finished)
-            if (delta or logprobs is not None) and not tools:
-                yield chunk([choice(out.index, delta or {"content": ""}, logprobs)])
+            if tools or auto:
+                deltas, reason = _step_deltas(body, tools, streamers.get(out.index), out)
+                pieces: list[tuple[dict[str, Any], Any]] = [(delta, None) for delta in deltas]
+            else:
+                pieces, reason = _content_step(body, strings, num_top, out, reasoning)
+            for delta, logprobs in pieces:
+                yield chunk([_choice(out.index, delta, logprobs)])
             if out.is_finished:
                 num_completion_tokens += len(out.generated_ids)
-                reason = finish_reason(out)
-                if tools:
-                    message, reason = _message(body, tools, out)
-                    deltas = _tool_call_deltas(message) if message.tool_calls else [{"content": out.text}]
-                    for delta in deltas:
-                        yield chunk([choice(out.index, delta)])
-                yield chunk([choice(out.index, {}, None, reason)])
+                yield chunk([_choice(out.index, {}, None, reason)])
         if include_usage:
             info = usage(admitted.submission.num_prompt_tokens, num_completion_tokens)
             yield chunk([], info.model_dump())
@@ -244,3 +296,25 @@ async def _stream(
             APIError(500, f"internal server error: {type(exc).__name__}", code="internal_error").body()
         )
         yield DONE_EVENT
+
+
+def _chunk(
+    admitted: Admitted, include_usage: bool, choices: list[dict[str, Any]], usage_info: dict[str, Any] | None
+) -> bytes:
+    """One ``chat.completion.chunk`` SSE event (``usage: null`` when usage comes at the end)."""
+    payload: dict[str, Any] = {
+        "id": admitted.response_id,
+        "object": "chat.completion.chunk",
+        "created": admitted.created,
+        "model": admitted.model,
+        "choices": choices,
+    }
+    if include_usage:
+        payload["usage"] = usage_info
+    return sse_event(payload)
+
+
+def _choice(
+    index: int, delta: dict[str, Any], logprobs: Any = None, reason: str | None = None
+) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}

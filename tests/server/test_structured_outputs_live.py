@@ -324,7 +324,11 @@ BAD_INPUTS: list[tuple[str, dict[str, Any], str]] = [
         {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
         "tool_choice",
     ),
-    ("tool_choice_auto", {"tools": [WEATHER_TOOL]}, "tool_choice"),
+    (
+        "auto_tools_with_a_response_format",
+        {"tools": [WEATHER_TOOL], "response_format": {"type": "json_object"}},
+        "response_format",
+    ),
 ]
 
 
