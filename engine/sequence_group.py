@@ -50,7 +50,7 @@ class SequenceGroup:
 
     def start(self) -> Sequence:
         """Create sequence 0, the one that prefills the prompt (on admission)."""
-        matcher = self.grammar.matcher() if self.grammar is not None else None
+        matcher = self.grammar.matcher(self.max_new_tokens) if self.grammar is not None else None
         seq = Sequence(self, 0, self._generation_state(0, matcher))
         self.sequences.insert(0, seq)
         return seq
@@ -117,7 +117,7 @@ class SequenceGroup:
             return None
         parent = self.sequences[0].gen.grammar if self.sequences else None
         # NOTE: sequence 0 drops its matcher when it finishes; its siblings then fail or never start.
-        return parent.copy() if parent is not None else self.grammar.matcher()
+        return parent.copy() if parent is not None else self.grammar.matcher(self.max_new_tokens)
 
     def _generation_state(self, index: int, grammar: GrammarMatcher | None = None) -> RequestGenerationState:
         return RequestGenerationState(

@@ -5,7 +5,9 @@ docs/GENERATION.md).
   spec (least recently used first out). Called at admission, on the caller's thread: a spec the library
   rejects raises ``GenerationConfigError`` naming the spec's request field. llguidance bounds the work of
   a grammar with its parser limits (lexer fuel, grammar size), so a pathological schema fails, not hangs.
-- ``CompiledGrammar.matcher()``: a fresh ``GrammarMatcher`` per sequence.
+- ``CompiledGrammar.matcher(max_new_tokens)``: a fresh ``GrammarMatcher`` per sequence; for a JSON
+  grammar with a token budget, it closes the output before the budget cuts it
+  (engine/generation/grammar_closing.py).
 - ``GrammarMatcher``: ``fill_bitmask`` (the tokens allowed next, one bit each), ``accept_token``,
   ``is_terminated``, ``rollback``, ``copy`` (n > 1 forks). The engine applies every constrained row's
   bitmask in one op (engine/generation/grammar_mask.py).
@@ -26,6 +28,7 @@ import llguidance
 import torch
 
 from engine.generation.errors import GenerationConfigError
+from engine.generation.grammar_closing import ClosingBudget, ClosingPlanner, signed_bit
 from engine.generation.grammar_spec import GrammarSpec
 
 MAX_CACHED_GRAMMARS = 128
@@ -59,8 +62,9 @@ def bitmask_words(vocab_size: int) -> int:
 class GrammarMatcher:
     """One sequence's position in its grammar."""
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, closing: ClosingBudget | None = None) -> None:
         self._matcher = matcher
+        self._closing = closing  # None: nothing steers the output closed before max_new_tokens
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int, eos_token_ids: Sequence[int] = ()) -> None:
         """Write the tokens allowed next into ``bitmask[row]`` (int32, CPU, contiguous; bit ``t % 32`` of
@@ -74,12 +78,16 @@ class GrammarMatcher:
             for t in eos_token_ids:
                 if t < 32 * words.numel():
                     # NOTE: int32 words: bit 31 set is the sign bit, so OR in a signed value.
-                    words[t // 32] |= _signed_bit(t % 32)
+                    words[t // 32] |= signed_bit(t % 32)
+        if self._closing is not None:
+            self._closing.restrict(self._matcher, words, eos_token_ids)
 
     def accept_token(self, token_id: int) -> None:
         """Advance past ``token_id``; raises ``GrammarMatcherError`` when the grammar does not allow it."""
         if not self._matcher.consume_token(token_id):
             raise GrammarMatcherError(f"the grammar does not allow token {token_id}: {self._error()}")
+        if self._closing is not None:
+            self._closing.num_accepted += 1
 
     def is_accepting(self) -> bool:
         """The output so far is complete (EOS may come next)."""
@@ -93,10 +101,12 @@ class GrammarMatcher:
         """Undo the last ``num_tokens`` accepted tokens."""
         if not self._matcher.rollback(num_tokens):
             raise GrammarMatcherError(f"cannot roll back {num_tokens} tokens: {self._error()}")
+        if self._closing is not None:
+            self._closing.num_accepted -= num_tokens
 
     def copy(self) -> GrammarMatcher:
         """An independent matcher in this one's state (a forked sample)."""
-        return GrammarMatcher(self._matcher.deep_copy())
+        return GrammarMatcher(self._matcher.deep_copy(), self._closing.copy() if self._closing else None)
 
     def _check(self) -> None:
         if self._matcher.is_error():
@@ -106,19 +116,27 @@ class GrammarMatcher:
         return str(self._matcher.get_error()).split("\n<state>")[0] or "no error message"
 
 
-def _signed_bit(bit: int) -> int:
-    return (1 << bit) - (1 << 32) if bit == 31 else 1 << bit
+# NOTE: a closed JSON value is a complete answer; a free-text reply or regex match cut short only looks
+# like one, so only these kinds are closed before the budget ends (engine/generation/grammar_closing.py).
+CLOSING_KINDS = frozenset({"json_schema", "json_object"})
 
 
 class CompiledGrammar:
     """A spec compiled against one vocabulary: a matcher at the start, copied for each sequence."""
 
-    def __init__(self, spec: GrammarSpec, start: llguidance.LLMatcher) -> None:
+    def __init__(
+        self, spec: GrammarSpec, start: llguidance.LLMatcher, planner: ClosingPlanner | None
+    ) -> None:
         self.spec = spec
         self._start = start
+        self._planner = planner if spec.kind in CLOSING_KINDS else None
 
-    def matcher(self) -> GrammarMatcher:
-        return GrammarMatcher(self._start.deep_copy())
+    def matcher(self, max_new_tokens: int | None = None) -> GrammarMatcher:
+        """A matcher at the start; with ``max_new_tokens``, a JSON output is closed within that budget."""
+        closing = None
+        if self._planner is not None and max_new_tokens is not None:
+            closing = ClosingBudget(self._planner, max_new_tokens)
+        return GrammarMatcher(self._start.deep_copy(), closing)
 
 
 class GrammarCompiler:
@@ -147,6 +165,7 @@ class GrammarCompiler:
         self._tokenizer = llguidance.LLTokenizer(to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids))
         self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
+        self._planner: ClosingPlanner | None = None  # built at the first compile (it reads the vocabulary)
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """The compiled grammar of ``spec`` (cached); ``GenerationConfigError`` naming ``spec.field`` when
@@ -156,8 +175,11 @@ class GrammarCompiler:
             if cached is not None:
                 self._cache.move_to_end(spec)
                 return cached
-        compiled = CompiledGrammar(spec, self._start_matcher(spec))
+        start = self._start_matcher(spec)
         with self._lock:
+            if self._planner is None:
+                self._planner = ClosingPlanner(self._tokenizer, self.vocab_size)
+            compiled = CompiledGrammar(spec, start, self._planner)
             self._cache[spec] = compiled
             while len(self._cache) > self.max_cached:
                 self._cache.popitem(last=False)

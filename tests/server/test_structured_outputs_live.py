@@ -198,6 +198,57 @@ def test_a_grammar_that_cannot_finish_ends_with_length(
     assert resp.choices[0].finish_reason == "length"
 
 
+def test_open_ended_schemas_close_before_max_tokens(live_server: LiveServer) -> None:
+    """The schemas agent frameworks send (no maxLength, maxItems or maximum) and the prompts on which this
+    model loops in an array, a string or a number until ``max_tokens``: every answer is closed in time, and
+    so parses and validates, with ``finish_reason: "stop"`` (bench/structured_outputs.py measures the same
+    workload against other servers)."""
+    from bench.structured_outputs import SCHEMAS as OPEN_SCHEMAS
+    from bench.structured_outputs import TOOLS as OPEN_TOOLS
+
+    url = f"{live_server.base_url}/v1/chat/completions"
+    bodies = []
+    for i, (name, schema) in enumerate(sorted(OPEN_SCHEMAS.items())):
+        for temperature in (0.0, 0.8):
+            fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
+            content = f"Describe a {name} as JSON. Give a realistic example as a JSON object."
+            bodies.append(
+                {
+                    "messages": [{"role": "user", "content": content}],
+                    "max_tokens": 72 + 8 * i,
+                    "temperature": temperature,
+                    "seed": i,
+                    "response_format": fmt,
+                }
+            )
+    tool_chat = [{"role": "user", "content": "Find me a flight to Tokyo from London on 2026-03-01."}]
+    bodies.append(
+        {
+            "messages": tool_chat,
+            "max_tokens": 40,
+            "temperature": 0,
+            "tools": OPEN_TOOLS,
+            "tool_choice": "required",
+        }
+    )
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(headers=live_server.headers, timeout=300) as http:
+            return list(await asyncio.gather(*(http.post(url, json=b) for b in bodies)))
+
+    for body, resp in zip(bodies, asyncio.run(run()), strict=True):
+        assert resp.status_code == 200, resp.text
+        choice = resp.json()["choices"][0]
+        assert choice["finish_reason"] in ("stop", "tool_calls"), choice
+        if "response_format" in body:
+            schema = body["response_format"]["json_schema"]["schema"]
+            jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+        else:
+            call = choice["message"]["tool_calls"][0]["function"]
+            params = {t["function"]["name"]: t["function"]["parameters"] for t in OPEN_TOOLS}
+            jsonschema.validate(json.loads(call["arguments"]), params[call["name"]])
+
+
 def _mixed_request(i: int) -> dict[str, Any]:
     body: dict[str, Any] = {
         "messages": [{"role": "user", "content": f"Tell me about item {i}."}],
