@@ -346,7 +346,8 @@ def run_mix(args: argparse.Namespace, headers: dict[str, str]) -> dict[str, Any]
         order = (False, True) if r % 2 == 0 else (True, False)
         result = {}
         for constrained in order:
-            bodies = mix_requests(model, n, args.output_len, constrained, seed=r)
+            # NOTE: each run its own prompts (same lengths), so that no run is served from the prefix cache.
+            bodies = mix_requests(model, n, args.output_len, constrained, seed=2 * r + constrained)
             result["half_constrained" if constrained else "unconstrained"] = round(
                 asyncio.run(_mix_once(args.base_url, headers, bodies, args.concurrency)), 2
             )
