@@ -37,8 +37,8 @@ class Executor(Protocol):
     """Runs one batch through the model (engine/executor/runner.py's ``ModelRunner``)."""
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits ``[num_sampled, vocab]`` (float32): one row per chunk that ``needs_sample``, in batch
-        order."""
+        """Logits ``[sum of num_logits_rows, vocab]`` (float32): each chunk's ``num_logits_rows`` last rows,
+        in batch order (one for a chunk that ``needs_sample``; every row of a prompt-logprobs chunk)."""
         ...
 
 
@@ -106,6 +106,7 @@ class EngineLoop:
     def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[list[SampledToken]]:
         """Per chunk that ``needs_sample``, one SampledToken per sequence sampling from its logits row
         (several at a group's fan-out)."""
+        logits = self._take_prompt_logits(batch, logits)
         rows: list[SamplingRow] = []
         row_logits: list[int] = []
         spans: list[tuple[int, int]] = []
@@ -126,6 +127,24 @@ class EngineLoop:
             logits = logits.index_select(0, torch.tensor(row_logits, device=logits.device))
         tokens = self.sampler.sample(logits, rows)
         return [tokens[a:b] for a, b in spans]
+
+    @staticmethod
+    def _take_prompt_logits(batch: ScheduledBatch, logits: torch.Tensor) -> torch.Tensor:
+        """Hand the rows asked for prompt logprobs to their groups; the sampling rows (one per chunk that
+        ``needs_sample``, in batch order) remain."""
+        if all(chunk.num_logits_rows == chunk.needs_sample for chunk in batch.requests):
+            return logits
+        keep: list[int] = []
+        offset = 0
+        for chunk in batch.requests:
+            n = chunk.num_logits_rows
+            if chunk.request.wants_prompt_logits:
+                seq: Sequence = chunk.request.payload
+                seq.group.add_prompt_logits(chunk.request, chunk.start, logits[offset : offset + n])
+            if chunk.needs_sample:
+                keep.append(offset + n - 1)
+            offset += n
+        return logits.index_select(0, torch.tensor(keep, dtype=torch.int64, device=logits.device))
 
     def _fork(self, parent: Sequence, children: list[tuple[Sequence, SampledToken]], now: float) -> None:
         """Give each sibling its first token and, unless that ended it, its own scheduler request sharing

@@ -23,6 +23,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None  # 1 + how many tokens were more likely (prompt logprobs report it)
 
 
 @dataclass
@@ -41,6 +42,8 @@ class GenerationOutput:
     logprobs: list[TokenLogprob] | None = None  # one per generated token, when asked
     delta_logprobs: list[TokenLogprob] | None = None
     timestamps: list[float] | None = None  # monotonic time of each generated token, when asked
+    # one per prompt token (None for the first), once every prompt position is computed, when asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     # monotonic timestamps for metrics
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None

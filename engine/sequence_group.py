@@ -16,9 +16,12 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.generation.config import GenerationConfig
 from engine.generation.detokenizer import TokenDecoder
 from engine.generation.grammar import CompiledGrammar, GrammarMatcher
+from engine.generation.prompt_logprobs import PromptLogprobs
 from engine.generation.request_state import RequestGenerationState
 from engine.generation.rows import SampledToken
 from engine.request_handle import Sink
@@ -43,6 +46,11 @@ class SequenceGroup:
     num_finished: int = 0  # final outputs published
     forked: bool = False  # the fan-out has happened (or can no longer happen)
     grammar: CompiledGrammar | None = None  # what every sample's output must match (compiled at admission)
+    prompt_logprobs: PromptLogprobs | None = None  # set in __post_init__ when the config asks for them
+
+    def __post_init__(self) -> None:
+        if self.config.prompt_logprobs is not None:
+            self.prompt_logprobs = PromptLogprobs(self.prompt_ids, self.config.prompt_logprobs)
 
     @property
     def n(self) -> int:
@@ -108,8 +116,18 @@ class SequenceGroup:
             max_new_tokens=self.max_new_tokens,
             arrival_time=self.arrival_time,
             output_ids=output_ids if output_ids is not None else [],
+            wants_prompt_logits=self.prompt_logprobs is not None and not self.prompt_logprobs.is_complete,
             payload=seq,
         )
+
+    def add_prompt_logits(self, request: Request, start: int, logits: torch.Tensor) -> None:
+        """The logits of ``request``'s prompt positions from ``start`` (a prefill chunk's rows); once the
+        whole prompt is in, the request stops asking for them."""
+        if self.prompt_logprobs is None:
+            return
+        self.prompt_logprobs.add_chunk(start, logits)
+        if self.prompt_logprobs.is_complete:
+            request.wants_prompt_logits = False
 
     def _fork_matcher(self) -> GrammarMatcher | None:
         """A sibling's matcher: a copy of sequence 0's (which has not sampled yet at the fan-out)."""

@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 
 from kvcache.errors import IntegrityError
-from kvcache.manager import KVCacheManager
+from kvcache.manager import NO_PREFIX, KVCacheManager
 from kvcache.sizing import blocks_for_tokens
 from scheduler.batch import ScheduledBatch, ScheduledRequest
 from scheduler.capacity import check_fits_cache
@@ -202,7 +202,13 @@ class Scheduler(ABC):
             and len(self._running) < self.config.max_num_seqs
         ):
             req = self._waiting[0]
-            cached = self.kv_manager.get_computed_blocks(req.request_id, req.all_token_ids)
+            # NOTE: positions served from the prefix cache have no logits: a request that wants its
+            # prompt's logits computes the whole prompt (its blocks are still cached for others).
+            cached = (
+                NO_PREFIX
+                if req.wants_prompt_logits
+                else self.kv_manager.get_computed_blocks(req.request_id, req.all_token_ids)
+            )
             num_new = min(req.num_tokens - cached.num_tokens, budget)
             # NOTE: the safety margin keeps room for the running requests to grow; a lone request ignores it.
             reserved = self.config.num_reserved_blocks if self._running else 0

@@ -27,6 +27,14 @@ class ScheduledRequest:
         return self.end == self.request.num_tokens
 
     @property
+    def num_logits_rows(self) -> int:
+        """How many of this chunk's last rows need logits: every row of a chunk of a request that wants
+        its prompt's logits (such a chunk never passes the prompt), else the last row when it samples."""
+        if self.request.wants_prompt_logits:
+            return self.num_tokens
+        return 1 if self.needs_sample else 0
+
+    @property
     def token_ids(self) -> list[int]:
         return self.request.all_token_ids[self.start : self.end]
 

@@ -44,6 +44,9 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at (last) admission
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    # NOTE: the engine clears it once every prompt position's logits have been seen: a request recomputed
+    # after preemption does not ask again.
+    wants_prompt_logits: bool = False  # every prompt position's logits (prompt logprobs), not only the last
     payload: Any = None
 
     @property

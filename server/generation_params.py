@@ -96,6 +96,17 @@ def bad_words_ids(words: Sequence[str], tokenizer: Any) -> list[list[int]] | Non
     return out or None
 
 
+def requested_prompt_logprobs(req: SamplingRequest) -> int | None:
+    """vLLM's ``prompt_logprobs``, or completions' ``echo`` with ``logprobs: k`` (the echoed prompt's
+    tokens get their log-probabilities and ``k`` alternatives): the larger when both are set."""
+    asked = [req.prompt_logprobs]
+    echo_k = getattr(req, "logprobs", None)
+    if getattr(req, "echo", False) is True and type(echo_k) is int:
+        asked.append(echo_k)
+    values = [k for k in asked if k is not None]
+    return max(values) if values else None
+
+
 def build_generation_config(
     req: SamplingRequest,
     defaults: GenerationConfig,
@@ -130,6 +141,7 @@ def build_generation_config(
         "skip_special_tokens": req.skip_special_tokens,
         "output_logprobs": output_logprobs,
         "top_logprobs": top_logprobs if output_logprobs else 0,
+        "prompt_logprobs": requested_prompt_logprobs(req),
         "structured_output": structured_output,
         "temperature": temperature,
         "do_sample": temperature > 0,

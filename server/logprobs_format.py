@@ -13,7 +13,13 @@ from functools import lru_cache
 from typing import Any
 
 from engine.outputs import TokenLogprob
-from server.schemas import ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs
+from server.schemas import (
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    CompletionLogprobs,
+    PromptLogprobs,
+    PromptTokenLogprob,
+)
 
 
 class TokenStrings:
@@ -46,19 +52,49 @@ def completion_logprobs(
     return out, offset
 
 
-def prompt_logprobs(prompt_ids: list[int], strings: TokenStrings) -> tuple[CompletionLogprobs, int]:
-    """The echoed prompt's tokens for ``echo`` with ``logprobs``: their log-probabilities are not
-    computed (null), as OpenAI returns null for a prompt's first token."""
+def prompt_logprobs(
+    prompt_ids: list[int], entries: list[TokenLogprob | None] | None, strings: TokenStrings, num_top: int
+) -> tuple[CompletionLogprobs, int]:
+    """The echoed prompt's tokens for ``echo`` with ``logprobs``: each token's log-probability given the
+    ones before (null for the first, as OpenAI returns it), with ``num_top`` alternatives plus the token."""
     out = CompletionLogprobs()
     offset = 0
-    for token_id in prompt_ids:
+    for i, token_id in enumerate(prompt_ids):
+        entry = entries[i] if entries is not None and i < len(entries) else None
         token = strings.of(token_id)
         out.tokens.append(token)
-        out.token_logprobs.append(None)
-        out.top_logprobs.append(None)
+        out.token_logprobs.append(entry.logprob if entry is not None else None)
+        top: dict[str, float] | None = None
+        if entry is not None:
+            top = {strings.of(t): lp for t, lp in entry.top[:num_top]}
+            top.setdefault(token, entry.logprob)
+        out.top_logprobs.append(top)
         out.text_offset.append(offset)
         offset += len(token)
     return out, offset
+
+
+def vllm_prompt_logprobs(
+    entries: list[TokenLogprob | None] | None, strings: TokenStrings
+) -> PromptLogprobs | None:
+    """vLLM's ``prompt_logprobs``: per prompt token (None for the first) the token and its alternatives,
+    keyed by token id, each with its log-probability, rank and text."""
+    if entries is None:
+        return None
+    out: PromptLogprobs = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        ranked: dict[int, tuple[float, int | None]] = {t: (lp, k + 1) for k, (t, lp) in enumerate(entry.top)}
+        ranked[entry.token_id] = (entry.logprob, entry.rank)
+        out.append(
+            {
+                str(t): PromptTokenLogprob(logprob=lp, rank=rank, decoded_token=strings.of(t))
+                for t, (lp, rank) in ranked.items()
+            }
+        )
+    return out
 
 
 def concat(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:

@@ -124,6 +124,12 @@ class SamplingRequest(RequestBody):
     model: str | None = None
     n: StrictInt = Field(1, ge=1, le=64, description="Samples per prompt.")
     max_tokens: StrictInt | None = Field(None, ge=1)
+    prompt_logprobs: StrictInt | None = Field(
+        None,
+        ge=0,
+        le=20,
+        description="vLLM: each prompt token's log-probability, with this many alternatives.",
+    )
     temperature: Number | None = Field(
         None, ge=0.0, description="0 = greedy; unset = the model's default, else 1.0."
     )
@@ -285,11 +291,23 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptTokenLogprob(BaseModel):
+    """vLLM's entry of ``prompt_logprobs``, keyed by token id: ``rank`` 1 is the most likely token."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptTokenLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's field, when asked
 
 
 class CompletionResponse(BaseModel):
@@ -351,6 +369,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's field, when asked
 
 
 class ModelCard(BaseModel):

@@ -19,7 +19,7 @@ from engine.outputs import GenerationOutput
 from server.engine_client import output_error
 from server.errors import APIError
 from server.lifecycle import ServerState
-from server.logprobs_format import TokenStrings, chat_logprobs
+from server.logprobs_format import TokenStrings, chat_logprobs, vllm_prompt_logprobs
 from server.prompts import chat_prompt, template_knows_tools
 from server.reasoning_output import ChatReasoning
 from server.schemas import (
@@ -186,12 +186,16 @@ def _response(
         choices.append(
             ChatChoice(index=j, message=message, logprobs=logprobs, finish_reason=reason)  # type: ignore[arg-type]
         )
+    first = finals[(0, 0)]
     return ChatCompletionResponse(
         id=admitted.response_id,
         created=admitted.created,
         model=admitted.model,
         choices=choices,
         usage=usage(admitted.submission.num_prompt_tokens, num_completion_tokens),
+        prompt_logprobs=vllm_prompt_logprobs(first.prompt_logprobs, strings)
+        if body.prompt_logprobs is not None
+        else None,
     )
 
 

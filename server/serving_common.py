@@ -97,6 +97,13 @@ def admit(
 ) -> Admitted:
     """Resolve every prompt's config (all checked before any is submitted), then submit them all.
     ``structured_output``: what every output must match (compiled when submitted)."""
+    if body.stream and body.prompt_logprobs is not None:
+        raise APIError(
+            400,
+            "prompt_logprobs: not available with stream: true (ask without streaming, or use echo with logprobs)",
+            param="prompt_logprobs",
+            code="invalid_value",
+        )
     manager = state.running_manager()
     engine = state.engine
     bad_words = bad_words_ids(body.bad_words, state.tokenizer) if body.bad_words else None

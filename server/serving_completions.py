@@ -15,7 +15,13 @@ from fastapi import APIRouter, Request, Response
 from server.engine_client import output_error
 from server.errors import APIError
 from server.lifecycle import ServerState
-from server.logprobs_format import TokenStrings, completion_logprobs, concat, prompt_logprobs
+from server.logprobs_format import (
+    TokenStrings,
+    completion_logprobs,
+    concat,
+    prompt_logprobs,
+    vllm_prompt_logprobs,
+)
 from server.prompts import completion_prompts
 from server.schemas import (
     ERROR_RESPONSES,
@@ -98,13 +104,17 @@ def _response(
             if body.logprobs is not None:
                 logprobs, _ = completion_logprobs(out.logprobs or [], strings, body.logprobs, len(echoes[i]))
                 if body.echo:
-                    logprobs = concat(prompt_logprobs(prompt, strings)[0], logprobs)
+                    echoed = prompt_logprobs(prompt, out.prompt_logprobs, strings, body.logprobs)[0]
+                    logprobs = concat(echoed, logprobs)
             choices.append(
                 CompletionChoice(
                     index=i * body.n + j,
                     text=echoes[i] + out.text,
                     logprobs=logprobs,
                     finish_reason=finish_reason(out),  # type: ignore[arg-type]
+                    prompt_logprobs=vllm_prompt_logprobs(out.prompt_logprobs, strings)
+                    if body.prompt_logprobs is not None
+                    else None,
                 )
             )
     return CompletionResponse(
@@ -128,13 +138,16 @@ async def _stream(
     n = body.n
     offsets: dict[int, int] = {}
     num_completion_tokens = 0
+    # NOTE: with logprobs, a choice's echo waits for its first output, which carries the prompt's
+    # log-probabilities (computed by the prefill); without, it goes out at once.
+    echo_later = body.echo and body.logprobs is not None
     try:
-        for i, prompt in enumerate(admitted.submission.prompts):
+        for i in range(len(admitted.submission.prompts)):
             for j in range(n):
                 offsets[i * n + j] = len(echoes[i])
-                if body.echo:
-                    lp = prompt_logprobs(prompt, strings)[0] if body.logprobs is not None else None
-                    yield chunk(i * n + j, echoes[i], lp, None)
+                if body.echo and not echo_later:
+                    yield chunk(i * n + j, echoes[i], None, None)
+        echoed: set[int] = set()
         async for i, out in admitted.submission.outputs():
             error = output_error(out, state.manager is not None and state.manager.is_running())
             if error is not None:
@@ -142,6 +155,11 @@ async def _stream(
                 yield DONE_EVENT
                 return
             index = i * n + out.index
+            if echo_later and index not in echoed:
+                echoed.add(index)
+                prompt = admitted.submission.prompts[i]
+                lp = prompt_logprobs(prompt, out.prompt_logprobs, strings, body.logprobs or 0)[0]
+                yield chunk(index, echoes[i], lp, None)
             logprobs: CompletionLogprobs | None = None
             if body.logprobs is not None and out.delta_logprobs:
                 logprobs, offsets[index] = completion_logprobs(
@@ -153,16 +171,7 @@ async def _stream(
                 num_completion_tokens += len(out.generated_ids)
                 yield chunk(index, "", None, finish_reason(out))
         if include_usage:
-            yield sse_event(
-                {
-                    "id": admitted.response_id,
-                    "object": "text_completion",
-                    "created": admitted.created,
-                    "model": admitted.model,
-                    "choices": [],
-                    "usage": usage(admitted.submission.num_prompt_tokens, num_completion_tokens).model_dump(),
-                }
-            )
+            yield _usage_chunk(admitted, num_completion_tokens)
         yield DONE_EVENT
     except APIError as exc:
         yield sse_event(exc.body())
@@ -173,6 +182,20 @@ async def _stream(
             APIError(500, f"internal server error: {type(exc).__name__}", code="internal_error").body()
         )
         yield DONE_EVENT
+
+
+def _usage_chunk(admitted: Admitted, num_completion_tokens: int) -> bytes:
+    """The last event of a stream with ``include_usage``: no choices, the request's usage."""
+    return sse_event(
+        {
+            "id": admitted.response_id,
+            "object": "text_completion",
+            "created": admitted.created,
+            "model": admitted.model,
+            "choices": [],
+            "usage": usage(admitted.submission.num_prompt_tokens, num_completion_tokens).model_dump(),
+        }
+    )
 
 
 def _chunk(

@@ -54,7 +54,6 @@ UNSUPPORTED_FIELDS: tuple[Unsupported, ...] = (
         lambda v, body: v is None or (type(v) in (int, float) and v == 1),
         "it only applies to beam search, which is not implemented",
     ),
-    Unsupported("prompt_logprobs", _absent, "prompt log-probabilities are not computed"),
     Unsupported("allowed_token_ids", _absent, "use logit_bias or bad_words instead"),
     Unsupported("include_stop_str_in_output", _false, "the matched stop string is always cut off"),
     Unsupported("truncate_prompt_tokens", _absent, "prompts are never truncated"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,13 +49,15 @@ class BatchInputs:
         token_ids: list[list[int]],
         starts: list[int],
         block_tables: list[list[int]],
-        logits_rows: list[bool],
+        logits_rows: Sequence[int],
         block_size: int,
         device: torch.device | str = "cpu",
     ) -> BatchInputs:
         """Build from Python lists: sequence ``i`` computes ``token_ids[i]`` at positions starting at
         ``starts[i]`` (the tokens before are already in its pages); ``logits_rows[i]`` asks for the
-        logits of its last new token. Logits rows come out in the order of the arguments."""
+        logits of its last ``logits_rows[i]`` new tokens (0, 1 for a sampling chunk, or all of them for
+        prompt logprobs; a bool counts as 0 or 1). Logits rows come out in the order of the arguments,
+        a sequence's rows in position order."""
         order = decode_first_order(token_ids, starts)
         last_row: dict[int, int] = {}
         input_ids: list[int] = []
@@ -77,7 +80,7 @@ class BatchInputs:
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
             last_row[i] = qsl[-1] - 1
-        logits_indices = [last_row[i] for i in range(len(token_ids)) if logits_rows[i]]
+        logits_indices = _logits_indices(last_row, logits_rows)
         max_blocks = max((len(t) for t in block_tables), default=0)
         tables = [block_tables[i] + [0] * (max_blocks - len(block_tables[i])) for i in order]
 
@@ -100,6 +103,13 @@ class BatchInputs:
             prefill_query_lens=tuple(qsl[j + 1] - qsl[j] for j in range(num_decode, len(seq_lens))),
             prefill_seq_lens=tuple(seq_lens[num_decode:]),
         )
+
+
+def _logits_indices(last_row: dict[int, int], logits_rows: Sequence[int]) -> list[int]:
+    """The flat rows that need logits: sequence ``i``'s last ``logits_rows[i]`` rows, in argument order."""
+    return [
+        row for i, n in enumerate(logits_rows) for row in range(last_row[i] - int(n) + 1, last_row[i] + 1)
+    ]
 
 
 def decode_first_order(token_ids: list[list[int]], starts: list[int]) -> list[int]:

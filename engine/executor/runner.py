@@ -38,22 +38,22 @@ class ModelRunner:
             token_ids=[s.token_ids for s in batch.requests],
             starts=[s.start for s in batch.requests],
             block_tables=[s.block_ids for s in batch.requests],
-            logits_rows=[s.needs_sample for s in batch.requests],
+            logits_rows=[s.num_logits_rows for s in batch.requests],
             block_size=self.block_size,
             device=self.device,
         )
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Run one batch through the model: logits ``[num_sampled, vocab]`` (float32), one row per
-        scheduled request whose chunk reaches its last known token, in batch order."""
+        """Run one batch through the model: logits ``[sum of num_logits_rows, vocab]`` (float32), each
+        chunk's ``num_logits_rows`` last rows in batch order (the last one samples when ``needs_sample``)."""
         if batch.blocks_to_copy:
             self.kv_cache.copy_blocks(batch.blocks_to_copy)
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
             logits = self.cuda_graphs.run(batch)  # [len(batch), vocab], one row per sequence
-            if all(s.needs_sample for s in batch.requests):
+            if all(s.num_logits_rows for s in batch.requests):
                 return logits
-            rows = [i for i, s in enumerate(batch.requests) if s.needs_sample]
+            rows = [i for i, s in enumerate(batch.requests) if s.num_logits_rows]
             return logits[torch.tensor(rows, device=logits.device)]
         inputs = self.prepare(batch)
         if self.decode_stack is not None and self.decode_stack.can_run(inputs, self.decode_kernel):

@@ -46,6 +46,7 @@ _INT_FIELDS = (
     "num_return_sequences",
     "top_logprobs",
     "seed",
+    "prompt_logprobs",
 )
 _BOOL_FIELDS = ("do_sample", "output_logprobs", "ignore_eos", "skip_special_tokens")
 
@@ -83,6 +84,9 @@ class GenerationConfig:
     num_return_sequences: int = 1
     output_logprobs: bool = False
     top_logprobs: int = 0
+    # None: off; k >= 0: every prompt token's log-probability (from the raw logits), with the k most likely
+    # alternatives at its position (vLLM's ``prompt_logprobs``). The first token has none.
+    prompt_logprobs: int | None = None
     seed: int | None = None
     # OpenAI
     presence_penalty: float = 0.0
@@ -193,7 +197,7 @@ class GenerationConfig:
                 raise GenerationConfigError(name, f"must be a boolean, got {getattr(self, name)!r}")
         for name in _INT_FIELDS:
             value = getattr(self, name)
-            if value is None and name in ("max_new_tokens", "seed"):
+            if value is None and name in ("max_new_tokens", "seed", "prompt_logprobs"):
                 continue
             if not isinstance(value, int) or isinstance(value, bool):
                 raise GenerationConfigError(name, f"must be an integer, got {value!r}")
@@ -259,6 +263,10 @@ class GenerationConfig:
             )
         if self.top_logprobs > 0 and not self.output_logprobs:
             raise GenerationConfigError("top_logprobs", "needs output_logprobs=True")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise GenerationConfigError(
+                "prompt_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}"
+            )
 
     def _validate_token_lists(self) -> None:
         for name in ("suppress_tokens", "begin_suppress_tokens", "stop_token_ids"):

@@ -144,8 +144,9 @@ def test_completion_echo_with_logprobs(live_server: LiveServer, client: openai.O
     assert lp is not None and lp.token_logprobs is not None and resp.usage is not None
     num_prompt = resp.usage.prompt_tokens
     assert len(lp.token_logprobs) == num_prompt + resp.usage.completion_tokens
-    assert all(x is None for x in lp.token_logprobs[:num_prompt])
-    assert all(x is not None for x in lp.token_logprobs[num_prompt:])
+    # NOTE: the first prompt token has nothing before it (null, as OpenAI returns it); the others are scored.
+    assert lp.token_logprobs[0] is None
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
 
 
 def test_chat_logprobs_shape(live_server: LiveServer, client: openai.OpenAI) -> None:
