@@ -211,10 +211,16 @@ class Engine:
         generation_config: GenerationConfig | None = None,
         progress_bar: bool = True,
         record_timestamps: bool = False,
+        streamer: Any = None,
         **generation_kwargs: Any,
     ) -> dict[str, GenerationOutput]:
         """Generate for every prompt with continuous batching; returns request id -> final output
-        (for ``num_return_sequences`` > 1, ids ``{id}`` for sample 0 and ``{id}/{i}`` for the others)."""
+        (for ``num_return_sequences`` > 1, ids ``{id}`` for sample 0 and ``{id}/{i}`` for the others).
+        ``streamer``: a transformers ``BaseStreamer`` for a single prompt, as ``generate(streamer=...)``."""
+        if streamer is not None and len(inputs) != 1:
+            raise ValueError(
+                f"a streamer follows one prompt (as transformers' streamers do), got {len(inputs)}"
+            )
         config = generation_config or self.generation_defaults
         if generation_kwargs:
             config = config.merged(**generation_kwargs)
@@ -231,6 +237,7 @@ class Engine:
                     request_id=f"batch_req_{i}",
                     generation_config=config,
                     record_timestamps=record_timestamps,
+                    streamer=streamer,
                 )
             bar = tqdm(
                 total=len(inputs),

@@ -19,7 +19,7 @@ from typing import Any
 
 from engine.admission import RequestLimits, check_prompt
 from engine.errors import EngineDeadError, QueueFullError
-from engine.generation.config import GenerationConfig
+from engine.generation.config import GenerationConfig, GenerationConfigError
 from engine.generation.grammar import CompiledGrammar, GrammarCompiler
 from engine.generation.sampler import Sampler
 from engine.inbox import AddRequest, CancelRequest, EvictRequest
@@ -28,6 +28,7 @@ from engine.outputs import GenerationOutput
 from engine.request_handle import AsyncSink, RequestHandle, Sink, SyncSink
 from engine.sequence_group import SequenceGroup
 from engine.stats import EngineStats
+from engine.streamer_sink import StreamerSink
 from scheduler.base import Scheduler
 
 
@@ -117,10 +118,13 @@ class ContinuousBatchingManager:
         streaming: bool = False,
         record_timestamps: bool = False,
         generation_config: GenerationConfig | None = None,
+        streamer: Any = None,
         **generation_kwargs: Any,
     ) -> str:
         """Admit a request; read its outputs with ``get_result`` or ``request_id_iter``. With
-        ``streaming`` every step's output is delivered, otherwise only the final one."""
+        ``streaming`` every step's output is delivered, otherwise only the final one. ``streamer``: a
+        transformers ``BaseStreamer`` (``TextStreamer``, ``TextIteratorStreamer``, ...) fed the prompt and
+        then each token as it is generated (engine/streamer_sink.py); one sequence only."""
         config = generation_config or self.generation_defaults
         overrides = dict(generation_kwargs)
         if max_new_tokens is not None:
@@ -129,7 +133,16 @@ class ContinuousBatchingManager:
             config = config.merged(**overrides)
         rid = request_id or _new_request_id()
         sink = SyncSink(rid, self._ready, config.num_return_sequences)
-        group = self._new_group(input_ids, config, rid, sink, streaming, record_timestamps)
+        if streamer is None:
+            group = self._new_group(input_ids, config, rid, sink, streaming, record_timestamps)
+        else:
+            if config.num_return_sequences != 1:
+                raise GenerationConfigError(
+                    "streamer", "a streamer follows one sequence: num_return_sequences must be 1"
+                )
+            fed = StreamerSink(sink, streamer, pass_every_output=streaming)
+            group = self._new_group(input_ids, config, rid, fed, True, record_timestamps)
+            fed.start(list(input_ids))
         self._sync_sinks[rid] = sink
         self._enqueue(group)
         return rid

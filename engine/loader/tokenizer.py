@@ -273,8 +273,10 @@ class Tokenizer:
             list(e.ids) for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
         ]
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+    def decode(self, ids: Sequence[int] | int, skip_special_tokens: bool = True) -> str:
+        """The text of ``ids`` (one id or several, as transformers' tokenizers take them)."""
+        token_ids = [ids] if isinstance(ids, int) else list(ids)
+        return str(self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
         """The vocabulary entries (byte-level spelling) of ``ids``; ``None`` for an unknown id."""
