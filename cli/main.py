@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from server.config import REASONING_PARSERS, parse_bytes
+from server.config import REASONING_PARSERS, TOOL_CALL_PARSERS, parse_bytes
 
 ENV_PREFIX = "CBSERVE_"
 
@@ -119,6 +119,13 @@ def _add_serve_flags(serve: argparse.ArgumentParser) -> None:
         help="split <think>...</think> into reasoning_content: auto (when the tokenizer has those tokens), "
         "think/qwen3/deepseek_r1 (always) or none",
     )
+    a(
+        "--tool-call-parser",
+        choices=list(TOOL_CALL_PARSERS),
+        default="auto",
+        help="the tool-call syntax parsed for tool_choice auto: auto (from the chat template), hermes, "
+        "llama3_json or mistral",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -220,6 +227,7 @@ def _serve(args: argparse.Namespace) -> int:
             shutdown_timeout=args.shutdown_timeout,
             max_queue=args.max_queue,
             reasoning_parser=args.reasoning_parser,
+            tool_call_parser=args.tool_call_parser,
         )
     except ServerConfigError as exc:
         logger.error("%s", exc)

@@ -173,7 +173,9 @@ class OutputProcessor:
             logprobs=list(logprobs) if logprobs is not None else None,
             delta_logprobs=logprobs[seq.sent_logprobs :] if logprobs is not None else None,
             timestamps=list(seq.timestamps) if group.record_timestamps else None,
-            prompt_logprobs=group.prompt_logprobs.entries if group.prompt_logprobs is not None else None,
+            prompt_logprobs=group.prompt_logprobs.entries
+            if group.prompt_logprobs is not None and group.prompt_logprobs.is_complete
+            else None,
             arrival_time=group.arrival_time,
             first_scheduled_time=req.first_scheduled_time if req is not None else None,
             first_token_time=seq.timestamps[0] if seq.timestamps else None,

@@ -12,6 +12,7 @@ DEFAULT_MAX_QUEUE = 256
 # auto: split <think>...</think> out of chat outputs when the tokenizer has both tokens; think: always;
 # none: never (the thinking stays in ``content``). vLLM's parser names for the same format are aliases.
 REASONING_PARSERS = ("auto", "think", "none", "qwen3", "deepseek_r1")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")  # server/tool_syntax.py
 
 
 class ServerConfigError(ValueError):
@@ -30,6 +31,9 @@ class ServerConfig:
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     max_queue: int = DEFAULT_MAX_QUEUE
     reasoning_parser: str = "auto"
+    tool_call_parser: str = (
+        "auto"  # server/tool_syntax.py: auto (from the chat template), hermes, llama3_json, mistral
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.served_model_name, str) or not self.served_model_name.strip():
@@ -51,6 +55,10 @@ class ServerConfig:
         if self.reasoning_parser not in REASONING_PARSERS:
             raise ServerConfigError(
                 f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}"
+            )
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ServerConfigError(
+                f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}"
             )
         if not isinstance(self.cors_origins, tuple) or not all(
             isinstance(o, str) and o for o in self.cors_origins

@@ -75,9 +75,10 @@ def prompt_logprobs(
 
 
 def vllm_prompt_logprobs(
-    entries: list[TokenLogprob | None] | None, strings: TokenStrings
+    entries: list[TokenLogprob | None] | None, strings: TokenStrings, num_top: int
 ) -> PromptLogprobs | None:
-    """vLLM's ``prompt_logprobs``: per prompt token (None for the first) the token and its alternatives,
+    """vLLM's ``prompt_logprobs``: per prompt token (None for the first) the token and its ``num_top``
+    alternatives,
     keyed by token id, each with its log-probability, rank and text."""
     if entries is None:
         return None
@@ -86,7 +87,8 @@ def vllm_prompt_logprobs(
         if entry is None:
             out.append(None)
             continue
-        ranked: dict[int, tuple[float, int | None]] = {t: (lp, k + 1) for k, (t, lp) in enumerate(entry.top)}
+        top = entry.top[:num_top]  # NOTE: the engine may have scored more (echo with a larger logprobs)
+        ranked: dict[int, tuple[float, int | None]] = {t: (lp, k + 1) for k, (t, lp) in enumerate(top)}
         ranked[entry.token_id] = (entry.logprob, entry.rank)
         out.append(
             {

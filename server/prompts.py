@@ -102,6 +102,26 @@ def _without_template_tools(messages: list[dict[str, Any]], tools_prompt: str) -
     return out
 
 
+def _arguments_as_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Earlier calls' ``arguments`` as objects, as transformers' chat templates take them (Llama's and
+    Mistral's write ``arguments | tojson``: a JSON string would be written twice encoded)."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            m = {**m, "tool_calls": [_with_object_arguments(c) for c in calls]}
+        out.append(m)
+    return out
+
+
+def _with_object_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call["function"]["arguments"] or "{}")
+    except (TypeError, ValueError):
+        return call  # NOTE: not JSON: the template gets the string as it came
+    return {**call, "function": {**call["function"], "arguments": arguments}}
+
+
 def template_knows_tools(tokenizer: Any) -> bool:
     """The chat template reads ``tools`` (else the generic format describes them in a system message)."""
     return "tools" in (getattr(tokenizer, "chat_template", None) or "")
@@ -125,6 +145,7 @@ def chat_prompt(
     if tools:
         if template_knows_tools(tokenizer):
             extra["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+            dicts = _arguments_as_objects(dicts)
         else:
             dicts = _without_template_tools(dicts, tools_system_prompt(tools, auto_tools))
     try:

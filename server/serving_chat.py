@@ -52,8 +52,9 @@ from server.tool_calls import (
     scanned_tool_calls,
     tool_call_spec,
 )
-from server.tool_parser import Scan, scan
+from server.tool_parser import Scan
 from server.tool_stream import ToolCallStreamer
+from server.tool_syntax import SYNTAXES, ToolSyntax, tool_syntax
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,13 @@ async def create_chat_completion(
     num_top = _num_top(body)
     tools = forced_tools(body)
     auto = auto_tools(body)
-    spec = _output_spec(body, tools, auto, template_knows_tools(state.tokenizer))
+    knows_tools = template_knows_tools(state.tokenizer)
+    spec = _output_spec(body, tools, auto, knows_tools)
+    syntax = tool_syntax(state.config.tool_call_parser, getattr(state.tokenizer, "chat_template", None))
+    if auto and knows_tools and syntax.keep_special_tokens:
+        # NOTE: the syntax's markers ([TOOL_CALLS], [ARGS]) are special tokens: the parser must see them.
+        body = body.model_copy(update={"skip_special_tokens": False})
+    auto_syntax = syntax if auto and knows_tools else SYNTAXES["hermes"] if auto else None
     engine = state.engine
     prompt = chat_prompt(
         body.messages,
@@ -100,12 +107,12 @@ async def create_chat_completion(
         structured_output=spec,
     )
     if body.stream:
-        stream = _stream(state, body, admitted, num_top, tools, bool(auto), reasoning)
+        stream = _stream(state, body, admitted, num_top, tools, auto_syntax, reasoning)
         return streaming_response(state, admitted, stream)
     finals = await final_outputs(state, request, admitted)
     if finals is None:
         return Response(status_code=499)
-    return _response(state, body, admitted, num_top, finals, tools, bool(auto), reasoning)
+    return _response(state, body, admitted, num_top, finals, tools, auto_syntax, reasoning)
 
 
 def _output_spec(
@@ -131,24 +138,26 @@ def _output_spec(
     return None if knows_tools else auto_tool_spec(body, auto)
 
 
-def _auto_message(scanned: Scan, text: str, reason: str) -> tuple[ChatResponseMessage, str]:
+def _auto_message(
+    scanned: Scan, text: str, reason: str, syntax: ToolSyntax
+) -> tuple[ChatResponseMessage, str]:
     """An ``auto`` output's message: its calls (``tool_calls`` when all are complete) or its text."""
     if scanned.mode != "calls":
         return ChatResponseMessage(content=text), reason
-    calls = scanned_tool_calls(scanned)
+    calls = scanned_tool_calls(scanned, syntax.new_call_id)
     return ChatResponseMessage(content=None, tool_calls=calls), (
         "tool_calls" if reason == "stop" and scanned.all_complete else reason
     )
 
 
 def _message(
-    body: ChatCompletionRequest, tools: list[ToolDefinition], auto: bool, out: GenerationOutput
+    body: ChatCompletionRequest, tools: list[ToolDefinition], auto: ToolSyntax | None, out: GenerationOutput
 ) -> tuple[ChatResponseMessage, str]:
     """The assistant message of one finished sample and its finish reason: a forced call that completed,
     or ``auto`` calls, become ``tool_calls`` (content null); anything else stays text."""
     reason = finish_reason(out)
     if auto:
-        return _auto_message(scan(out.text, finished=True), out.text, reason)
+        return _auto_message(auto.scan(out.text, True), out.text, reason, auto)
     if tools and reason == "stop":
         return ChatResponseMessage(
             content=None, tool_calls=parse_tool_calls(body, tools, out.text)
@@ -163,7 +172,7 @@ def _response(
     num_top: int,
     finals: dict[Any, Any],
     tools: list[ToolDefinition],
-    auto: bool,
+    auto: ToolSyntax | None,
     reasoning: ChatReasoning,
 ) -> ChatCompletionResponse:
     strings = TokenStrings(state.tokenizer)
@@ -193,7 +202,7 @@ def _response(
         model=admitted.model,
         choices=choices,
         usage=usage(admitted.submission.num_prompt_tokens, num_completion_tokens),
-        prompt_logprobs=vllm_prompt_logprobs(first.prompt_logprobs, strings)
+        prompt_logprobs=vllm_prompt_logprobs(first.prompt_logprobs, strings, body.prompt_logprobs)
         if body.prompt_logprobs is not None
         else None,
     )
@@ -243,11 +252,11 @@ def _step_deltas(
         deltas = streamer.deltas(out.text, out.is_finished)
         if not out.is_finished:
             return deltas, None
-        return deltas, _auto_message(streamer.scan, out.text, finish_reason(out))[1]
+        return deltas, _auto_message(streamer.scan, out.text, finish_reason(out), streamer.syntax)[1]
     # NOTE: a forced tool call is sent whole once it is complete (then it surely parses).
     if not out.is_finished:
         return [], None
-    message, reason = _message(body, tools, False, out)
+    message, reason = _message(body, tools, None, out)
     return (_tool_call_deltas(message) if message.tool_calls else [{"content": out.text}]), reason
 
 
@@ -257,12 +266,12 @@ async def _stream(
     admitted: Admitted,
     num_top: int,
     tools: list[ToolDefinition],
-    auto: bool,
+    auto: ToolSyntax | None,
     reasoning: ChatReasoning,
 ) -> AsyncIterator[bytes]:
     strings = TokenStrings(state.tokenizer)
     include_usage = body.include_usage
-    streamers = {j: ToolCallStreamer() for j in range(body.n)} if auto else {}
+    streamers = {j: ToolCallStreamer(auto) for j in range(body.n)} if auto else {}
 
     def chunk(choices: list[dict[str, Any]], usage_info: dict[str, Any] | None = None) -> bytes:
         return _chunk(admitted, include_usage, choices, usage_info)

@@ -112,7 +112,7 @@ def _response(
                     text=echoes[i] + out.text,
                     logprobs=logprobs,
                     finish_reason=finish_reason(out),  # type: ignore[arg-type]
-                    prompt_logprobs=vllm_prompt_logprobs(out.prompt_logprobs, strings)
+                    prompt_logprobs=vllm_prompt_logprobs(out.prompt_logprobs, strings, body.prompt_logprobs)
                     if body.prompt_logprobs is not None
                     else None,
                 )

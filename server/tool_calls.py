@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from engine.generation.grammar_spec import GrammarSpec
@@ -108,10 +109,10 @@ def auto_tool_spec(body: ChatCompletionRequest, tools: list[ToolDefinition]) -> 
     return GrammarSpec.grammar(lark, "tools")
 
 
-def scanned_tool_calls(scanned: Scan) -> list[ResponseToolCall]:
-    """The response's calls of a scanned ``auto`` output, with new ``call_...`` ids."""
+def scanned_tool_calls(scanned: Scan, call_id: Callable[[], str]) -> list[ResponseToolCall]:
+    """The response's calls of a scanned ``auto`` output, with new ids from ``call_id``."""
     return [
-        ResponseToolCall(id=new_call_id(), function=ResponseFunctionCall(name=c.name, arguments=c.arguments))
+        ResponseToolCall(id=call_id(), function=ResponseFunctionCall(name=c.name, arguments=c.arguments))
         for c in scanned.calls
     ]
 

@@ -65,7 +65,7 @@ def scan(text: str, finished: bool) -> Scan:
     calls: list[ScannedCall] = []
     pos = len(text) - len(rest)
     while True:
-        call, pos = _scan_call(text, pos + len(CALL_OPEN))
+        call, pos = scan_call(text, pos + len(CALL_OPEN), _CALL_HEAD, _CALL_TAIL)
         if call is not None:
             calls.append(call)
         if call is None or not call.complete:
@@ -77,18 +77,23 @@ def scan(text: str, finished: bool) -> Scan:
     return Scan("calls", tuple(calls))
 
 
-def _scan_call(text: str, pos: int) -> tuple[ScannedCall | None, int]:
-    """The call whose JSON starts at ``pos`` (None while its name is unknown) and where it ends."""
-    head = _CALL_HEAD.match(text, pos)
+def scan_call(
+    text: str, pos: int, head_re: re.Pattern[str], tail_re: re.Pattern[str]
+) -> tuple[ScannedCall | None, int]:
+    """The call whose head (``head_re``: group 1 the name, a JSON string or a bare word; it ends where the
+    arguments value starts) matches at ``pos`` (None while its name is unknown), and where it ends: after
+    ``tail_re`` once complete. Shared by every syntax's scanner (server/tool_syntax.py)."""
+    head = head_re.match(text, pos)
     if head is None:
         return None, len(text)
-    name = json.loads(head.group(1))
+    raw_name = head.group(1)
+    name = json.loads(raw_name) if raw_name.startswith('"') else raw_name
     start = head.end()
     try:
         _, end = _DECODER.raw_decode(text, start)
     except json.JSONDecodeError:
         # NOTE: an unfinished value: all the text after its start belongs to it so far.
         return ScannedCall(name, text[start:], complete=False), len(text)
-    tail = _CALL_TAIL.match(text, end)
+    tail = tail_re.match(text, end)
     complete = tail is not None
     return ScannedCall(name, text[start:end], complete), tail.end() if tail else len(text)

@@ -8,16 +8,20 @@ the previous one's, so the fragments concatenate to the finished message's argum
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from server.tool_calls import new_call_id
-from server.tool_parser import Scan, scan
+from server.tool_parser import Scan
+
+if TYPE_CHECKING:
+    from server.tool_syntax import ToolSyntax
 
 
 class ToolCallStreamer:
-    """The deltas of one choice's output; ``scan`` is the last scan (the message's, once finished)."""
+    """The deltas of one choice's output in ``syntax``; ``scan`` is the last scan (the message's, once
+    finished)."""
 
-    def __init__(self) -> None:
+    def __init__(self, syntax: ToolSyntax) -> None:
+        self.syntax = syntax
         self.scan = Scan("undecided")
         self._content_sent = 0
         self._ids: list[str] = []
@@ -25,7 +29,7 @@ class ToolCallStreamer:
 
     def deltas(self, text: str, finished: bool) -> list[dict[str, Any]]:
         """The deltas that bring the client from the previous ``text`` to this one."""
-        self.scan = scan(text, finished)
+        self.scan = self.syntax.scan(text, finished)
         if self.scan.mode == "content":
             fresh = text[self._content_sent :]
             self._content_sent = len(text)
@@ -33,7 +37,7 @@ class ToolCallStreamer:
         out: list[dict[str, Any]] = []
         for index, call in enumerate(self.scan.calls):
             if index == len(self._ids):
-                self._ids.append(new_call_id())
+                self._ids.append(self.syntax.new_call_id())
                 self._arguments_sent.append(0)
                 head = {"index": index, "id": self._ids[index], "type": "function"}
                 out.append({"tool_calls": [{**head, "function": {"name": call.name, "arguments": ""}}]})

@@ -26,7 +26,7 @@ def prompt_token_logprobs(logits: torch.Tensor, targets: Sequence[int], top_n: i
     logp = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
     target = torch.tensor(list(targets), dtype=torch.int64, device=logp.device).unsqueeze(1)  # [R, 1]
     target_lp = logp.gather(1, target)  # [R, 1]
-    ranks = (logp > target_lp).sum(dim=-1) + 1  # [R]
+    ranks = (logp >= target_lp).sum(dim=-1)  # [R]: vLLM's rank, every token at least as likely counted
     top_vals: list[list[float]] = [[] for _ in targets]
     top_ids: list[list[int]] = [[] for _ in targets]
     if top_n > 0:

@@ -81,6 +81,7 @@ def test_every_flag_reads_the_environment() -> None:
         "CBSERVE_CORS_ORIGINS": "http://a.example, http://b.example",
         "CBSERVE_MAX_BODY_BYTES": "1MiB",
         "CBSERVE_REASONING_PARSER": "none",
+        "CBSERVE_TOOL_CALL_PARSER": "mistral",
     }
     args = parse(["serve"], env)
     assert args.model == "/models/x.gguf" and args.host == "0.0.0.0" and args.port == 9001
@@ -99,6 +100,7 @@ def test_every_flag_reads_the_environment() -> None:
     assert args.shutdown_timeout == 2.5 and args.log_level == "debug"
     assert args.cors_origins == ["http://a.example", "http://b.example"]
     assert args.max_body_bytes == 1 << 20 and args.reasoning_parser == "none"
+    assert args.tool_call_parser == "mistral"
     # every serve flag has its variable in this test
     serve_flags = {a.dest for a in _subparser(build_parser(), "serve")._actions}
     assert {f"CBSERVE_{d.upper()}" for d in serve_flags - {"help", "handler"}} == set(env)

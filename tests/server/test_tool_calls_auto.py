@@ -16,6 +16,7 @@ from server.schemas import ChatCompletionRequest, ToolDefinition
 from server.tool_calls import auto_tool_spec, auto_tools, forced_tools
 from server.tool_parser import Scan, ScannedCall, scan
 from server.tool_stream import ToolCallStreamer
+from server.tool_syntax import SYNTAXES
 
 EOS = 2
 WEATHER = {
@@ -67,7 +68,7 @@ def test_an_unfinished_call_is_kept_incomplete() -> None:
 
 @pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
 def test_streamed_deltas_reassemble_to_the_message(step: int) -> None:
-    streamer = ToolCallStreamer()
+    streamer = ToolCallStreamer(SYNTAXES["hermes"])
     deltas: list[dict[str, Any]] = []
     for end in range(step, len(TWO_CALLS) + step, step):
         deltas += streamer.deltas(TWO_CALLS[:end], finished=end >= len(TWO_CALLS))
@@ -88,11 +89,11 @@ def test_streamed_deltas_reassemble_to_the_message(step: int) -> None:
 
 
 def test_a_streamed_reply_is_held_back_only_while_it_could_open_a_call() -> None:
-    streamer = ToolCallStreamer()
+    streamer = ToolCallStreamer(SYNTAXES["hermes"])
     assert streamer.deltas(" <tool", finished=False) == []
     assert streamer.deltas(" <tools are", finished=False) == [{"content": " <tools are"}]
     assert streamer.deltas(" <tools are nice", finished=True) == [{"content": " nice"}]
-    assert ToolCallStreamer().deltas("\n", finished=True) == [{"content": "\n"}]
+    assert ToolCallStreamer(SYNTAXES["hermes"]).deltas("\n", finished=True) == [{"content": "\n"}]
 
 
 def test_auto_is_the_default_with_tools() -> None:
