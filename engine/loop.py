@@ -138,11 +138,14 @@ class EngineLoop:
         offset = 0
         for chunk in batch.requests:
             n = chunk.num_logits_rows
+            seq: Sequence = chunk.request.payload
             if chunk.request.wants_prompt_logits:
-                seq: Sequence = chunk.request.payload
                 seq.group.add_prompt_logits(chunk.request, chunk.start, logits[offset : offset + n])
             if chunk.needs_sample:
                 keep.append(offset + n - 1)
+                if seq.group.prompt_logprobs is not None and seq.group.prompt_logprobs.failed:
+                    # NOTE: the sampler fails a row with NaN logits: the request fails as for a bad sample.
+                    logits[offset + n - 1] = float("nan")
             offset += n
         return logits.index_select(0, torch.tensor(keep, dtype=torch.int64, device=logits.device))
 

@@ -53,6 +53,7 @@ class PromptLogprobs:
         self.prompt_ids = prompt_ids
         self.top_n = top_n
         self.entries: list[TokenLogprob | None] = [None]
+        self.failed = False  # a prompt row's logits were NaN or infinite: the request must fail
 
     @property
     def is_complete(self) -> bool:
@@ -66,4 +67,7 @@ class PromptLogprobs:
         if end <= first or start > first:
             return
         rows = logits[first - start : end - start]
+        if self.failed or not bool(torch.isfinite(rows).all()):
+            self.failed = True  # NOTE: no entry is added past a bad row: the list never completes
+            return
         self.entries.extend(prompt_token_logprobs(rows, self.prompt_ids[first + 1 : end + 1], self.top_n))
