@@ -1,5 +1,5 @@
-"""``tool_choice: "auto"`` over HTTP for chat templates in Llama 3's and Mistral's tool syntax, with the
-official ``openai`` client: the default model serves with such a template (written here in those formats)
+"""``tool_choice: "auto"`` over HTTP for chat templates that know tools — in Hermes/Qwen, Llama 3 and Mistral
+syntax — with the official ``openai`` client: the default model serves with such a template (written here in those formats)
 and its output is scripted through the executor (tests/executor_faults.py), so the test controls what the
 "model" writes — a call, two calls, a reply — and checks the parsed message, the streamed deltas and a
 call -> tool result -> answer round trip rendered through the template."""
@@ -44,6 +44,19 @@ MISTRAL_TEMPLATE = (
     '"call_id": "{{ message.tool_call_id }}"}[/TOOL_RESULTS]'
     "{%- else %}{{ message.content }}{{ eos_token }}{%- endif %}{%- endfor %}"
 )
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou may call functions. <tools>{%- for t in tools %}{{ t | tojson }}"
+    '{%- endfor %}</tools> For each call return <tool_call>{"name": ..., "arguments": ...}</tool_call>'
+    "<|im_end|>\n{%- endif %}{%- for message in messages %}"
+    "{%- if message.tool_calls %}<|im_start|>assistant\n{%- for c in message.tool_calls %}<tool_call>\n"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n</tool_call>'
+    "{%- endfor %}<|im_end|>\n"
+    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+TEMPLATES = {"hermes": HERMES_TEMPLATE, "llama3_json": LLAMA_TEMPLATE, "mistral": MISTRAL_TEMPLATE}
 WEATHER = {
     "type": "function",
     "function": {
@@ -57,6 +70,9 @@ SCRIPTS = {
     ("llama3_json", "call"): '{"name": "get_weather", "parameters": {"city": "Paris"}}',
     ("llama3_json", "two"): '{"name": "get_weather", "parameters": {"city": "Paris"}}; '
     '{"name": "get_weather", "parameters": {"city": "Rome"}}',
+    ("hermes", "call"): '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    ("hermes", "two"): '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>',
     ("mistral", "call"): '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]',
     ("mistral", "two"): '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
     '{"name": "get_weather", "arguments": {"city": "Rome"}}]',
@@ -89,13 +105,13 @@ class Script:
         return forced
 
 
-@pytest.fixture(scope="module", params=["llama3_json", "mistral"])
+@pytest.fixture(scope="module", params=["hermes", "llama3_json", "mistral"])
 def scripted(
     request: pytest.FixtureRequest, server: LiveServer
 ) -> Iterator[tuple[str, Script, openai.OpenAI]]:
     tokenizer = server.state.tokenizer
     saved = tokenizer.chat_template
-    tokenizer.chat_template = LLAMA_TEMPLATE if request.param == "llama3_json" else MISTRAL_TEMPLATE
+    tokenizer.chat_template = TEMPLATES[request.param]
     script = Script(tokenizer)
     client = openai.OpenAI(
         base_url=f"{server.base_url}/v1", api_key=server.api_key, max_retries=0, timeout=120
@@ -110,7 +126,7 @@ def scripted(
 def _ask(client: openai.OpenAI, messages: list[Any] | None = None, **kwargs: Any) -> Any:
     messages = messages or [{"role": "user", "content": "What is the weather in Paris?"}]
     return client.chat.completions.create(
-        model="smollm2-test", messages=messages, tools=[WEATHER], max_tokens=60, **kwargs
+        model="smollm2-test", messages=messages, tools=[WEATHER], max_tokens=120, **kwargs
     )
 
 
