@@ -93,7 +93,8 @@ class Engine:
         )
         self.attention_backend = self.decode_kernel.name if self.decode_kernel is not None else "sdpa"
         self.cuda_graphs: CudaGraphDecoder | None = None
-        if self.device.type == "cuda" and self.decode_kernel is not None and not options.enforce_eager:
+        graphs = getattr(self.model, "supports_cuda_graphs", True)  # NOTE: the transformers backend runs eagerly
+        if self.device.type == "cuda" and self.decode_kernel is not None and not options.enforce_eager and graphs:
             self.cuda_graphs = CudaGraphDecoder(
                 self.model,
                 self.kv_cache,
@@ -116,18 +117,25 @@ class Engine:
         served_model_name: str | None = None,
         attention_backend: str = "auto",
         prepack_weights: bool = True,
+        model_impl: str = "auto",
         **cache_and_scheduler_options: Any,
     ) -> Engine:
         """Load ``model`` ("default", a HF folder, a .gguf file, or a dummy preset with
         ``load_format="dummy"``) and size its KV cache. Options: see ``CacheOptions``;
         ``attention_backend``: auto, cpu, triton or sdpa (engine/executor/attention/backend.py); ``prepack_weights``: CPU
-        matmuls on prepacked oneDNN weights (engine/executor/kernels/prepacked.py)."""
+        matmuls on prepacked oneDNN weights (engine/executor/kernels/prepacked.py); ``model_impl``: auto, native or
+        transformers (engine/executor/models/registry.py)."""
         options = CacheOptions(**{k: v for k, v in cache_and_scheduler_options.items() if v is not None})
         keep_freed_memory()
 
         def build() -> Engine:
             loaded = load_model(
-                model, load_format=load_format, dtype=dtype, device=device, prepack=prepack_weights
+                model,
+                load_format=load_format,
+                dtype=dtype,
+                device=device,
+                prepack=prepack_weights,
+                model_impl=model_impl,
             )
             name = served_model_name or _default_model_name(model, loaded)
             return cls(loaded, options, name, attention_backend)

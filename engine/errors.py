@@ -70,6 +70,17 @@ class UnsupportedArchitectureError(ModelLoadError, ValueError):
         )
 
 
+class UnsupportedModelError(ModelLoadError, ValueError):
+    """A model cbserve refuses at start: its architecture, or a feature of it, cannot run correctly here
+    (an encoder-decoder, an attention variant the paged kernels do not compute, ...). The message names
+    the model and what is unsupported."""
+
+    def __init__(self, model: str, reason: str) -> None:
+        self.model = model
+        self.reason = reason
+        super().__init__(f"Model {model!r} cannot be served: {reason}.")
+
+
 class TokenizerMismatchError(ModelLoadError, ValueError):
     """The tokenizer can produce token ids the model has no embedding for."""
 

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from gguf import ReaderTensor
@@ -31,6 +31,12 @@ from engine.loader.source import DEFAULT_MODEL, ModelSource, resolve_model
 from engine.loader.source import PRESETS as DUMMY_PRESETS
 from engine.loader.tokenizer import Tokenizer
 from engine.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from engine.executor.models.transformers_config import TransformersModelConfig
+
+# NOTE: a model's config: the native one, or the shape the transformers backend serves.
+AnyModelConfig = TypeVar("AnyModelConfig", "ModelConfig", "TransformersModelConfig")
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +59,7 @@ class LoadedModel:
     the defaults a request's sampling parameters override. ``config.eos_token_ids`` already includes the
     EOS ids of the generation config and the tokenizer."""
 
-    config: ModelConfig
+    config: ModelConfig | TransformersModelConfig
     model: nn.Module
     tokenizer: Tokenizer | None
     generation_defaults: dict[str, Any]
@@ -97,24 +103,35 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "auto",
     prepack: bool = True,
+    model_impl: str = "auto",
 ) -> LoadedModel:
     """Load ``model`` (see ``resolve_model``) and its tokenizer. Raises ``ModelLoadError`` subclasses naming
     the file at fault, ``TokenizerMismatchError`` when the tokenizer has more ids than the embedding.
-    ``prepack``: on the CPU, swap in the kernels' modules (engine/executor/fast_paths.py): matmuls over
-    prepacked weights, the fused element-wise ops; in float32 the engine then runs decode steps' layers in
-    one C call (engine/executor/decode_stack.py)."""
+    ``model_impl``: ``native`` (cbserve's Llama-family code), ``transformers`` (any decoder-only causal LM
+    through transformers' modeling code: engine/executor/models/transformers_backend.py) or ``auto`` (native
+    where it implements the architecture). ``prepack``: on the CPU, swap in the kernels' modules of the
+    native model (engine/executor/fast_paths.py): matmuls over prepacked weights, the fused element-wise
+    ops; in float32 the engine then runs decode steps' layers in one C call (engine/executor/decode_stack.py)."""
     # NOTE: imported here: models import engine.model_config
-    from engine.executor.fast_paths import apply_cpu_fast_paths
-    from engine.executor.models.registry import build_model
+    from engine.executor.models.registry import choose_model_impl
 
     source = resolve_model(model, load_format)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
-    opened = open_source(source, torch_dtype, torch_device)
+    if choose_model_impl(_raw_config(source), model_impl) == "transformers":
+        return _load_with_transformers(source, torch_dtype, torch_device)
+    return _load_native(source, torch_dtype, torch_device, prepack)
+
+
+def _load_native(source: ModelSource, dtype: torch.dtype, device: torch.device, prepack: bool) -> LoadedModel:
+    from engine.executor.fast_paths import apply_cpu_fast_paths
+    from engine.executor.models.registry import build_model
+
+    opened = open_source(source, dtype, device)
     if opened.tokenizer is not None and opened.tokenizer.vocab_size > opened.config.vocab_size:
         raise TokenizerMismatchError(opened.tokenizer.vocab_size, opened.config.vocab_size, source.name)
     config = _with_all_eos(opened.config, opened.generation_defaults, opened.tokenizer)
-    net = build_model(config, torch_dtype, torch_device)
+    net = build_model(config, dtype, device)
     with torch.no_grad():
         net.load_weights(opened.weights)
         if prepack:
@@ -127,9 +144,52 @@ def load_model(
         generation_defaults=opened.generation_defaults,
         chat_template=opened.tokenizer.chat_template if opened.tokenizer is not None else None,
         source=source,
-        dtype=torch_dtype,
-        device=torch_device,
+        dtype=dtype,
+        device=device,
     )
+
+
+def _load_with_transformers(source: ModelSource, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    """The source's model through the transformers backend: its weights (``from_pretrained`` for a folder,
+    a GGUF's tensors, or random for a dummy), wrapped to serve from cbserve's paged KV cache."""
+    from engine.executor.models.transformers_backend import TransformersForCausalLM
+    from engine.loader import transformers_weights
+
+    raw = _raw_config(source)
+    tokenizer = _tokenizer_of(source) if source.kind != "gguf" else None
+    folder = source.folder if source.kind != "dummy" or source.preset is None else None
+    defaults = load_generation_config(folder) if folder is not None and source.kind != "gguf" else {}
+    if source.kind == "safetensors":
+        hf_model = transformers_weights.from_pretrained(_path_of(source), raw, dtype, device)
+    elif source.kind == "gguf":
+        opened = open_source(source, dtype, device)
+        tokenizer, defaults = opened.tokenizer, opened.generation_defaults
+        hf_model = transformers_weights.from_tensors(raw, opened.weights, dtype, device, source.name)
+    else:
+        hf_model = transformers_weights.random_weights(raw, dtype, device, source.name)
+    net = TransformersForCausalLM.wrap(hf_model, source.name)
+    if tokenizer is not None and tokenizer.vocab_size > net.config.vocab_size:
+        raise TokenizerMismatchError(tokenizer.vocab_size, net.config.vocab_size, source.name)
+    net.config = _with_all_eos(net.config, defaults, tokenizer)
+    return LoadedModel(
+        config=net.config,
+        model=net,
+        tokenizer=tokenizer,
+        generation_defaults=defaults,
+        chat_template=tokenizer.chat_template if tokenizer is not None else None,
+        source=source,
+        dtype=dtype,
+        device=device,
+    )
+
+
+def _raw_config(source: ModelSource) -> dict[str, Any]:
+    """The source's ``config.json`` as a dict (for a GGUF or a preset, the one its config writes)."""
+    if source.kind == "safetensors":
+        return read_json(_path_of(source) / "config.json")
+    if source.kind == "dummy" and source.path is not None and source.path.suffix.lower() == ".json":
+        return read_json(source.path)
+    return _native_config(source).to_hf_dict()
 
 
 def load_tokenizer(model: str = DEFAULT_MODEL) -> Tokenizer:
@@ -183,6 +243,13 @@ def _path_of(source: ModelSource) -> Path:
     if source.path is None:
         raise ModelLoadError(f"model source {source.name!r} ({source.kind}) has no path")
     return source.path
+
+
+def _native_config(source: ModelSource) -> ModelConfig:
+    """The ``ModelConfig`` of a GGUF or a dummy source."""
+    if source.kind == "gguf":
+        return _parse_gguf(_path_of(source)).config
+    return _dummy_config(source)
 
 
 def _dummy_config(source: ModelSource) -> ModelConfig:
@@ -255,7 +322,9 @@ def _gguf_generation_defaults(tokenizer: Tokenizer) -> dict[str, Any]:
     return defaults
 
 
-def _with_all_eos(config: ModelConfig, defaults: dict[str, Any], tokenizer: Tokenizer | None) -> ModelConfig:
+def _with_all_eos(
+    config: AnyModelConfig, defaults: dict[str, Any], tokenizer: Tokenizer | None
+) -> AnyModelConfig:
     """``config`` whose ``eos_token_ids`` also holds generation_config.json's and the tokenizer's EOS ids
     (Llama 3 Instruct ends turns with <|eot_id|>, listed only in generation_config.json)."""
     ids = list(config.eos_token_ids)

@@ -1,12 +1,15 @@
-"""Architecture name -> model class, and ``build_model``: the one place that constructs a model."""
+"""Architecture name -> model class, ``build_model``: the one place that constructs a native model, and
+``choose_model_impl``: which implementation serves a checkpoint (``--model-impl``)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
 from engine.errors import UnsupportedArchitectureError
 from engine.executor.models.llama import LlamaForCausalLM
-from engine.model_config import ModelConfig
+from engine.model_config import HF_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelConfig
 
 # Every architecture of the Llama family shares one implementation; the differences (biases, q/k norm,
 # rope scaling, sliding window) are read from the config.
@@ -18,8 +21,28 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
 }
 
 
+# vLLM's spelling: ``native`` is cbserve's own model code (the Llama family), ``transformers`` the transformers
+# backend (engine/executor/models/transformers_backend.py), ``auto`` the native code where there is one.
+MODEL_IMPLS: tuple[str, ...] = ("auto", "native", "transformers")
+
+
 def supported_architectures() -> tuple[str, ...]:
     return tuple(MODEL_CLASSES)
+
+
+def choose_model_impl(hf_config: dict[str, Any], model_impl: str = "auto") -> str:
+    """``"native"`` or ``"transformers"`` for a checkpoint of ``config.json`` ``hf_config``: ``auto`` picks
+    the native code for the architectures it implements, the transformers backend for any other. Raises
+    ``ValueError`` for an unknown ``model_impl``."""
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"unknown model_impl {model_impl!r}; expected one of {', '.join(MODEL_IMPLS)}")
+    if model_impl != "auto":
+        return model_impl
+    classes = hf_config.get("architectures") or []
+    native = any(name in HF_ARCHITECTURES for name in classes) or (
+        not classes and hf_config.get("model_type") in SUPPORTED_ARCHITECTURES
+    )
+    return "native" if native else "transformers"
 
 
 def build_model(
