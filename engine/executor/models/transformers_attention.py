@@ -11,18 +11,23 @@ own code) and hands them to the function registered under the model's ``attn_imp
 keyword arguments the model's ``forward`` was called with, passed down through every layer, as
 transformers' own continuous batching passes its paged-cache metadata. cbserve calls the model on one
 packed sequence (batch 1: every token of the step, ``position_ids`` = each token's absolute position) with
-``cbserve_step=PagedStep(...)``: this function writes the layer's new K/V into the pages
+``cbserve=PagedStep(...)``, inside ``attending(step)`` (a context variable: the few models whose decoder
+layers drop the forward's keyword arguments, e.g. StableLM, reach it there). This function writes the
+layer's new K/V into the pages
 (``BatchInputs.slot_mapping``) and attends over them with the same kernels as the native model
 (engine/executor/attention/paged.py). transformers builds no mask for an implementation it has no mask
 function for: ``attention_mask`` is None, the batch's structure is in the step's metadata.
 
-The same function, given ``cbserve_probe=AttentionProbe()`` instead, records each call's layout and computes
+The same function, given an ``AttentionProbe`` instead, records each call's layout and computes
 plain causal attention (no cache): how the loader learns the model's attention layers before any KV cache
 exists (engine/executor/models/transformers_backend.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +89,19 @@ class AttentionProbe:
     calls: list[AttentionCall] = field(default_factory=list)
 
 
+_CURRENT: ContextVar[PagedStep | AttentionProbe | None] = ContextVar("cbserve_attention", default=None)
+
+
+@contextmanager
+def attending(context: PagedStep | AttentionProbe) -> Iterator[None]:
+    """Within the block, attention calls that get no ``cbserve`` keyword argument use ``context``."""
+    token = _CURRENT.set(context)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
 def paged_attention_forward(
     module: nn.Module,
     query: torch.Tensor,  # [1, num_heads, num_tokens, head_dim]
@@ -93,25 +111,25 @@ def paged_attention_forward(
     scaling: float | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
-    cbserve_step: PagedStep | None = None,
-    cbserve_probe: AttentionProbe | None = None,
+    cbserve: PagedStep | AttentionProbe | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """The attention of ``module``'s layer over the step's pages: ``[1, num_tokens, num_heads, head_dim]``."""
-    if cbserve_probe is not None:
-        return _probe(module, query, key, value, attention_mask, scaling, sliding_window, softcap, cbserve_probe, kwargs)
-    if cbserve_step is None:
+    context = cbserve if cbserve is not None else _CURRENT.get()
+    if isinstance(context, AttentionProbe):
+        return _probe(module, query, key, value, attention_mask, scaling, sliding_window, softcap, context, kwargs)
+    if context is None:
         raise RuntimeError(f"the {ATTN_IMPLEMENTATION} attention runs only inside cbserve's forward")
     if softcap is not None:  # NOTE: refused at start (transformers_backend.py); never attend without it
         raise RuntimeError(f"{ATTN_IMPLEMENTATION}: attention logit soft-capping is not supported")
-    layer = cbserve_step.kv_layers[int(getattr(module, "layer_idx"))]
-    cache = cbserve_step.kv_cache
+    layer = context.kv_layers[int(getattr(module, "layer_idx"))]
+    cache = context.kv_cache
     k_cache, v_cache = cache.k_caches[layer], cache.v_caches[layer]
     q = query[0].transpose(0, 1).to(cache.dtype)  # [num_tokens, num_heads, head_dim]
     k = key[0].transpose(0, 1).to(cache.dtype).contiguous()  # [num_tokens, num_kv_heads, head_dim]
     v = value[0].transpose(0, 1).to(cache.dtype).contiguous()
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    meta = cbserve_step.metadata(sliding_window)
+    meta = context.metadata(sliding_window)
     out = paged_attention(q, k, v, k_cache, v_cache, meta, scale)  # [num_tokens, num_heads, head_dim]
     return out.to(query.dtype)[None], None  # [1, num_tokens, num_heads, head_dim]
 

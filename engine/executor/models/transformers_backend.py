@@ -3,11 +3,11 @@ modeling code with cbserve's paged attention plugged in (engine/executor/models/
 as vLLM's Transformers backend does.
 
     logits = hf_model(input_ids=[1, num_tokens], position_ids=[1, num_tokens],   # the step, packed
-                      logits_to_keep=logits_indices, cbserve_step=PagedStep(...)).logits[0]
+                      logits_to_keep=logits_indices, cbserve=PagedStep(...)).logits[0]
 
 Every architecture quirk (embedding scales, QK norms, partial rotary, logit soft-capping of the head, MoE
 routing, biases) is transformers' code; cbserve owns the attention over its pages. ``wrap`` runs the model
-once on a few tokens first (``cbserve_probe``) to learn its attention layers, and refuses at start what the
+once on a few tokens first (with an ``AttentionProbe``) to learn its attention layers, and refuses at start what the
 paged kernels cannot compute: attention outside transformers' attention interface, a mask of the model's
 own (ALiBi, chunked attention), soft-capped attention logits, attention sinks, non-causal attention, layers
 of different head sizes or KV head counts, non-attention layers (state-space, linear attention).
@@ -24,7 +24,7 @@ from engine.errors import UnsupportedModelError
 from engine.executor.attention.decode_kernel import DecodeKernel
 from engine.executor.inputs import BatchInputs
 from engine.executor.kv_cache import KVCache
-from engine.executor.models.transformers_attention import AttentionCall, AttentionProbe, PagedStep
+from engine.executor.models.transformers_attention import AttentionCall, AttentionProbe, PagedStep, attending
 from engine.executor.models.transformers_config import TransformersModelConfig, text_fields
 
 PROBE_TOKENS = 3
@@ -78,13 +78,14 @@ class TransformersForCausalLM(nn.Module):
         """Compute the batch's new tokens, writing every layer's K/V into ``inputs.slot_mapping`` slots, and
         return fp32 logits ``[len(inputs.logits_indices), vocab_size]`` for the ``logits_indices`` rows."""
         step = PagedStep(inputs, kv_cache, decode_kernel, self.config.num_queries_per_kv, self.kv_layers)
-        out = self.hf_model(
-            input_ids=inputs.input_ids[None],  # [1, num_tokens]
-            position_ids=inputs.positions[None],  # [1, num_tokens]
-            use_cache=False,
-            logits_to_keep=inputs.logits_indices,
-            cbserve_step=step,
-        )
+        with attending(step):
+            out = self.hf_model(
+                input_ids=inputs.input_ids[None],  # [1, num_tokens]
+                position_ids=inputs.positions[None],  # [1, num_tokens]
+                use_cache=False,
+                logits_to_keep=inputs.logits_indices,
+                cbserve=step,
+            )
         return out.logits[0].float()  # [num_logits, vocab]
 
 
@@ -94,8 +95,8 @@ def probe_attention(hf_model: nn.Module) -> list[AttentionCall]:
     vocab = int(hf_model.config.get_text_config().vocab_size)
     positions = torch.arange(PROBE_TOKENS, device=param.device)[None]  # [1, PROBE_TOKENS]
     probe = AttentionProbe()
-    with torch.inference_mode():
-        hf_model(input_ids=positions % vocab, position_ids=positions, use_cache=False, logits_to_keep=1, cbserve_probe=probe)
+    with torch.inference_mode(), attending(probe):
+        hf_model(input_ids=positions % vocab, position_ids=positions, use_cache=False, logits_to_keep=1, cbserve=probe)
     return probe.calls
 
 
