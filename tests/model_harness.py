@@ -13,9 +13,11 @@ Modes of ``run_greedy`` / ``prompt_logits``:
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, Protocol
 
 import pytest
@@ -42,6 +44,29 @@ def cpu_kernel_or_skip() -> PagedDecodeKernel:
         return load()
     except KernelUnavailable as e:
         pytest.skip(f"CPU kernel unavailable: {e}")
+
+
+BYTE_EOS = 256  # the byte tokenizer's <eos>: ids 0-255 are the bytes
+
+
+def save_byte_tokenizer(folder: Path) -> Path:
+    """A byte-level tokenizer (256 byte tokens + <eos>, id ``BYTE_EOS``) saved into ``folder`` as
+    tokenizer.json: a real tokenizer any machine can build, for tiny models of any vocabulary >= 257."""
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from engine.loader.tokenizer import bytes_to_unicode
+
+    vocab = {ch: i for i, ch in enumerate(bytes_to_unicode().values())}
+    vocab["<eos>"] = len(vocab)
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<eos>"])
+    folder.mkdir(parents=True, exist_ok=True)
+    backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    return folder
 
 
 @dataclass

@@ -44,11 +44,13 @@ def from_pretrained(folder: Path, raw: dict[str, Any], dtype: torch.dtype, devic
             attn_implementation=ATTN_IMPLEMENTATION,
             device_map=str(device),
             output_loading_info=True,
+            # NOTE: so that the mis-shaped tensors are listed in ``info`` (and refused below), not logged
+            ignore_mismatched_sizes=True,
         )
     except (RuntimeError, ValueError, OSError) as e:
         raise ModelLoadError(f"{folder}: transformers could not load the weights: {e}") from e
     problems = [
-        f"{what}: {', '.join(sorted(str(k) for k in keys)[:5])}"
+        f"{what}: {', '.join(sorted(_describe(k) for k in keys)[:5])}{' ...' if len(keys) > 5 else ''}"
         for what, keys in (
             ("missing tensors", info.get("missing_keys")),
             ("unexpected tensors", info.get("unexpected_keys")),
@@ -59,6 +61,14 @@ def from_pretrained(folder: Path, raw: dict[str, Any], dtype: torch.dtype, devic
     if problems:
         raise ModelLoadError(f"{folder}: the weights do not fit config.json ({'; '.join(problems)})")
     return model  # type: ignore[no-any-return]
+
+
+def _describe(key: Any) -> str:
+    """A loading-info entry: a tensor name, or (name, checkpoint shape, model shape)."""
+    if isinstance(key, tuple) and len(key) == 3:
+        name, stored, expected = key
+        return f"{name} {tuple(stored)} where the config needs {tuple(expected)}"
+    return str(key)
 
 
 def from_tensors(

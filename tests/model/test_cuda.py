@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from model_harness import MODES, Mode, prompt_logits, run_greedy
+from model_harness import MODES, Mode, prompt_logits, run_greedy, save_byte_tokenizer
 from test_model_correctness import (
     NEW_TOKENS,
     PROMPT_LENGTHS,
@@ -199,21 +199,8 @@ def test_tiny_models_bf16(tiny: dict[str, Any], mode: Mode) -> None:
 
 # ---------------------------------------------------------------------- CUDA graphs of the decode step
 def _byte_tokenizer_folder(folder: Path, vocab_size: int) -> Path:
-    """A byte-level tokenizer (256 byte tokens + <eos>) saved as tokenizer.json: any machine can build it."""
-    from tokenizers import Tokenizer as BackendTokenizer
-    from tokenizers import decoders, models, pre_tokenizers
-
-    from engine.loader.tokenizer import bytes_to_unicode
-
-    vocab = {ch: i for i, ch in enumerate(bytes_to_unicode().values())}
-    vocab["<eos>"] = len(vocab)
-    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(["<eos>"])
-    folder.mkdir(parents=True, exist_ok=True)
-    backend.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    """A byte-level tokenizer (256 byte tokens + <eos>) and a tiny Llama config: any machine can build it."""
+    save_byte_tokenizer(folder)
     config = ModelConfig(
         architecture="llama",
         vocab_size=vocab_size,

@@ -126,12 +126,19 @@ def paged_attention_forward(
     cache = context.kv_cache
     k_cache, v_cache = cache.k_caches[layer], cache.v_caches[layer]
     q = query[0].transpose(0, 1).to(cache.dtype)  # [num_tokens, num_heads, head_dim]
-    k = key[0].transpose(0, 1).to(cache.dtype).contiguous()  # [num_tokens, num_kv_heads, head_dim]
-    v = value[0].transpose(0, 1).to(cache.dtype).contiguous()
+    k, v = _token_major(key, cache.dtype), _token_major(value, cache.dtype)  # [num_tokens, num_kv_heads, head_dim]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     meta = context.metadata(sliding_window)
     out = paged_attention(q, k, v, k_cache, v_cache, meta, scale)  # [num_tokens, num_heads, head_dim]
     return out.to(query.dtype)[None], None  # [1, num_tokens, num_heads, head_dim]
+
+
+def _token_major(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` ``[1, heads, num_tokens, head_dim]`` as a fresh ``[num_tokens, heads, head_dim]`` tensor with
+    the standard strides. NOTE: ``contiguous()`` keeps a one-head tensor's odd head stride (multi-query
+    attention), which the kernels' K/V writer refuses."""
+    out = torch.empty(x.shape[2], x.shape[1], x.shape[3], dtype=dtype, device=x.device)
+    return out.copy_(x[0].transpose(0, 1))
 
 
 def _probe(
