@@ -66,19 +66,24 @@ def _env_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {text!r}")
 
 
-def _add_serve_flags(serve: argparse.ArgumentParser) -> None:
-    """The flags of ``cbserve serve`` (docs/SERVER.md lists them with their meaning)."""
+def _add_model_flags(serve: argparse.ArgumentParser) -> None:
+    """The flags that say which model to load and how it runs."""
     a = serve.add_argument
     a(
         "--model",
         default="default",
         help="'default' (SmolLM2-135M-Instruct GGUF), a HF folder or a .gguf file",
     )
-    a("--host", default="127.0.0.1")
-    a("--port", type=_port, default=8000)
     a("--device", choices=["auto", "cpu", "cuda"], default="auto")
     a("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     a("--load-format", choices=["auto", "gguf", "safetensors", "dummy"], default="auto")
+    a(
+        "--model-impl",
+        choices=["auto", "native", "transformers"],
+        default="auto",
+        help="native (cbserve's Llama/Mistral/Qwen2/Qwen3 code), transformers (any decoder-only causal LM "
+        "through transformers' modeling code), or auto (native where it implements the architecture)",
+    )
     a(
         "--attention-backend",
         choices=["auto", "cpu", "triton", "sdpa"],
@@ -86,6 +91,14 @@ def _add_serve_flags(serve: argparse.ArgumentParser) -> None:
         help="decode attention: the CPU C kernel, the GPU Triton kernel, PyTorch SDPA, or auto (the device's "
         "kernel where it runs)",
     )
+
+
+def _add_serve_flags(serve: argparse.ArgumentParser) -> None:
+    """The flags of ``cbserve serve`` (docs/SERVER.md lists them with their meaning)."""
+    a = serve.add_argument
+    _add_model_flags(serve)
+    a("--host", default="127.0.0.1")
+    a("--port", type=_port, default=8000)
     a("--scheduler", choices=["fifo", "prefill_first"], default="fifo")
     a("--max-batch-tokens", type=_positive_int, default=2048, help="tokens computed per engine step, at most")
     a("--max-num-seqs", type=_positive_int, default=64, help="sequences running at once, at most")
@@ -204,6 +217,7 @@ def _serve(args: argparse.Namespace) -> int:
             device=args.device,
             dtype=args.dtype,
             load_format=args.load_format,
+            model_impl=args.model_impl,
             attention_backend=args.attention_backend,
             scheduler=args.scheduler,
             max_batch_tokens=args.max_batch_tokens,

@@ -105,7 +105,9 @@ def from_tensors(
     return net  # type: ignore[no-any-return]
 
 
-def random_weights(raw: dict[str, Any], dtype: torch.dtype, device: torch.device, model: str, seed: int = 0) -> nn.Module:
+def random_weights(
+    raw: dict[str, Any], dtype: torch.dtype, device: torch.device, model: str, seed: int = 0
+) -> nn.Module:
     """The model of ``raw`` with transformers' own initialisation, seeded by ``seed``."""
     hf_config, cls = build_hf_config(raw, model)
     transformers_attention.register()

@@ -163,7 +163,9 @@ def test_tokenizer_larger_than_vocab(tmp_path: Path, smollm2_reader: Any, smollm
     small = TINY.replace(vocab_size=1000)
     tokenizer = Tokenizer.from_gguf(smollm2_reader, str(smollm2_gguf_path))
     save_hf_folder(tmp_path, small, iter_dummy_weights(small), tokenizer=tokenizer)
-    with pytest.raises(TokenizerMismatchError, match="49152 tokens but the model's vocab_size is 1000") as info:
+    with pytest.raises(
+        TokenizerMismatchError, match="49152 tokens but the model's vocab_size is 1000"
+    ) as info:
         load_model(str(tmp_path), device="cpu", model_impl="native")
     assert tmp_path.name in str(info.value)
     assert info.value.tokenizer_vocab_size == 49152 and info.value.model_vocab_size == 1000

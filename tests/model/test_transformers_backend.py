@@ -60,15 +60,28 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "smollm3": ("SmolLM3Config", {}),
     "qwen2_moe": (
         "Qwen2MoeConfig",
-        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+        },
     ),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
-    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    ),
     # head_dim 64: the CPU decode and prefill kernels run (head_dim 16 falls back to SDPA), with a window
     "gemma2_hd64": (
         "Gemma2Config",
-        {"attn_logit_softcapping": None, "sliding_window": 8, "num_attention_heads": 2, "num_key_value_heads": 1,
-         "head_dim": 64},
+        {
+            "attn_logit_softcapping": None,
+            "sliding_window": 8,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 64,
+        },
     ),  # fmt: skip
 }
 PROMPTS = [list(range(40, 47)), [20, 21, 22], list(range(60, 100))]  # 7, 3 and 40 tokens
@@ -114,14 +127,20 @@ def oracle(folders: dict[str, Path]) -> dict[str, list[list[int]]]:
 
 def serve(folder: Path, **options: Any) -> Engine:
     options = {"num_blocks": 64, **options}
-    return Engine.from_pretrained(str(folder), device="cpu", dtype="float32", model_impl="transformers", **options)
+    return Engine.from_pretrained(
+        str(folder), device="cpu", dtype="float32", model_impl="transformers", **options
+    )
 
 
-def run(manager: ContinuousBatchingManager, prompts: list[list[int]], timeout: float = 120) -> list[GenerationOutput]:
+def run(
+    manager: ContinuousBatchingManager, prompts: list[list[int]], timeout: float = 120
+) -> list[GenerationOutput]:
     """Every prompt greedy for ``MAX_NEW`` tokens, added at once; their final outputs in order."""
     manager.start()
     try:
-        ids = [manager.add_request(p, max_new_tokens=MAX_NEW, do_sample=False, ignore_eos=True) for p in prompts]
+        ids = [
+            manager.add_request(p, max_new_tokens=MAX_NEW, do_sample=False, ignore_eos=True) for p in prompts
+        ]
         finals: dict[str, GenerationOutput] = {}
         deadline = time.monotonic() + timeout
         while len(finals) < len(ids) and time.monotonic() < deadline:
@@ -230,7 +249,9 @@ def test_dummy_weights_for_any_architecture(name: str, tmp_path: Path) -> None:
     if name == "llama-preset":
         folder = tmp_path / "llama"
         save_byte_tokenizer(folder)
-        (folder / "config.json").write_text(json.dumps({**BASE, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+        (folder / "config.json").write_text(
+            json.dumps({**BASE, "model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+        )
     else:
         folder = tmp_path / name
         config = transformers.GPTNeoXConfig(**BASE)
@@ -277,8 +298,12 @@ def _config_folder(folder: Path, config: Any, architectures: list[str] | None = 
 def test_unknown_encoder_decoder_and_encoder_only_models_are_refused(tmp_path: Path) -> None:
     unknown = tmp_path / "unknown"
     save_byte_tokenizer(unknown)
-    (unknown / "config.json").write_text(json.dumps({**BASE, "model_type": "no_such_model", "architectures": ["NoSuchForCausalLM"]}))
-    t5 = _config_folder(tmp_path / "t5", transformers.T5Config(vocab_size=300, d_model=32, num_layers=1, num_heads=2))
+    (unknown / "config.json").write_text(
+        json.dumps({**BASE, "model_type": "no_such_model", "architectures": ["NoSuchForCausalLM"]})
+    )
+    t5 = _config_folder(
+        tmp_path / "t5", transformers.T5Config(vocab_size=300, d_model=32, num_layers=1, num_heads=2)
+    )
     bert = _config_folder(
         tmp_path / "bert",
         transformers.BertConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2),

@@ -51,7 +51,7 @@ def test_defaults() -> None:
         "auto",
         "auto",
     )
-    assert args.enable_prefix_caching is True and args.enforce_eager is False
+    assert args.enable_prefix_caching is True and args.enforce_eager is False and args.model_impl == "auto"
     assert args.api_key is None and args.cors_origins is None and args.kv_cache_memory is None
 
 
@@ -63,6 +63,7 @@ def test_every_flag_reads_the_environment() -> None:
         "CBSERVE_DEVICE": "cuda",
         "CBSERVE_DTYPE": "bfloat16",
         "CBSERVE_LOAD_FORMAT": "gguf",
+        "CBSERVE_MODEL_IMPL": "transformers",
         "CBSERVE_ATTENTION_BACKEND": "sdpa",
         "CBSERVE_SCHEDULER": "prefill_first",
         "CBSERVE_MAX_BATCH_TOKENS": "4096",
@@ -91,7 +92,7 @@ def test_every_flag_reads_the_environment() -> None:
         "gguf",
         "prefill_first",
     )
-    assert args.attention_backend == "sdpa"
+    assert args.attention_backend == "sdpa" and args.model_impl == "transformers"
     assert (args.max_batch_tokens, args.max_num_seqs, args.block_size) == (4096, 8, 32)
     assert args.kv_cache_memory == 2 << 30 and args.num_blocks == 100
     assert args.enable_prefix_caching is False

@@ -117,20 +117,31 @@ def paged_attention_forward(
     """The attention of ``module``'s layer over the step's pages: ``[1, num_tokens, num_heads, head_dim]``."""
     context = cbserve if cbserve is not None else _CURRENT.get()
     if isinstance(context, AttentionProbe):
-        return _probe(module, query, key, value, attention_mask, scaling, sliding_window, softcap, context, kwargs)
+        return _probe(
+            module, query, key, value, attention_mask, scaling, sliding_window, softcap, context, kwargs
+        )
     if context is None:
         raise RuntimeError(f"the {ATTN_IMPLEMENTATION} attention runs only inside cbserve's forward")
     if softcap is not None:  # NOTE: refused at start (transformers_backend.py); never attend without it
         raise RuntimeError(f"{ATTN_IMPLEMENTATION}: attention logit soft-capping is not supported")
-    layer = context.kv_layers[int(getattr(module, "layer_idx"))]
+    layer = context.kv_layers[_layer_idx(module)]
     cache = context.kv_cache
     k_cache, v_cache = cache.k_caches[layer], cache.v_caches[layer]
     q = query[0].transpose(0, 1).to(cache.dtype)  # [num_tokens, num_heads, head_dim]
-    k, v = _token_major(key, cache.dtype), _token_major(value, cache.dtype)  # [num_tokens, num_kv_heads, head_dim]
+    k, v = (
+        _token_major(key, cache.dtype),
+        _token_major(value, cache.dtype),
+    )  # [num_tokens, num_kv_heads, head_dim]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     meta = context.metadata(sliding_window)
     out = paged_attention(q, k, v, k_cache, v_cache, meta, scale)  # [num_tokens, num_heads, head_dim]
     return out.to(query.dtype)[None], None  # [1, num_tokens, num_heads, head_dim]
+
+
+def _layer_idx(module: nn.Module) -> int:
+    index = module.layer_idx
+    assert isinstance(index, int)  # NOTE: the probe refused modules without one at start
+    return index
 
 
 def _token_major(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

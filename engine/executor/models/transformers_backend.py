@@ -38,7 +38,9 @@ class TransformersForCausalLM(nn.Module):
     # NOTE: CUDA graphs capture the native decode step only; transformers' forward runs eagerly.
     supports_cuda_graphs = False
 
-    def __init__(self, hf_model: nn.Module, config: TransformersModelConfig, kv_layers: dict[int, int]) -> None:
+    def __init__(
+        self, hf_model: nn.Module, config: TransformersModelConfig, kv_layers: dict[int, int]
+    ) -> None:
         super().__init__()
         self.hf_model = hf_model
         self.config = config
@@ -56,7 +58,9 @@ class TransformersForCausalLM(nn.Module):
         text = hf_config.get_text_config()
         for layer_type in getattr(text, "layer_types", None) or ():
             if layer_type not in ATTENTION_LAYER_TYPES:
-                raise UnsupportedModelError(model, f"it has {layer_type!r} layers; cbserve runs only attention")
+                raise UnsupportedModelError(
+                    model, f"it has {layer_type!r} layers; cbserve runs only attention"
+                )
         calls = probe_attention(hf_model)
         first = _check_layout(calls, int(text.num_hidden_layers), model)
         kv_layers = {call.layer_idx: i for i, call in enumerate(calls) if call.layer_idx is not None}
@@ -92,11 +96,18 @@ class TransformersForCausalLM(nn.Module):
 def probe_attention(hf_model: nn.Module) -> list[AttentionCall]:
     """Every attention call of one forward over ``PROBE_TOKENS`` tokens, in call order."""
     param = next(hf_model.parameters())
-    vocab = int(hf_model.config.get_text_config().vocab_size)
+    hf_config: Any = hf_model.config
+    vocab = int(hf_config.get_text_config().vocab_size)
     positions = torch.arange(PROBE_TOKENS, device=param.device)[None]  # [1, PROBE_TOKENS]
     probe = AttentionProbe()
     with torch.inference_mode(), attending(probe):
-        hf_model(input_ids=positions % vocab, position_ids=positions, use_cache=False, logits_to_keep=1, cbserve=probe)
+        hf_model(
+            input_ids=positions % vocab,
+            position_ids=positions,
+            use_cache=False,
+            logits_to_keep=1,
+            cbserve=probe,
+        )
     return probe.calls
 
 
@@ -117,7 +128,8 @@ def _check_layout(calls: list[AttentionCall], num_layers: int, model: str) -> At
         raise UnsupportedModelError(model, "a layer's attention runs more than once per forward (shared KV?)")
     if len(calls) != num_layers:
         raise UnsupportedModelError(
-            model, f"only {len(calls)} of its {num_layers} layers are attention layers; cbserve runs only attention"
+            model,
+            f"only {len(calls)} of its {num_layers} layers are attention layers; cbserve runs only attention",
         )
     shapes = {(c.num_heads, c.num_kv_heads, c.head_dim) for c in calls}
     if len(shapes) > 1:

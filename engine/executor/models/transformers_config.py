@@ -27,7 +27,9 @@ def hf_config_from_dict(d: Mapping[str, Any], model: str) -> Any:
 
     model_type = d.get("model_type")
     if not isinstance(model_type, str) or not model_type:
-        raise UnsupportedModelError(model, "its config.json has no model_type, so transformers cannot build it")
+        raise UnsupportedModelError(
+            model, "its config.json has no model_type, so transformers cannot build it"
+        )
     try:
         return AutoConfig.for_model(model_type, **{k: v for k, v in d.items() if k != "model_type"})
     except ValueError as e:
@@ -61,10 +63,14 @@ def causal_lm_class(hf_config: Any, model: str) -> type[Any]:
             model, f"{', '.join(named)} is not a decoder-only causal LM class of transformers"
         )
     if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(hf_config, "is_decoder", False):
-        raise UnsupportedModelError(model, f"{model_type!r} is an encoder-only model; cbserve serves causal LMs")
+        raise UnsupportedModelError(
+            model, f"{model_type!r} is an encoder-only model; cbserve serves causal LMs"
+        )
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
     if name is None or not hasattr(transformers, name):
-        raise UnsupportedModelError(model, f"transformers has no causal LM class for model type {model_type!r}")
+        raise UnsupportedModelError(
+            model, f"transformers has no causal LM class for model type {model_type!r}"
+        )
     return getattr(transformers, name)  # type: ignore[no-any-return]
 
 
@@ -99,7 +105,9 @@ def text_fields(hf_config: Any, model: str) -> dict[str, Any]:
     text = hf_config.get_text_config()
     limit = getattr(text, "max_position_embeddings", None)
     if not isinstance(limit, int) or limit <= 0:
-        logger.warning("%s: no max_position_embeddings in its config; serving %d tokens", model, DEFAULT_MAX_POSITIONS)
+        logger.warning(
+            "%s: no max_position_embeddings in its config; serving %d tokens", model, DEFAULT_MAX_POSITIONS
+        )
         limit = DEFAULT_MAX_POSITIONS
     eos = getattr(text, "eos_token_id", None)
     eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(int(i) for i in eos)
