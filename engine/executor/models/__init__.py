@@ -1,5 +1,7 @@
-"""Model implementations. ``build_model(config, dtype, device)`` picks the class for ``config.architecture``;
-every model has ``forward(inputs: BatchInputs, kv_cache: KVCache) -> logits`` and ``load_weights``."""
+"""Model implementations. ``build_model(config, dtype, device)`` picks the native class for
+``config.architecture`` (with ``load_weights``); the transformers backend (``transformers_backend.py``) runs
+any other decoder-only causal LM. Every model has ``forward(inputs: BatchInputs, kv_cache: KVCache,
+decode_kernel) -> logits``."""
 
 from engine.executor.models.llama import LlamaForCausalLM, WeightMismatchError
 from engine.executor.models.registry import build_model, supported_architectures
