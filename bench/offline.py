@@ -76,13 +76,15 @@ def run_cbserve(
     work: list[tuple[list[int], int]], threads: int, spec: ModelSpec, **options: Any
 ) -> RunResult:
     from engine.engine import Engine
+    from engine.executor.models.transformers_backend import TransformersForCausalLM
 
     torch.set_num_threads(threads)
     engine = Engine.from_pretrained(
         spec.model, device=spec.device, dtype=spec.dtype, load_format=spec.load_format, **options
     )
     graphs = ", CUDA graphs" if engine.cuda_graphs is not None else ""
-    label = f"cbserve generate_batch ({engine.attention_backend} decode attention{graphs})"
+    impl = ", transformers backend" if isinstance(engine.model, TransformersForCausalLM) else ""
+    label = f"cbserve generate_batch ({engine.attention_backend} decode attention{graphs}{impl})"
     # warm-up: one short request, so that lazy initialisation is not timed
     engine.generate_batch([work[0][0][:16]], progress_bar=False, max_new_tokens=4, do_sample=False)
     manager = engine.init_continuous_batching(max_queue=len(work) + 1)
@@ -241,6 +243,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--static-batch-size", type=int, default=16)
     ap.add_argument("--attention-backend", choices=["auto", "cpu", "triton", "sdpa"], default="auto")
+    ap.add_argument("--model-impl", choices=["auto", "native", "transformers"], default="auto")
     ap.add_argument("--enforce-eager", action="store_true", help="CUDA: no graphs of cbserve's decode step")
     ap.add_argument(
         "--systems", default="cbserve,hf-cb,hf-static", help="comma-separated: cbserve, hf-cb, hf-static"
@@ -286,6 +289,7 @@ def _run(system: str, work: Any, spec: ModelSpec, args: argparse.Namespace) -> R
             max_batch_tokens=args.max_batch_tokens,
             kv_cache_memory=args.kv_cache_memory,
             attention_backend=args.attention_backend,
+            model_impl=args.model_impl,
             enforce_eager=args.enforce_eager,
         )
     if system == "hf-cb":

@@ -93,15 +93,9 @@ class Engine:
         )
         self.attention_backend = self.decode_kernel.name if self.decode_kernel is not None else "sdpa"
         self.cuda_graphs: CudaGraphDecoder | None = None
-        graphs = getattr(
-            self.model, "supports_cuda_graphs", True
-        )  # NOTE: the transformers backend runs eagerly
-        if (
-            self.device.type == "cuda"
-            and self.decode_kernel is not None
-            and not options.enforce_eager
-            and graphs
-        ):
+        # NOTE: the transformers backend says False: its forward runs eagerly
+        graphs = getattr(self.model, "supports_cuda_graphs", True) and not options.enforce_eager
+        if self.device.type == "cuda" and self.decode_kernel is not None and graphs:
             self.cuda_graphs = CudaGraphDecoder(
                 self.model,
                 self.kv_cache,

@@ -12,14 +12,15 @@ three ways:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from engine.errors import ModelLoadError
+from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.executor.models import transformers_attention
 from engine.executor.models.transformers_attention import ATTN_IMPLEMENTATION
 from engine.executor.models.transformers_config import causal_lm_class, hf_config_from_dict
@@ -31,24 +32,40 @@ def build_hf_config(raw: dict[str, Any], model: str) -> tuple[Any, type[Any]]:
     return hf_config, causal_lm_class(hf_config, model)
 
 
+@contextmanager
+def _pluggable(model: str) -> Iterator[None]:
+    """Building the model: a modeling file with its own table of attention classes (Falcon) has no entry
+    for ``cbserve_paged`` and raises ``KeyError``; that is an ``UnsupportedModelError``."""
+    try:
+        yield
+    except KeyError as e:
+        if ATTN_IMPLEMENTATION not in str(e):
+            raise
+        raise UnsupportedModelError(
+            model,
+            "its modeling code picks attention classes of its own, so cbserve's paged attention cannot be plugged in",
+        ) from e
+
+
 def from_pretrained(folder: Path, raw: dict[str, Any], dtype: torch.dtype, device: torch.device) -> nn.Module:
     """The folder's model through transformers' ``from_pretrained``; ``ModelLoadError`` naming the
     tensors that do not fit the config."""
     hf_config, cls = build_hf_config(raw, folder.name)
     transformers_attention.register()
-    try:
-        model, info = cls.from_pretrained(
-            str(folder),
-            config=hf_config,
-            dtype=dtype,
-            attn_implementation=ATTN_IMPLEMENTATION,
-            device_map=str(device),
-            output_loading_info=True,
-            # NOTE: so that the mis-shaped tensors are listed in ``info`` (and refused below), not logged
-            ignore_mismatched_sizes=True,
-        )
-    except (RuntimeError, ValueError, OSError) as e:
-        raise ModelLoadError(f"{folder}: transformers could not load the weights: {e}") from e
+    with _pluggable(folder.name):
+        try:
+            model, info = cls.from_pretrained(
+                str(folder),
+                config=hf_config,
+                dtype=dtype,
+                attn_implementation=ATTN_IMPLEMENTATION,
+                device_map=str(device),
+                output_loading_info=True,
+                # NOTE: so that the mis-shaped tensors are listed in ``info`` (and refused below), not logged
+                ignore_mismatched_sizes=True,
+            )
+        except (RuntimeError, ValueError, OSError) as e:
+            raise ModelLoadError(f"{folder}: transformers could not load the weights: {e}") from e
     problems = [
         f"{what}: {', '.join(sorted(_describe(k) for k in keys)[:5])}{' ...' if len(keys) > 5 else ''}"
         for what, keys in (
@@ -81,7 +98,7 @@ def from_tensors(
     """The model of ``raw`` with ``weights`` (Hugging Face names) copied in one at a time."""
     hf_config, cls = build_hf_config(raw, model)
     transformers_attention.register()
-    with torch.device(device):
+    with torch.device(device), _pluggable(model):
         net = cls._from_config(hf_config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
     # NOTE: named_parameters() lists a tied parameter once, under its first name (the embedding).
     slots = {**dict(net.named_parameters()), **dict(net.named_buffers())}
@@ -112,7 +129,7 @@ def random_weights(
     hf_config, cls = build_hf_config(raw, model)
     transformers_attention.register()
     devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), torch.device(device):
+    with torch.random.fork_rng(devices=devices), torch.device(device), _pluggable(model):
         torch.manual_seed(seed)
         net = cls._from_config(hf_config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
     return net  # type: ignore[no-any-return]

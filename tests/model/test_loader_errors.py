@@ -166,7 +166,7 @@ def test_tokenizer_larger_than_vocab(tmp_path: Path, smollm2_reader: Any, smollm
     with pytest.raises(
         TokenizerMismatchError, match="49152 tokens but the model's vocab_size is 1000"
     ) as info:
-        load_model(str(tmp_path), device="cpu", model_impl="native")
+        load_model(str(tmp_path), device="cpu")
     assert tmp_path.name in str(info.value)
     assert info.value.tokenizer_vocab_size == 49152 and info.value.model_vocab_size == 1000
 
