@@ -1,6 +1,8 @@
 """The engine loop: one background thread owns the model and runs
 
-    batch = scheduler.schedule(); logits = executor.execute(batch); tokens = sample(batch, logits)
+    batch = scheduler.schedule(); plan = SamplingPlan.of(batch)
+    with sampler.masks_ahead(plan.rows) as masks:     # grammar masks on a worker, during the forward
+        logits = executor.execute(batch); tokens = plan.sample(sampler, logits, masks)
     step = outputs.accept_step(batch, tokens); scheduler.update(batch, step...); outputs.publish(...)
 
 between draining its inbox (new requests, cancellations, evictions) and flushing the step's outputs to
@@ -14,10 +16,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from engine.generation.mask_prefetch import PendingMasks
 from engine.generation.sampler import SampledToken, Sampler, SamplingRow
 from engine.inbox import AddRequest, CancelRequest, EvictRequest, Inbox, InboxMessage
 from engine.output_processor import OutputProcessor
@@ -40,6 +44,40 @@ class Executor(Protocol):
         """Logits ``[sum of num_logits_rows, vocab]`` (float32): each chunk's ``num_logits_rows`` last rows,
         in batch order (one for a chunk that ``needs_sample``; every row of a prompt-logprobs chunk)."""
         ...
+
+
+@dataclass(frozen=True)
+class SamplingPlan:
+    """Who samples from which logits row in a step: ``rows[k]`` samples from row ``row_logits[k]``; chunk
+    ``j`` of those that ``needs_sample`` owns ``rows[spans[j][0]:spans[j][1]]`` (several at a group's
+    fan-out). Known before the forward, so that the grammar masks can start then."""
+
+    rows: list[SamplingRow]
+    row_logits: list[int]
+    spans: list[tuple[int, int]]
+
+    @classmethod
+    def of(cls, batch: ScheduledBatch) -> SamplingPlan:
+        rows: list[SamplingRow] = []
+        row_logits: list[int] = []
+        spans: list[tuple[int, int]] = []
+        for li, chunk in enumerate(chunk for chunk in batch.requests if chunk.needs_sample):
+            seq: Sequence = chunk.request.payload
+            start = len(rows)
+            for sampling in seq.group.sampling(seq):
+                rows.append(sampling.gen.sampling_row())
+                row_logits.append(li)
+            spans.append((start, len(rows)))
+        return cls(rows, row_logits, spans)
+
+    def sample(self, sampler: Sampler, logits: torch.Tensor, masks: PendingMasks) -> list[list[SampledToken]]:
+        """Per chunk that ``needs_sample``, its SampledTokens, from ``logits`` (one row per such chunk)."""
+        if not self.rows:
+            return []
+        if self.row_logits != list(range(logits.shape[0])):  # forks repeat a row; skipped rows drop one
+            logits = logits.index_select(0, torch.tensor(self.row_logits, device=logits.device))
+        tokens = sampler.sample(logits, self.rows, masks)
+        return [tokens[a:b] for a, b in self.spans]
 
 
 class EngineLoop:
@@ -78,17 +116,20 @@ class EngineLoop:
             self._publish_stats(running=False)
 
     def step(self) -> None:
-        """One iteration: schedule, execute, sample, update the scheduler, publish."""
+        """One iteration: schedule, execute (the grammar masks computed meanwhile), sample, update the
+        scheduler, publish."""
         batch = self.scheduler.schedule()
         if batch.is_empty:
             self._idle(STALLED_WAIT_S)
             return
-        try:
-            logits = self.executor.execute(batch)
-            sampled = self._sample(batch, logits)
-        except Exception as exc:  # NOTE: a failed forward fails its step's requests, not the engine.
-            self._fail_step(batch, exc)
-            return
+        plan = SamplingPlan.of(batch)
+        with self.sampler.masks_ahead(plan.rows) as masks:
+            try:
+                logits = self.executor.execute(batch)
+                sampled = plan.sample(self.sampler, self._take_prompt_logits(batch, logits), masks)
+            except Exception as exc:  # NOTE: a failed forward fails its step's requests, not the engine.
+                self._fail_step(batch, exc)
+                return
         step = self.outputs.accept_step(batch, sampled, time.monotonic())
         for failure in step.failed:
             self._fail(failure.seq, failure.error, failure.code)
@@ -103,31 +144,6 @@ class EngineLoop:
         return f": {self.dead!r}" if self.dead is not None else ""
 
     # ------------------------------------------------------------------ one step's parts
-    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[list[SampledToken]]:
-        """Per chunk that ``needs_sample``, one SampledToken per sequence sampling from its logits row
-        (several at a group's fan-out)."""
-        logits = self._take_prompt_logits(batch, logits)
-        rows: list[SamplingRow] = []
-        row_logits: list[int] = []
-        spans: list[tuple[int, int]] = []
-        li = 0
-        for chunk in batch.requests:
-            if not chunk.needs_sample:
-                continue
-            seq: Sequence = chunk.request.payload
-            start = len(rows)
-            for sampling in seq.group.sampling(seq):
-                rows.append(sampling.gen.sampling_row())
-                row_logits.append(li)
-            spans.append((start, len(rows)))
-            li += 1
-        if not rows:
-            return []
-        if row_logits != list(range(logits.shape[0])):  # forks repeat a row; skipped rows drop one
-            logits = logits.index_select(0, torch.tensor(row_logits, device=logits.device))
-        tokens = self.sampler.sample(logits, rows)
-        return [tokens[a:b] for a, b in spans]
-
     @staticmethod
     def _take_prompt_logits(batch: ScheduledBatch, logits: torch.Tensor) -> torch.Tensor:
         """Hand the rows asked for prompt logprobs to their groups; the sampling rows (one per chunk that

@@ -1,7 +1,9 @@
 """The grammar masks of a step's constrained rows, applied to their logits in one op.
 
-Each constrained row's matcher fills its row of one int32 bitmask ``[C, ceil(V / 32)]``; the bits are
-unpacked once and every disallowed token's logit becomes -inf. This runs before the logits processors,
+Each constrained row's matcher fills its row of one int32 bitmask ``[C, ceil(V / 32)]``
+(``compute_grammar_masks``, which the engine runs on a worker thread while the forward runs:
+engine/generation/mask_prefetch.py); the bits are unpacked once and every disallowed token's logit becomes
+-inf (``apply_grammar_masks``). This runs before the logits processors,
 so the logprobs a request sees are those of the constrained distribution. A matcher that fails marks
 only its own row as failed.
 """
@@ -9,6 +11,7 @@ only its own row as failed.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -32,15 +35,24 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
     logits.index_copy_(0, idx, sub.masked_fill_(~allowed, float("-inf")))
 
 
-def apply_grammar_masks(
-    logits: torch.Tensor, rows: Sequence[SamplingRow], errors: list[str | None], default_eos: tuple[int, ...]
-) -> None:
-    """Mask every row that has a grammar (and no error yet); a matcher that raises sets ``errors[i]``.
-    ``default_eos``: the model's EOS ids, for rows that name none."""
-    constrained = [i for i, r in enumerate(rows) if r.grammar is not None and errors[i] is None]
-    if not constrained:
-        return
-    bitmask = torch.zeros((len(constrained), bitmask_words(logits.shape[1])), dtype=torch.int32)
+@dataclass
+class GrammarMasks:
+    """A step's grammar masks: ``bitmask[j]`` is row ``constrained[j]``'s; ``errors[i]`` says why row
+    ``i``'s matcher failed (its bitmask row is all ones: the row fails anyway)."""
+
+    constrained: list[int]
+    bitmask: torch.Tensor  # [len(constrained), ceil(V / 32)] int32
+    errors: dict[int, str]
+
+
+def compute_grammar_masks(
+    rows: Sequence[SamplingRow], vocab_size: int, default_eos: tuple[int, ...]
+) -> GrammarMasks:
+    """Every constrained row's mask over ``vocab_size`` tokens. ``default_eos``: the model's EOS ids, for rows
+    that name none. Reads the matchers only: safe on another thread while nothing advances them."""
+    constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+    bitmask = torch.zeros((len(constrained), bitmask_words(vocab_size)), dtype=torch.int32)
+    errors: dict[int, str] = {}
     for j, i in enumerate(constrained):
         row = rows[i]
         assert row.grammar is not None  # NOTE: filtered above; narrows for mypy.
@@ -49,4 +61,17 @@ def apply_grammar_masks(
         except Exception as exc:  # NOTE: one request's grammar must not take the batch down.
             errors[i] = f"the grammar matcher failed: {exc}"
             bitmask[j] = -1  # the row is failed anyway; leave its logits as they are
-    apply_token_bitmask(logits, bitmask, constrained)
+    return GrammarMasks(constrained, bitmask, errors)
+
+
+def apply_grammar_masks(logits: torch.Tensor, masks: GrammarMasks, errors: list[str | None]) -> None:
+    """Mask every constrained row of ``logits`` that has no error yet; a matcher that failed sets
+    ``errors[i]``."""
+    for i, message in masks.errors.items():
+        if errors[i] is None:
+            errors[i] = message
+    keep = [j for j, i in enumerate(masks.constrained) if errors[i] is None]
+    if not keep:
+        return
+    bitmask = masks.bitmask if len(keep) == len(masks.constrained) else masks.bitmask[keep]
+    apply_token_bitmask(logits, bitmask, [masks.constrained[j] for j in keep])

@@ -12,8 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.generation.grammar_mask import apply_grammar_masks
+from engine.generation.grammar_mask import apply_grammar_masks, compute_grammar_masks
 from engine.generation.logprobs import compute_logprobs
+from engine.generation.mask_prefetch import MaskPrefetcher, PendingMasks
 from engine.generation.processors import apply_logits_processors
 from engine.generation.rng import RequestRNG
 from engine.generation.rows import SampledToken, SamplingRow
@@ -60,8 +61,18 @@ class Sampler:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.eos_token_ids = tuple(eos_token_ids)
+        self._masks = MaskPrefetcher(vocab_size, self.eos_token_ids)
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
+    def masks_ahead(self, rows: Sequence[SamplingRow]) -> PendingMasks:
+        """Start the grammar masks of ``rows`` on a worker thread, for ``sample`` to collect
+        (engine/generation/mask_prefetch.py). Use it as a context manager around the forward."""
+        return self._masks.start(rows)
+
+    def sample(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], masks: PendingMasks | None = None
+    ) -> list[SampledToken]:
+        """One token per row of ``logits [R, V]``; ``masks``: the rows' grammar masks from ``masks_ahead``
+        (computed here when not given)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [{len(rows)}, vocab], got {tuple(logits.shape)}")
         if not rows:
@@ -79,7 +90,11 @@ class Sampler:
             # neutral values keep a broken row from producing warnings or NaNs in shared ops
             logits[torch.tensor(bad, device=logits.device)] = 0.0
 
-        apply_grammar_masks(logits, rows, errors, self.eos_token_ids)
+        grammar = masks.result() if masks is not None else None
+        if grammar is None and any(row.grammar is not None for row in rows):
+            grammar = compute_grammar_masks(rows, self.vocab_size, self.eos_token_ids)
+        if grammar is not None:
+            apply_grammar_masks(logits, grammar, errors)
         apply_logits_processors(logits, rows, self.eos_token_ids)
 
         # Every token masked (max -inf), or a penalty that pushed a logit to +inf or NaN (torch.max propagates

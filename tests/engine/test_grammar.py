@@ -144,7 +144,12 @@ def test_a_failing_matcher_fails_only_its_row(tokenizer: Tokenizer, compiler: Gr
     ]
     logits = torch.zeros((3, tokenizer.vocab_size))
     logits[:, 5] = 1.0
-    tokens = sampler.sample(logits, rows)
-    assert tokens[0].error is not None and "boom" in tokens[0].error
-    assert tokens[1].token_id in tokenizer.encode("yes", add_special_tokens=False)
-    assert tokens[2].token_id == 5  # the unconstrained row is untouched
+    for ahead in (False, True):  # masks computed by the sampler, or ahead on the worker thread
+        if ahead:
+            with sampler.masks_ahead(rows) as masks:
+                tokens = sampler.sample(logits.clone(), rows, masks)
+        else:
+            tokens = sampler.sample(logits.clone(), rows)
+        assert tokens[0].error is not None and "boom" in tokens[0].error
+        assert tokens[1].token_id in tokenizer.encode("yes", add_special_tokens=False)
+        assert tokens[2].token_id == 5  # the unconstrained row is untouched

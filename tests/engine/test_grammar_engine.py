@@ -4,13 +4,18 @@ sequence's matcher valid, n > 1 forks copy it, and nothing (matcher, block) outl
 from __future__ import annotations
 
 import re
+import threading
 import time
+from typing import Any
 
 import pytest
+from executor_faults import faulty_executor
 
 from engine.engine import CacheOptions, Engine
+from engine.generation.grammar import GrammarMatcher
 from engine.generation.grammar_spec import GrammarSpec
 from engine.outputs import RequestStatus
+from scheduler.batch import ScheduledBatch
 
 pytestmark = pytest.mark.slow
 
@@ -86,3 +91,45 @@ def test_cancelled_constrained_request_frees_its_matchers(engine: Engine) -> Non
     assert [o.status for o in finals] == [RequestStatus.CANCELLED] * len(finals)
     assert sequences and all(seq.gen.grammar is None for seq in sequences)
     assert rid not in manager.loop.outputs.groups
+
+
+def test_masks_are_computed_while_the_forward_runs(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each constrained step's masks are filled on the worker thread before that step's forward returns:
+    the forward below waits for the mask and would time out if the sampler computed it afterwards."""
+    filled = threading.Event()
+    threads: set[str] = set()
+    inner_fill = GrammarMatcher.fill_bitmask
+
+    def spy(self: GrammarMatcher, *args: Any, **kwargs: Any) -> None:
+        threads.add(threading.current_thread().name)
+        inner_fill(self, *args, **kwargs)
+        filled.set()
+
+    monkeypatch.setattr(GrammarMatcher, "fill_bitmask", spy)
+    overlapped: list[bool] = []
+
+    def wait_for_masks(batch: ScheduledBatch) -> None:
+        if any(chunk.needs_sample for chunk in batch.requests) and (not overlapped or overlapped[-1]):
+            overlapped.append(filled.wait(timeout=10))
+            filled.clear()
+
+    manager = engine.init_continuous_batching()
+    manager.start()
+    try:
+        with faulty_executor(manager, before=wait_for_masks):
+            manager.add_request(
+                engine.tokenizer.encode("Pick one:"),
+                max_new_tokens=8,
+                structured_output=GrammarSpec.choice(["alpha beta gamma delta"]),
+            )
+            out = None
+            deadline = time.monotonic() + 120
+            while (out is None or not out.is_finished) and time.monotonic() < deadline:
+                out = manager.get_result(timeout=1.0)
+    finally:
+        manager.stop(timeout=30)
+    assert out is not None and out.status is RequestStatus.FINISHED, out
+    assert out.text == "alpha beta gamma delta"
+    assert overlapped and all(overlapped), overlapped
+    assert threads and all(name.startswith("cbserve-grammar-masks") for name in threads), threads
+    manager.check_integrity()
