@@ -14,7 +14,15 @@ from typing import Any
 
 from engine.errors import ModelLoadError, UnsupportedArchitectureError
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "granite",
+    "smollm3",
+    "phi3",
+)
 
 # transformers' class names (``architectures`` in config.json) -> our architecture names.
 HF_ARCHITECTURES: dict[str, str] = {
@@ -22,12 +30,20 @@ HF_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "GraniteForCausalLM": "granite",
+    "SmolLM3ForCausalLM": "smollm3",
+    "Phi3ForCausalLM": "phi3",
 }
 _HF_CLASS_OF: dict[str, str] = {arch: cls for cls, arch in HF_ARCHITECTURES.items()}
 
 # llama.cpp's ``general.architecture`` values we read. NOTE: llama.cpp converts Mistral checkpoints to
 # architecture "llama" (same graph), so a Mistral GGUF loads as llama.
-GGUF_ARCHITECTURES: dict[str, str] = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHITECTURES: dict[str, str] = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+}
 
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -40,6 +56,12 @@ class ModelConfig:
     ``rope_scaling`` is ``None`` (plain RoPE) or a dict with ``rope_type`` ``"llama3"`` and the keys
     ``factor``, ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``.
     ``eos_token_ids`` lists every id that ends generation (config.json may give several).
+
+    The families beside Llama differ only in these (defaults: Llama's): Granite scales the embeddings by
+    ``embedding_multiplier``, each block's output by ``residual_multiplier`` before it joins the residual,
+    the attention scores by ``attention_multiplier`` (instead of ``head_dim ** -0.5``) and divides the
+    logits by ``logits_scaling``; SmolLM3's ``no_rope_layers`` (layer indices) attend without rotary
+    embeddings; Phi-3 stores q/k/v and gate/up fused in its checkpoint (the loader's concern).
     """
 
     architecture: str
@@ -59,7 +81,12 @@ class ModelConfig:
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    sliding_window: int | None = None  # stored only: cbserve attends over the full context
+    sliding_window: int | None = None
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
+    no_rope_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -77,6 +104,8 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+        if self.architecture == "phi3" and self.attention_bias:
+            raise ValueError("ModelConfig.attention_bias: Phi-3 has no biases")
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"ModelConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -98,11 +127,36 @@ class ModelConfig:
                     f"ModelConfig special token id {token_id} is outside the vocabulary [0, {self.vocab_size})"
                 )
         if self.sliding_window is not None and self.sliding_window <= 0:
-            raise ValueError(f"ModelConfig.sliding_window must be positive or None, got {self.sliding_window}")
+            raise ValueError(
+                f"ModelConfig.sliding_window must be positive or None, got {self.sliding_window}"
+            )
+        for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.attention_multiplier is not None and not self.attention_multiplier > 0:
+            raise ValueError(
+                f"ModelConfig.attention_multiplier must be > 0, got {self.attention_multiplier!r}"
+            )
+        if not isinstance(self.no_rope_layers, tuple):
+            object.__setattr__(self, "no_rope_layers", tuple(self.no_rope_layers))
+        if any(not 0 <= i < self.num_hidden_layers for i in self.no_rope_layers):
+            raise ValueError(
+                f"ModelConfig.no_rope_layers names a layer outside 0..{self.num_hidden_layers - 1}"
+            )
 
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor of q·k: ``attention_multiplier`` where the config gives one, else ``head_dim ** -0.5``."""
+        return self.attention_multiplier if self.attention_multiplier is not None else self.head_dim**-0.5
+
+    @property
+    def checkpoint_fuses_projections(self) -> bool:
+        """The checkpoint stores ``qkv_proj`` and ``gate_up_proj`` fused (Phi-3) rather than their parts."""
+        return self.architecture == "phi3"
 
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with ``changes`` applied (and validated again)."""
@@ -139,6 +193,7 @@ class ModelConfig:
                 bos_token_id=optional_int(d.get("bos_token_id")),
                 eos_token_ids=_id_tuple(d.get("eos_token_id")),
                 sliding_window=_sliding_window_from_hf(d),
+                **_family_fields(architecture, d),
             )
         except KeyError as e:
             raise ModelLoadError(f"{where}: missing required field {e.args[0]!r}") from e
@@ -166,7 +221,9 @@ class ModelConfig:
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+            "eos_token_id": list(self.eos_token_ids)
+            if len(self.eos_token_ids) != 1
+            else self.eos_token_ids[0],
             "torch_dtype": "float32",
         }
         if self.architecture == "llama":
@@ -178,6 +235,24 @@ class ModelConfig:
             d["use_sliding_window"] = False
         if self.architecture == "qwen3":
             d["attention_bias"] = False
+        if self.architecture == "granite":
+            d.update(
+                attention_bias=self.attention_bias,
+                mlp_bias=False,
+                embedding_multiplier=self.embedding_multiplier,
+                residual_multiplier=self.residual_multiplier,
+                attention_multiplier=self.attention_scale,
+                logits_scaling=self.logits_scaling,
+            )
+        if self.architecture == "smollm3":
+            d.update(
+                attention_bias=self.attention_bias,
+                mlp_bias=False,
+                use_sliding_window=False,
+                no_rope_layers=[int(i not in self.no_rope_layers) for i in range(self.num_hidden_layers)],
+            )
+        if self.architecture == "phi3":
+            d.update(sliding_window=self.sliding_window, partial_rotary_factor=1.0)
         return d
 
 
@@ -225,6 +300,37 @@ def _validate_rope_scaling(scaling: dict[str, Any] | None) -> None:
             raise ValueError(f"llama3 rope_scaling lacks {', '.join(missing)}")
         if not (scaling["factor"] > 0 and 0 < scaling["low_freq_factor"] < scaling["high_freq_factor"]):
             raise ValueError(f"llama3 rope_scaling needs factor > 0 and 0 < low < high factor, got {scaling}")
+
+
+def _family_fields(architecture: str, d: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``ModelConfig`` fields a family beside Llama adds; ``ValueError`` for a variant the native code
+    does not compute (the transformers backend serves it under ``--model-impl auto``)."""
+    if d.get("mlp_bias"):
+        raise ValueError("MLP biases (mlp_bias) are not native")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"the activation {d.get('hidden_act')!r} is not native (SiLU-gated MLPs are)")
+    if architecture == "granite":
+        return {
+            "embedding_multiplier": float(d.get("embedding_multiplier", 1.0)),
+            "residual_multiplier": float(d.get("residual_multiplier", 1.0)),
+            "attention_multiplier": float(d.get("attention_multiplier", 1.0)),
+            "logits_scaling": float(d.get("logits_scaling", 1.0)),
+        }
+    if architecture == "smollm3":
+        num_layers, interval = int(d["num_hidden_layers"]), int(d.get("no_rope_layer_interval", 4))
+        uses_rope = d.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(num_layers)]
+        if d.get("use_sliding_window") and d.get("sliding_window"):
+            raise ValueError("SmolLM3 with per-layer sliding windows (use_sliding_window) is not native")
+        return {"no_rope_layers": tuple(i for i, rope in enumerate(uses_rope) if not rope)}
+    if architecture == "phi3":
+        factor = (d.get("rope_parameters") or {}).get(
+            "partial_rotary_factor", d.get("partial_rotary_factor", 1.0)
+        )
+        if float(factor) != 1.0:
+            raise ValueError(
+                f"Phi-3 with partial rotary embeddings (partial_rotary_factor {factor}) is not native"
+            )
+    return {}
 
 
 def _sliding_window_from_hf(d: Mapping[str, Any]) -> int | None:

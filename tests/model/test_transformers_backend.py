@@ -72,6 +72,19 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
         "Qwen3MoeConfig",
         {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
     ),
+    # the native families beside Llama (engine/executor/models/llama.py), with their features switched on
+    "granite_multipliers": (
+        "GraniteConfig",
+        {
+            "embedding_multiplier": 6.0,
+            "residual_multiplier": 0.35,
+            "attention_multiplier": 0.09,
+            "logits_scaling": 2.5,
+            "attention_bias": True,
+        },
+    ),  # fmt: skip
+    "smollm3_nope": ("SmolLM3Config", {"no_rope_layer_interval": 2}),
+    "phi3_fused": ("Phi3Config", {}),
     # head_dim 64: the CPU decode and prefill kernels run (head_dim 16 falls back to SDPA), with a window
     "gemma2_hd64": (
         "Gemma2Config",
@@ -214,6 +227,45 @@ def test_native_and_transformers_agree_on_llama_weights(folders: dict[str, Path]
     assert [o.generated_ids for o in run(native.init_continuous_batching(), PROMPTS)] == [
         o.generated_ids for o in run(backend.init_continuous_batching(), PROMPTS)
     ]
+
+
+NATIVE_FAMILIES = ["granite_multipliers", "smollm3_nope", "phi3_fused"]
+
+
+@pytest.mark.parametrize("arch", NATIVE_FAMILIES)
+def test_native_families_equal_transformers_and_the_backend(
+    arch: str, folders: dict[str, Path], oracle: dict[str, list[list[int]]]
+) -> None:
+    """Granite, SmolLM3 and Phi-3 run cbserve's own model code under ``auto`` (with the CPU fast paths): the
+    same greedy tokens as transformers' ``generate()`` and as the backend, alone, batched, in prefill chunks
+    of 8 beside decode steps, under preemption and from the prefix cache."""
+    native = Engine.from_pretrained(str(folders[arch]), device="cpu", dtype="float32", num_blocks=64)
+    assert not isinstance(native.model, TransformersForCausalLM)
+    alone = [run(native.init_continuous_batching(), [p])[0].generated_ids for p in PROMPTS]
+    assert alone == oracle[arch]
+    assert [o.generated_ids for o in run(native.init_continuous_batching(), PROMPTS)] == oracle[arch]
+    chunked = run(native.init_continuous_batching(max_batch_tokens=8), PROMPTS)
+    assert [o.generated_ids for o in chunked] == oracle[arch]
+    backend = serve(folders[arch])
+    assert [o.generated_ids for o in run(backend.init_continuous_batching(), PROMPTS)] == oracle[arch]
+    growing = [list(range(10 * i + 3, 10 * i + 18)) for i in range(5)]
+    small = Engine.from_pretrained(str(folders[arch]), device="cpu", dtype="float32", num_blocks=5)
+    manager = small.init_continuous_batching(safety_margin=0.0)
+    got = run(manager, growing)
+    assert manager.scheduler.num_preemptions > 0
+    assert [o.generated_ids for o in got] == reference(folders[arch], growing)
+    manager = native.init_continuous_batching()
+    first, again = run(manager, [PROMPTS[2]])[0], run(manager, [PROMPTS[2]])[0]
+    assert again.num_cached_tokens >= 32 and again.generated_ids == first.generated_ids == oracle[arch][2]
+
+
+def test_auto_serves_native_variants_it_cannot_compute_through_the_backend(folders: dict[str, Path]) -> None:
+    """A Phi-3 with partial rotary embeddings is a family cbserve implements, in a variant it does not:
+    ``auto`` serves it through transformers; ``native`` refuses it, saying why."""
+    engine = Engine.from_pretrained(str(folders["phi3"]), device="cpu", num_blocks=8)
+    assert isinstance(engine.model, TransformersForCausalLM)
+    with pytest.raises(ModelLoadError, match="partial rotary"):
+        Engine.from_pretrained(str(folders["phi3"]), device="cpu", model_impl="native")
 
 
 def test_auto_picks_native_for_llama_and_transformers_for_the_rest(folders: dict[str, Path]) -> None:

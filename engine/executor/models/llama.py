@@ -1,5 +1,7 @@
 """The Llama family as one decoder-only transformer: Llama 2/3 (llama3 RoPE scaling), SmolLM, TinyLlama,
-Mistral (sliding window), Qwen2 (q/k/v biases), Qwen3 (per-head RMSNorm of q and k before the rotation).
+Mistral (sliding window), Qwen2 (q/k/v biases), Qwen3 (per-head RMSNorm of q and k before the rotation),
+Granite (scaled embeddings, residual branches, attention and logits), SmolLM3 (some layers without
+rotary embeddings: "NoPE"), Phi-3 (fused q/k/v and gate/up in the checkpoint).
 
     h = embed(ids)
     for each layer:  h = h + attn(rms_norm(h));  h = h + mlp(rms_norm(h))
@@ -47,14 +49,17 @@ class WeightMismatchError(ModelLoadError, ValueError):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_index: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_scale
+        self.rotates = layer_index not in config.no_rope_layers  # SmolLM3's NoPE layers do not
         hidden = config.hidden_size
         # Rows of qkv_proj: [0, q_size) q, then k, then v (filled from q_proj/k_proj/v_proj).
         self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, config.attention_bias, dtype, device)
@@ -85,17 +90,20 @@ class Attention(nn.Module):
             qk = torch.cat(
                 (self.q_norm(q), self.k_norm(k)), dim=1
             )  # [num_tokens, heads + kv_heads, head_dim]
-        qk = rotary.rotate_with(qk, rotation)  # [num_tokens, heads + kv_heads, head_dim]
+        if self.rotates:
+            qk = rotary.rotate_with(qk, rotation)  # [num_tokens, heads + kv_heads, head_dim]
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [num_tokens, heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))  # [num_tokens, hidden]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_index: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(config, dtype, device)
+        self.self_attn = Attention(config, layer_index, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype, device)
 
@@ -130,7 +138,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, dtype, device) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
@@ -147,6 +155,7 @@ class LayerModules:
     gate_up_proj: nn.Module
     act_fn: nn.Module
     down_proj: nn.Module
+    rotates: bool = True  # False: attention without rotary embeddings (SmolLM3's NoPE layers)
 
 
 @dataclass(frozen=True)
@@ -183,10 +192,14 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.model.embed_tokens)  # [num_tokens, hidden]
+        x = F.embedding(input_ids, self.model.embed_tokens)  # [num_tokens, hidden]
+        multiplier = self.config.embedding_multiplier  # Granite's
+        return x if multiplier == 1.0 else x * multiplier
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(h).float()  # [num_logits, vocab]
+        logits = self.lm_head(h).float()  # [num_logits, vocab]
+        scaling = self.config.logits_scaling  # Granite's
+        return logits if scaling == 1.0 else logits / scaling
 
     @torch.inference_mode()
     def forward(
@@ -235,7 +248,7 @@ class LlamaForCausalLM(nn.Module):
             layers.append(
                 LayerModules(
                     layer.input_layernorm, attn.qkv_proj, attn.o_proj, layer.post_attention_layernorm,
-                    mlp.gate_up_proj, mlp.act_fn, mlp.down_proj,
+                    mlp.gate_up_proj, mlp.act_fn, mlp.down_proj, attn.rotates,
                 )
             )  # fmt: skip
         return DecoderTable(tuple(layers), self.model.norm, self.rotary)
@@ -262,6 +275,8 @@ class LlamaForCausalLM(nn.Module):
             gate_up_proj, down_proj = _dense(layer.mlp.gate_up_proj), _dense(layer.mlp.down_proj)
             q, kv = attn.q_size, attn.kv_size
             qkv_rows = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
+            if cfg.checkpoint_fuses_projections:
+                qkv_rows = {"qkv": (0, q + 2 * kv)}
             for proj, (start, end) in qkv_rows.items():
                 slots[f"{p}self_attn.{proj}_proj.weight"] = (qkv_proj.weight, start, end)
                 if qkv_proj.bias is not None:
@@ -273,8 +288,11 @@ class LlamaForCausalLM(nn.Module):
                 whole(f"{p}self_attn.q_norm.weight", attn.q_norm.weight)
                 whole(f"{p}self_attn.k_norm.weight", attn.k_norm.weight)
             inter = layer.mlp.intermediate_size
-            slots[f"{p}mlp.gate_proj.weight"] = (gate_up_proj.weight, 0, inter)
-            slots[f"{p}mlp.up_proj.weight"] = (gate_up_proj.weight, inter, 2 * inter)
+            if cfg.checkpoint_fuses_projections:
+                whole(f"{p}mlp.gate_up_proj.weight", gate_up_proj.weight)  # gate rows, then up rows
+            else:
+                slots[f"{p}mlp.gate_proj.weight"] = (gate_up_proj.weight, 0, inter)
+                slots[f"{p}mlp.up_proj.weight"] = (gate_up_proj.weight, inter, 2 * inter)
             whole(f"{p}mlp.down_proj.weight", down_proj.weight)
             whole(f"{p}input_layernorm.weight", layer.input_layernorm.weight)
             whole(f"{p}post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
@@ -318,6 +336,21 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
             raise WeightMismatchError(f"missing tensors in the checkpoint: {', '.join(missing[:5])}{more}")
+        self._fold_residual_multiplier()
+
+    def _fold_residual_multiplier(self) -> None:
+        """Granite adds each block's output times ``residual_multiplier`` to the residual stream. The block
+        ends in a linear map (o_proj, down_proj), so its weights take the factor here, once:
+        ``m * (W x + b) = (m W) x + m b``; the layers' code and the fused kernels stay Llama's."""
+        multiplier = self.config.residual_multiplier
+        if multiplier == 1.0:
+            return
+        for module in self.model.layers:
+            layer = cast(DecoderLayer, module)
+            for proj in (_dense(layer.self_attn.o_proj), _dense(layer.mlp.down_proj)):
+                proj.weight.mul_(multiplier)
+                if proj.bias is not None:
+                    proj.bias.mul_(multiplier)
 
 
 def _dense(module: nn.Module) -> Linear:

@@ -7,17 +7,21 @@ from typing import Any
 
 import torch
 
-from engine.errors import UnsupportedArchitectureError
+from engine.errors import ModelLoadError, UnsupportedArchitectureError
 from engine.executor.models.llama import LlamaForCausalLM
 from engine.model_config import HF_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelConfig
 
 # Every architecture of the Llama family shares one implementation; the differences (biases, q/k norm,
-# rope scaling, sliding window) are read from the config.
+# rope scaling, sliding window, Granite's multipliers, SmolLM3's NoPE layers, Phi-3's fused checkpoint
+# tensors) are read from the config.
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "granite": LlamaForCausalLM,
+    "smollm3": LlamaForCausalLM,
+    "phi3": LlamaForCausalLM,
 }
 
 
@@ -32,7 +36,8 @@ def supported_architectures() -> tuple[str, ...]:
 
 def choose_model_impl(hf_config: dict[str, Any], model_impl: str = "auto") -> str:
     """``"native"`` or ``"transformers"`` for a checkpoint of ``config.json`` ``hf_config``: ``auto`` picks
-    the native code for the architectures it implements, the transformers backend for any other. Raises
+    the native code for the architectures and variants it implements, the transformers backend for any
+    other (a Llama with YaRN RoPE scaling, a Phi-3 with partial rotary embeddings, ...). Raises
     ``ValueError`` for an unknown ``model_impl``."""
     if model_impl not in MODEL_IMPLS:
         raise ValueError(f"unknown model_impl {model_impl!r}; expected one of {', '.join(MODEL_IMPLS)}")
@@ -42,7 +47,17 @@ def choose_model_impl(hf_config: dict[str, Any], model_impl: str = "auto") -> st
     native = any(name in HF_ARCHITECTURES for name in classes) or (
         not classes and hf_config.get("model_type") in SUPPORTED_ARCHITECTURES
     )
-    return "native" if native else "transformers"
+    return "native" if native and native_config_error(hf_config) is None else "transformers"
+
+
+def native_config_error(hf_config: dict[str, Any]) -> str | None:
+    """Why the native code cannot compute this checkpoint of a family it implements (a RoPE scaling, an
+    activation, per-layer windows it lacks), or None."""
+    try:
+        ModelConfig.from_hf_dict(hf_config)
+    except ModelLoadError as exc:
+        return str(exc)
+    return None
 
 
 def build_model(

@@ -40,6 +40,7 @@ typedef struct {
     float *v_cache;             /* [num_blocks, num_kv_heads, block_size, head_dim] */
     const uint8_t *qkv_q, *o_q, *gate_up_q, *down_q; /* quantized panels or NULL */
     int64_t qkv_q_offsets, o_q_offsets, gate_up_q_offsets, down_q_offsets; /* 1: d * q + m, 0: d * q */
+    int64_t rotate;             /* 1: q and k take the rotary embedding; 0: a NoPE layer (SmolLM3) */
 } cbserve_layer;
 
 typedef struct {
@@ -125,7 +126,8 @@ int cbserve_decode_stack(const cbserve_model *m, const cbserve_layer *layers,
             for (int64_t t = 0; t < S; t++) {
                 float *row = qkv + t * qkv_size;
                 const float *c = m->cos + positions[t] * hd, *sn = m->sin_signed + positions[t] * hd;
-                for (int64_t h = 0; h < nh + nkv; h++) rotary_f32(row + h * hd, c, sn, hd / 2);
+                if (w->rotate)
+                    for (int64_t h = 0; h < nh + nkv; h++) rotary_f32(row + h * hd, c, sn, hd / 2);
                 write_token_kv(w->k_cache, w->v_cache, row + q_size, row + q_size + kv_size, slots[t], nkv, hd,
                                bs, sizeof(float));
             }
