@@ -1,8 +1,11 @@
-"""CPU float32 matmul throughput for one decoder layer's projections: oneDNN's prepacked kernels (what
-prefill runs), cbserve's small-batch kernel (what decode steps run, engine/executor/kernels/small_gemm.py) and
-``F.linear`` (MKL), at several row counts, interleaved and best of several rounds (robust to a noisy VM).
+"""CPU matmul throughput for one decoder layer's projections, at several row counts, interleaved and best
+of several rounds (robust to a noisy VM). float32: oneDNN's prepacked kernels (what prefill runs on AVX-512),
+cbserve's small-batch kernel (engine/executor/kernels/small_gemm.py) and ``F.linear`` (MKL). bfloat16:
+oneDNN's prepacked kernels, cbserve's AMX kernel (engine/executor/kernels/amx_gemm.py, where the CPU has
+AMX) and ``F.linear``.
 
     python -m bench.cpu_matmul                 # SmolLM2-135M's shapes, rows 16 64 256 2048
+    python -m bench.cpu_matmul --dtype bfloat16 --rows 1 16 64 2048
     python -m bench.cpu_matmul --rows 16 2048 --hidden 576 --intermediate 1536 --q-heads 9 --kv-heads 3
 
 Prints each system's time for the layer's four matmuls (q/k/v fused, o, gate/up fused, down) and GFLOPS.
@@ -18,7 +21,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.executor.kernels import prepacked, small_gemm
+from engine.cpu.native_build import KernelUnavailable
+from engine.executor.kernels import amx_gemm, prepacked, small_gemm
 
 
 def layer_shapes(hidden: int, intermediate: int, q_heads: int, kv_heads: int) -> list[tuple[int, int]]:
@@ -46,6 +50,14 @@ def best_seconds(fns: dict[str, Callable[[], object]], reps: int, rounds: int) -
     return best
 
 
+def own_kernel(dtype: torch.dtype) -> small_gemm.SmallGemm | amx_gemm.AmxGemm:
+    """cbserve's kernel for ``dtype``: the small float32 kernel, or the AMX kernel for bfloat16."""
+    try:
+        return small_gemm.load() if dtype == torch.float32 else amx_gemm.load()
+    except KernelUnavailable as e:
+        raise SystemExit(f"cbserve's {dtype} kernel is not available here: {e}") from e
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[16, 64, 256, 2048])
@@ -54,11 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--q-heads", type=int, default=9)
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = p.parse_args(argv)
     cpu = torch.device("cpu")
-    if not prepacked.can_prepack(cpu, torch.float32):
-        raise SystemExit("this torch build cannot prepack float32 weights (no oneDNN)")
-    kernel = small_gemm.load()
+    dtype = getattr(torch, args.dtype)
+    if not prepacked.can_prepack(cpu, dtype):
+        raise SystemExit(f"this torch build or CPU cannot prepack {args.dtype} weights (no oneDNN)")
+    ours = own_kernel(dtype)
+    ours_name = "small-kernel" if dtype == torch.float32 else "amx-kernel"
     gen = torch.Generator().manual_seed(0)
     shapes = layer_shapes(args.hidden, args.intermediate, args.q_heads, args.kv_heads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; shapes (in, out): {shapes}")
@@ -66,22 +81,25 @@ def main(argv: list[str] | None = None) -> int:
         totals: dict[str, float] = {}
         flops = 0
         for k, n in shapes:
-            w = torch.randn(n, k, generator=gen) * 0.05
-            x = torch.randn(m, k, generator=gen)
-            packed, panels = prepacked.prepack(w), kernel.pack(w)
-            ref = F.linear(x, w)
-            torch.testing.assert_close(kernel.linear(x, panels, n, None), ref, rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(prepacked.linear(x, packed, None), ref, rtol=1e-4, atol=1e-4)
+            w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
+            x = torch.randn(m, k, generator=gen).to(dtype)
+            packed, panels = prepacked.prepack(w), ours.pack(w)
+            ref = F.linear(x.double(), w.double()).to(dtype)
+            tol = 1e-4 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(ours.linear(x, panels, n, None), ref, rtol=tol, atol=tol)
+            torch.testing.assert_close(prepacked.linear(x, packed, None), ref, rtol=tol, atol=tol)
             fns: dict[str, Callable[[], object]] = {
                 "oneDNN": functools.partial(prepacked.linear, x, packed, None),
-                "small-kernel": functools.partial(kernel.linear, x, panels, n, None),
+                ours_name: functools.partial(ours.linear, x, panels, n, None),
                 "F.linear": functools.partial(F.linear, x, w),
             }
             reps = max(2, int(3e8 / (m * k * n)))
             for name, seconds in best_seconds(fns, reps, args.rounds).items():
                 totals[name] = totals.get(name, 0.0) + seconds
             flops += 2 * m * k * n
-        cells = "  ".join(f"{name} {t * 1e3:8.2f} ms ({flops / t / 1e9:5.1f} GFLOPS)" for name, t in totals.items())
+        cells = "  ".join(
+            f"{name} {t * 1e3:8.2f} ms ({flops / t / 1e9:5.1f} GFLOPS)" for name, t in totals.items()
+        )
         print(f"rows {m:5d}: {cells}", flush=True)
     return 0
 

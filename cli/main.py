@@ -85,6 +85,13 @@ def _add_model_flags(serve: argparse.ArgumentParser) -> None:
         "through transformers' modeling code), or auto (native where it implements the architecture)",
     )
     a(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="insist that a request's tokens and logprobs do not depend on what shares its batch (float32 "
+        "matmuls of every size on cbserve's kernel; bfloat16 needs AMX); refuses to start where it cannot",
+    )
+    a(
         "--attention-backend",
         choices=["auto", "cpu", "triton", "sdpa"],
         default="auto",
@@ -218,6 +225,7 @@ def _serve(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             load_format=args.load_format,
             model_impl=args.model_impl,
+            batch_invariant=args.batch_invariant,
             attention_backend=args.attention_backend,
             scheduler=args.scheduler,
             max_batch_tokens=args.max_batch_tokens,

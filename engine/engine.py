@@ -92,6 +92,9 @@ class Engine:
             attention_backend, self.device, self.dtype, cfg.head_dim, self.block_size, cfg.num_queries_per_kv
         )
         self.attention_backend = self.decode_kernel.name if self.decode_kernel is not None else "sdpa"
+        # a row's logits are the same bits whatever else shares its step: matmul kernels with one path per
+        # row (LoadedModel.batch_invariant) and the C attention kernels, whose reductions run per query
+        self.batch_invariant = loaded.batch_invariant and self.attention_backend == "cpu"
         self.cuda_graphs: CudaGraphDecoder | None = None
         # NOTE: the transformers backend says False: its forward runs eagerly
         graphs = getattr(self.model, "supports_cuda_graphs", True) and not options.enforce_eager
@@ -119,13 +122,16 @@ class Engine:
         attention_backend: str = "auto",
         prepack_weights: bool = True,
         model_impl: str = "auto",
+        batch_invariant: bool = False,
         **cache_and_scheduler_options: Any,
     ) -> Engine:
         """Load ``model`` ("default", a HF folder, a .gguf file, or a dummy preset with
         ``load_format="dummy"``) and size its KV cache. Options: see ``CacheOptions``;
         ``attention_backend``: auto, cpu, triton or sdpa (engine/executor/attention/backend.py); ``prepack_weights``: CPU
         matmuls on prepacked oneDNN weights (engine/executor/kernels/prepacked.py); ``model_impl``: auto, native or
-        transformers (engine/executor/models/registry.py)."""
+        transformers (engine/executor/models/registry.py); ``batch_invariant``: insist that a request's logits
+        do not depend on its batch (``ValueError`` where the kernels cannot promise it; ``Engine.batch_invariant``
+        says whether the chosen kernels promise it anyway: docs/GENERATION.md)."""
         options = CacheOptions(**{k: v for k, v in cache_and_scheduler_options.items() if v is not None})
         keep_freed_memory()
 
@@ -137,9 +143,15 @@ class Engine:
                 device=device,
                 prepack=prepack_weights,
                 model_impl=model_impl,
+                batch_invariant=batch_invariant,
             )
             name = served_model_name or _default_model_name(model, loaded)
-            return cls(loaded, options, name, attention_backend)
+            engine = cls(loaded, options, name, attention_backend)
+            if batch_invariant and not engine.batch_invariant:
+                raise ValueError(
+                    f"batch_invariant needs the cpu attention backend, not {engine.attention_backend}"
+                )
+            return engine
 
         # NOTE: no OpenMP pool may outlive the set-up on this thread: it would slow every forward of the
         # manager's thread (engine/cpu/openmp_pools.py).

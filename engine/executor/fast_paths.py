@@ -6,6 +6,7 @@ as gpt-fast's ``replace_linear_int4`` does: the model's code stays the architect
             float32, the small kernel built:  SmallGemmLinear (+ PackedLinear for more than MAX_ROWS rows,
                                               unless the kernel takes every batch), wrapped in a
                                               QuantPanelLinear where the checkpoint's blocks give W exactly
+            bfloat16, batch_invariant, AMX:   AmxLinear (every K a multiple of 32; else PackedLinear)
             otherwise, where oneDNN packs:    PackedLinear
         RMSNorm -> FusedRMSNorm, RotaryEmbedding -> FusedRotaryEmbedding, SiluAndMul -> FusedSiLUMul
             (float32 or bfloat16 on the CPU, where the ops could be built)
@@ -26,10 +27,12 @@ from torch import nn
 
 from engine.cpu import huge_pages
 from engine.cpu.native_build import KernelUnavailable
-from engine.executor.kernels import cpu_ops, prepacked, small_gemm
+from engine.executor.kernels import amx_gemm, cpu_ops, prepacked, small_gemm
+from engine.executor.kernels.amx_gemm import AmxGemm
 from engine.executor.kernels.block_codes import BlockCodes
 from engine.executor.kernels.cpu_ops import CpuOps
 from engine.executor.kernels.modules import (
+    AmxLinear,
     FusedRMSNorm,
     FusedRotaryEmbedding,
     FusedSiLUMul,
@@ -51,32 +54,47 @@ class CpuFastPaths:
     prepacked: bool  # every Linear replaced (PackedLinear and/or SmallGemmLinear)
     small_gemm: SmallGemm | None
     fused_ops: CpuOps | None
+    # every Linear computes a row with one kernel whatever else its call holds (small_gemm.c, amx_gemm.c):
+    # a row's bits do not depend on its batch
+    batch_invariant: bool = False
 
 
 def apply_cpu_fast_paths(
-    model: LlamaForCausalLM, blocks: Mapping[str, BlockCodes] | None = None
+    model: LlamaForCausalLM, blocks: Mapping[str, BlockCodes] | None = None, batch_invariant: bool = False
 ) -> CpuFastPaths:
     """Swap the CPU kernels' modules into ``model`` after ``load_weights`` (which cannot run afterwards: the
     dense projections are freed; the embedding stays dense). ``blocks``: the checkpoint's block-quantized
     tensors by Hugging Face name (the GGUF loader's), kept as quantized panels where they give the loaded
-    weight bit for bit."""
-    small = swap_linears(model, blocks or {})
+    weight bit for bit. ``batch_invariant``: matmuls of every size on cbserve's kernels, never on oneDNN
+    (whose kernel, and rounding, depend on the call's row count): float32 on the small kernel, bfloat16 on
+    the AMX kernel where the CPU has AMX-BF16 (slower than oneDNN at prefill sizes: docs/BENCHMARKS.md)."""
+    small, invariant = swap_linears(model, blocks or {}, batch_invariant)
     ops = swap_fused_ops(model)
-    return CpuFastPaths(not any(isinstance(m, Linear) for m in model.modules()), small, ops)
+    return CpuFastPaths(not any(isinstance(m, Linear) for m in model.modules()), small, ops, invariant)
 
 
-def swap_linears(model: LlamaForCausalLM, blocks: Mapping[str, BlockCodes]) -> SmallGemm | None:
+def swap_linears(
+    model: LlamaForCausalLM, blocks: Mapping[str, BlockCodes], batch_invariant: bool = False
+) -> tuple[SmallGemm | None, bool]:
     """Every ``Linear`` replaced where oneDNN can prepack this dtype (else none is); returns the small
-    kernel where it serves them."""
+    kernel where it serves them, and whether every row takes one kernel whatever its batch."""
     if not prepacked.can_prepack(model.device, model.dtype):
-        return None
+        return None, False
+    amx = _amx(model) if batch_invariant else None
+    if amx is not None:  # bfloat16 with AMX: the tiles for every call
+        fits = all(amx_gemm.fits(m.in_features) for m in model.modules() if isinstance(m, Linear))
+        for parent, name, m in _children(model):
+            if isinstance(m, Linear):
+                w = m.weight.detach()
+                setattr(parent, name, AmxLinear(amx, w, m.bias) if fits else PackedLinear(w, m.bias))
+        return None, fits
     small: SmallGemm | None = None
     if small_gemm.supports(model.device, model.dtype):
         try:
             small = small_gemm.load()
         except KernelUnavailable as e:
             logger.warning("the small-batch matmul kernel is not used (%s); oneDNN runs decode steps", e)
-    onednn = small is None or not small_gemm.takes_every_batch()
+    onednn = small is None or not (batch_invariant or small_gemm.takes_every_batch())
     places = [
         (parent, name) for parent, name, m in _children(model) if isinstance(m, Linear)
     ]  # the head last
@@ -93,7 +111,18 @@ def swap_linears(model: LlamaForCausalLM, blocks: Mapping[str, BlockCodes]) -> S
     for (parent, name), out, c, qout in zip(places, panels, codes, qpanels, strict=True):
         linear = getattr(parent, name)
         setattr(parent, name, _fast_linear(linear, small, onednn, out, c, qout))
-    return small
+    return small, not onednn
+
+
+def _amx(model: LlamaForCausalLM) -> AmxGemm | None:
+    """The AMX kernel for a bfloat16 CPU model, where the CPU has AMX-BF16 and it could be built."""
+    if not amx_gemm.supports(model.device, model.dtype):
+        return None
+    try:
+        return amx_gemm.load()
+    except KernelUnavailable as e:
+        logger.info("the AMX matmul kernel is not used (%s); oneDNN runs bfloat16 matmuls", e)
+        return None
 
 
 def _fast_linear(

@@ -67,6 +67,8 @@ class LoadedModel:
     source: ModelSource
     dtype: torch.dtype
     device: torch.device
+    # every row's result is the same bits whatever else shares its step (CpuFastPaths.batch_invariant)
+    batch_invariant: bool = False
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -104,6 +106,7 @@ def load_model(
     device: str | torch.device = "auto",
     prepack: bool = True,
     model_impl: str = "auto",
+    batch_invariant: bool = False,
 ) -> LoadedModel:
     """Load ``model`` (see ``resolve_model``) and its tokenizer. Raises ``ModelLoadError`` subclasses naming
     the file at fault, ``TokenizerMismatchError`` when the tokenizer has more ids than the embedding.
@@ -111,7 +114,9 @@ def load_model(
     through transformers' modeling code: engine/executor/models/transformers_backend.py) or ``auto`` (native
     where it implements the architecture). ``prepack``: on the CPU, swap in the kernels' modules of the
     native model (engine/executor/fast_paths.py): matmuls over prepacked weights, the fused element-wise
-    ops; in float32 the engine then runs decode steps' layers in one C call (engine/executor/decode_stack.py)."""
+    ops; in float32 the engine then runs decode steps' layers in one C call (engine/executor/decode_stack.py).
+    ``batch_invariant``: insist on kernels whose result for a row does not depend on its batch (the native
+    model's CPU kernels; float32 anywhere, bfloat16 with AMX-BF16), ``ValueError`` where they cannot run."""
     # NOTE: imported here: models import engine.model_config
     from engine.executor.models.registry import choose_model_impl
 
@@ -119,11 +124,23 @@ def load_model(
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     if choose_model_impl(_raw_config(source), model_impl) == "transformers":
+        if batch_invariant:
+            raise ValueError(
+                "batch_invariant needs the native model's CPU kernels, not the transformers backend"
+            )
         return _load_with_transformers(source, torch_dtype, torch_device)
-    return _load_native(source, torch_dtype, torch_device, prepack)
+    if batch_invariant and (torch_device.type != "cpu" or not prepack):
+        raise ValueError("batch_invariant needs the CPU kernels (device cpu, prepacked weights)")
+    return _load_native(source, torch_dtype, torch_device, prepack, batch_invariant)
 
 
-def _load_native(source: ModelSource, dtype: torch.dtype, device: torch.device, prepack: bool) -> LoadedModel:
+def _load_native(
+    source: ModelSource,
+    dtype: torch.dtype,
+    device: torch.device,
+    prepack: bool,
+    batch_invariant: bool = False,
+) -> LoadedModel:
     from engine.executor.fast_paths import apply_cpu_fast_paths
     from engine.executor.models.registry import build_model
 
@@ -132,10 +149,16 @@ def _load_native(source: ModelSource, dtype: torch.dtype, device: torch.device, 
         raise TokenizerMismatchError(opened.tokenizer.vocab_size, opened.config.vocab_size, source.name)
     config = _with_all_eos(opened.config, opened.generation_defaults, opened.tokenizer)
     net = build_model(config, dtype, device)
+    invariant = False
     with torch.no_grad():
         net.load_weights(opened.weights)
         if prepack:
-            apply_cpu_fast_paths(net, opened.blocks)
+            invariant = apply_cpu_fast_paths(net, opened.blocks, batch_invariant).batch_invariant
+    if batch_invariant and not invariant:
+        raise ValueError(
+            f"batch_invariant: no batch-invariant matmul kernel for {dtype} on this CPU (float32 always has "
+            "one; bfloat16 needs AMX-BF16 and in_features multiples of 32)"
+        )
     net.eval()
     return LoadedModel(
         config=config,
@@ -146,6 +169,7 @@ def _load_native(source: ModelSource, dtype: torch.dtype, device: torch.device, 
         source=source,
         dtype=dtype,
         device=device,
+        batch_invariant=invariant,
     )
 
 

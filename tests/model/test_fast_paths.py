@@ -16,8 +16,9 @@ from torch import nn
 from engine.cpu.native_build import KernelUnavailable
 from engine.executor.fast_paths import apply_cpu_fast_paths
 from engine.executor.inputs import BatchInputs
-from engine.executor.kernels import prepacked, small_gemm
+from engine.executor.kernels import amx_gemm, prepacked, small_gemm
 from engine.executor.kernels.modules import (
+    AmxLinear,
     FusedRMSNorm,
     FusedRotaryEmbedding,
     FusedSiLUMul,
@@ -61,17 +62,20 @@ def _types(model: nn.Module, kind: type[nn.Module]) -> set[type[nn.Module]]:
     return {type(m) for name, m in model.named_modules() if name in names}
 
 
-def test_a_float32_model_gets_the_kernels_modules(kernel: SmallGemm) -> None:
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_a_float32_model_gets_the_kernels_modules(kernel: SmallGemm, batch_invariant: bool) -> None:
     if not prepacked.can_prepack(CPU, torch.float32):
         pytest.skip("this torch build cannot prepack weights (no oneDNN)")
     model, _ = _pair(torch.float32)
-    paths = apply_cpu_fast_paths(model)
+    paths = apply_cpu_fast_paths(model, batch_invariant=batch_invariant)
     assert paths.prepacked and paths.small_gemm is not None
     assert _types(model, Linear) == {SmallGemmLinear}
     head = model.lm_head
     assert isinstance(head, SmallGemmLinear)
-    onednn_copy = not small_gemm.takes_every_batch()  # with AVX-512
+    # with AVX-512, calls of more than 64 rows go to a oneDNN copy, unless every row must take one path
+    onednn_copy = not small_gemm.takes_every_batch() and not batch_invariant
     assert isinstance(head.large, PackedLinear) == onednn_copy
+    assert paths.batch_invariant == (not onednn_copy)
     if paths.fused_ops is None:
         pytest.skip("the fused CPU ops cannot be built here")
     assert _types(model, RMSNorm) == {FusedRMSNorm}
@@ -79,13 +83,19 @@ def test_a_float32_model_gets_the_kernels_modules(kernel: SmallGemm) -> None:
     assert isinstance(model.rotary, FusedRotaryEmbedding)
 
 
-def test_a_bfloat16_model_gets_onednn_and_the_fused_ops() -> None:
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_a_bfloat16_model_gets_onednn_or_the_amx_kernel_and_the_fused_ops(batch_invariant: bool) -> None:
     model, _ = _pair(torch.bfloat16)
-    paths = apply_cpu_fast_paths(model)
+    paths = apply_cpu_fast_paths(model, batch_invariant=batch_invariant)
     assert paths.small_gemm is None  # the small kernel is float32 only
     onednn = prepacked.can_prepack(CPU, torch.bfloat16)
     assert paths.prepacked == onednn
-    assert _types(model, Linear) == ({PackedLinear} if onednn else {Linear})
+    try:
+        amx = batch_invariant and onednn and bool(amx_gemm.load())
+    except KernelUnavailable:
+        amx = False
+    assert _types(model, Linear) == ({AmxLinear} if amx else {PackedLinear} if onednn else {Linear})
+    assert paths.batch_invariant == amx
     if paths.fused_ops is not None:
         assert _types(model, RMSNorm) == {FusedRMSNorm} and isinstance(model.rotary, FusedRotaryEmbedding)
 

@@ -64,6 +64,7 @@ def test_every_flag_reads_the_environment() -> None:
         "CBSERVE_DTYPE": "bfloat16",
         "CBSERVE_LOAD_FORMAT": "gguf",
         "CBSERVE_MODEL_IMPL": "transformers",
+        "CBSERVE_BATCH_INVARIANT": "true",
         "CBSERVE_ATTENTION_BACKEND": "sdpa",
         "CBSERVE_SCHEDULER": "prefill_first",
         "CBSERVE_MAX_BATCH_TOKENS": "4096",
@@ -93,6 +94,7 @@ def test_every_flag_reads_the_environment() -> None:
         "prefill_first",
     )
     assert args.attention_backend == "sdpa" and args.model_impl == "transformers"
+    assert args.batch_invariant is True
     assert (args.max_batch_tokens, args.max_num_seqs, args.block_size) == (4096, 8, 32)
     assert args.kv_cache_memory == 2 << 30 and args.num_blocks == 100
     assert args.enable_prefix_caching is False

@@ -5,6 +5,7 @@
     PackedLinear          oneDNN over a weight reordered once into its blocked layout (prepacked.py)
     SmallGemmLinear       the float32 small-batch kernel's panels (small_gemm.py), oneDNN for larger calls
     QuantPanelLinear      a quantized checkpoint's blocks, expanded in registers, for calls of a few rows
+    AmxLinear             bfloat16 on AMX tiles, every call (amx_gemm.py): a row's bits never depend on its batch
     FusedRMSNorm          RMSNorm with its residual add in one C call (cpu_ops.py)
     FusedRotaryEmbedding  q and k rotated in place in one C call
     FusedSiLUMul          SwiGLU's ``silu(gate) * up`` in one C call
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from engine.executor.kernels import prepacked, small_gemm
+from engine.executor.kernels.amx_gemm import AmxGemm
 from engine.executor.kernels.cpu_ops import CpuOps
 from engine.executor.kernels.small_gemm import SmallGemm
 from engine.executor.models.layers import RMSNorm, RotaryEmbedding, RotaryInputs
@@ -92,6 +94,20 @@ class QuantPanelLinear(nn.Module):
                 x, self.qpanels, self.out_features, self.bias
             )  # [rows, out_features]
         return self.rest(x)
+
+
+class AmxLinear(nn.Module):
+    """``x W^T + b`` in bfloat16 with ``W`` in the AMX kernel's tiles (``AmxGemm.pack``), for every call."""
+
+    def __init__(self, amx: AmxGemm, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.amx = amx
+        self.tiles = amx.pack(weight)  # [ceil(out / 64) * 4, in / 32, 16, 16, 2]
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.amx.linear(x, self.tiles, self.out_features, self.bias)  # [..., out_features]
 
 
 class FusedRMSNorm(RMSNorm):

@@ -1,0 +1,97 @@
+"""The bfloat16 AMX matmul kernel (engine/executor/kernels/amx_gemm.py), where the CPU has AMX-BF16: within
+float32-accumulation rounding of a float64 reference plus the one rounding of the output to bfloat16, at the
+model's shapes and at tails of rows and outputs; a row's bits do not depend on the rows beside it; argument
+checks. Its use by the model: tests/model/test_fast_paths.py and tests/engine/test_batch_invariance.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.cpu.native_build import KernelUnavailable
+from engine.executor.kernels import amx_gemm
+from engine.executor.kernels.amx_gemm import AmxGemm
+
+FLOAT32_ROUNDOFF = 2.0**-24
+BF16_ROUNDOFF = 2.0**-8
+
+
+@pytest.fixture(scope="module")
+def kernel() -> AmxGemm:
+    try:
+        return amx_gemm.load()
+    except KernelUnavailable as e:
+        pytest.skip(f"the AMX kernel cannot run here: {e}")
+
+
+def assert_within_rounding(
+    ours: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
+) -> None:
+    """bfloat16 inputs multiply exactly in float32; the k products and the bias summed in float32 in any
+    order are off by at most gamma(k + 1) (|x| |W|^T + |b|) (Higham 3.1); then one rounding to bfloat16."""
+    x64, w64 = x.double(), w.double()
+    b64 = torch.zeros(w.shape[0], dtype=torch.float64) if b is None else b.double()
+    exact = x64 @ w64.T + b64
+    n = x.shape[-1] + 1
+    gamma = n * FLOAT32_ROUNDOFF / (1 - n * FLOAT32_ROUNDOFF)
+    accumulated = gamma * (x64.abs() @ w64.abs().T + b64.abs())
+    bound = accumulated + BF16_ROUNDOFF * (exact.abs() + accumulated)
+    error = (ours.double() - exact).abs()
+    assert ours.dtype == torch.bfloat16 and bool((error <= bound).all()), (
+        f"{(error / bound).max():.3g}x the bound"
+    )
+
+
+# (out_features, in_features): the default model's projections (qkv, gate/up, down), outputs that are not a
+# multiple of the 64 of a work item, and the smallest k
+SHAPES = [(960, 576), (3072, 576), (576, 1536), (100, 64), (1000, 96)]
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 31, 32, 33, 100])
+def test_matches_a_float64_reference_within_rounding(kernel: AmxGemm, n: int, k: int, m: int) -> None:
+    gen = torch.Generator().manual_seed(n * 7 + m)
+    w = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16()
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    packed = kernel.pack(w)
+    assert_within_rounding(kernel.linear(x, packed, n, None), x, w, None)
+    assert_within_rounding(kernel.linear(x, packed, n, b), x, w, b)
+
+
+def test_a_row_is_the_same_bits_in_any_batch(kernel: AmxGemm) -> None:
+    """Alone, in a block of 16 rows, in blocks of 32 and at the tail of a call: the same bits."""
+    gen = torch.Generator().manual_seed(0)
+    n, k = 960, 576
+    w, b = (torch.randn(n, k, generator=gen) * 0.05).bfloat16(), torch.randn(n, generator=gen).bfloat16()
+    packed = kernel.pack(w)
+    row = torch.randn(1, k, generator=gen).bfloat16()
+    alone = kernel.linear(row, packed, n, b)[0]
+    for m, at in ((16, 7), (17, 16), (64, 40), (300, 299), (2048, 1000)):
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        x[at] = row[0]
+        assert torch.equal(kernel.linear(x, packed, n, b)[at], alone), (m, at)
+
+
+def test_strided_rows_and_leading_dimensions(kernel: AmxGemm) -> None:
+    gen = torch.Generator().manual_seed(1)
+    w = (torch.randn(130, 64, generator=gen) * 0.05).bfloat16()
+    packed = kernel.pack(w)
+    wide = torch.randn(40, 100, generator=gen).bfloat16()
+    x = wide[:, 10:74]  # rows 100 apart
+    expected = kernel.linear(x.contiguous(), packed, 130, None)
+    assert torch.equal(kernel.linear(x, packed, 130, None), expected)
+    batched = x.reshape(4, 10, 64)
+    assert torch.equal(kernel.linear(batched, packed, 130, None), expected.view(4, 10, 130))
+
+
+def test_refuses_what_it_cannot_compute(kernel: AmxGemm) -> None:
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kernel.pack(torch.zeros(16, 40, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bfloat16"):
+        kernel.pack(torch.zeros(16, 64))
+    packed = kernel.pack(torch.zeros(16, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="does not fit"):
+        kernel.linear(torch.zeros(2, 96, dtype=torch.bfloat16), packed, 16, None)
+    with pytest.raises(ValueError, match="bfloat16 CPU rows"):
+        kernel.linear(torch.zeros(2, 64), packed, 16, None)
