@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.generation.errors import GenerationConfigError
 from engine.generation.watermark_config import GreenlistWatermark, SynthIDWatermark, Watermark
 from engine.generation.watermark_hash import context_hashes, g_values, is_green
 
@@ -177,8 +178,20 @@ def detect_watermark(
 
     ``vocab_size``: the model's (the green lists are permutations of it). ``bos_token_id``: dropped when
     it leads (green list, as transformers' detector does). ``eos_token_id``: SynthID ignores the n-grams
-    from the first EOS on. Too few tokens to score raises ``InvalidRequestError`` (param ``tokens``)."""
-    tokens = [int(t) for t in token_ids]
+    from the first EOS on. Too few tokens to score, or a token outside the vocabulary, raises
+    ``InvalidRequestError`` (param ``tokens``); a bad ``z_threshold`` ``GenerationConfigError``."""
+    bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})", param="tokens"
+        )
+    if (
+        isinstance(z_threshold, bool)
+        or not isinstance(z_threshold, (int, float))
+        or not math.isfinite(z_threshold)
+    ):
+        raise GenerationConfigError("z_threshold", f"must be a finite number, got {z_threshold!r}")
+    tokens = list(token_ids)
     if isinstance(config, SynthIDWatermark):
         return _detect_synthid(tokens, config, eos_token_id, z_threshold)
     if tokens and bos_token_id is not None and tokens[0] == bos_token_id:
