@@ -26,8 +26,8 @@ from engine.generation.watermark_hash import (
     is_green,
 )
 
-# SynthID computes [rows, V, depth] int64 g-values: this many rows at a time bounds that to tens of MB.
-SYNTHID_ROWS_PER_CHUNK = 8
+# SynthID computes [rows, V, depth] int64 g-values: as many rows at a time as keep that near 32 MB.
+SYNTHID_CHUNK_ELEMENTS = 1 << 22
 
 
 def _last_tokens(row: SamplingRow, count: int) -> list[int]:
@@ -124,8 +124,9 @@ def synthid_scores(
         for r, ids in enumerate(outputs)
         if not (config.skip_first_ngram_calls and len(ids) + 1 < config.ngram_len)
     ]
-    for start in range(0, len(active), SYNTHID_ROWS_PER_CHUNK):
-        chunk = active[start : start + SYNTHID_ROWS_PER_CHUNK]
+    rows_per_chunk = max(1, SYNTHID_CHUNK_ELEMENTS // (scores.shape[1] * config.depth))
+    for start in range(0, len(active), rows_per_chunk):
+        chunk = active[start : start + rows_per_chunk]
         contexts = torch.tensor([synthid_context(config, outputs[r]) for r in chunk], dtype=torch.int64)
         hashes = context_hashes(contexts)  # [C]
         repeated = torch.tensor(

@@ -23,6 +23,11 @@ FIELD = "watermarking_config"
 SEEDING_SCHEMES = ("lefthash", "selfhash")
 # transformers' SynthIDTextWatermarkingConfig.validate: the sampling table holds at most 2**24 entries.
 MAX_SAMPLING_TABLE_SIZE = 2**24
+# NOTE: bounds of our own, so that one request cannot make the engine allocate without limit: a step
+# computes [vocab, keys] g-values per row, and the context is ngram_len - 1 tokens (the paper's SynthID
+# uses 30 keys and n-grams of 5).
+MAX_SYNTHID_KEYS = 64
+MAX_NGRAM_LEN = 1024
 _INT64 = (-(2**63), 2**63 - 1)
 
 
@@ -98,12 +103,14 @@ class SynthIDWatermark:
     def __post_init__(self) -> None:
         if not isinstance(self.keys, (list, tuple)) or not self.keys:
             raise _error("keys", f"must be a non-empty list of integers, got {self.keys!r}")
+        if len(self.keys) > MAX_SYNTHID_KEYS:
+            raise _error("keys", f"at most {MAX_SYNTHID_KEYS} keys (tournament layers), got {len(self.keys)}")
         for key in self.keys:
             _check_int("keys", key, _INT64[0])
         object.__setattr__(self, "keys", tuple(self.keys))
         # NOTE: 2 at least: an n-gram of one token has no context, so every call after the first would
         # count as a repeated context and go unwatermarked.
-        _check_int("ngram_len", self.ngram_len, 2)
+        _check_int("ngram_len", self.ngram_len, 2, MAX_NGRAM_LEN)
         _check_int("context_history_size", self.context_history_size, 1)
         _check_int("sampling_table_seed", self.sampling_table_seed, _INT64[0])
         _check_int("sampling_table_size", self.sampling_table_size, 1, MAX_SAMPLING_TABLE_SIZE)

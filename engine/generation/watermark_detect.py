@@ -115,11 +115,14 @@ def synthid_mask(config: SynthIDWatermark, tokens: list[int], eos_token_id: int 
     context not seen in the previous ``context_history_size`` contexts, and no EOS at or before its end."""
     width = config.ngram_len - 1
     contexts = torch.tensor(tokens[:-1], dtype=torch.int64).unfold(0, width, 1)  # [num_ngrams, width]
-    history = [0] * config.context_history_size  # newest first, as transformers' state
+    # NOTE: transformers keeps the last context_history_size hashes, zeros at first; a hash is in that
+    # history when it was last seen at most context_history_size contexts ago (or is 0, while zeros remain).
+    last_seen: dict[int, int] = {}
     fresh: list[bool] = []
-    for h in context_hashes(contexts).tolist():
-        fresh.append(h not in history)
-        history = [h, *history[:-1]]
+    for i, h in enumerate(context_hashes(contexts).tolist()):
+        seen = i - last_seen[h] <= config.context_history_size if h in last_seen else False
+        fresh.append(not (seen or (h == 0 and i < config.context_history_size)))
+        last_seen[h] = i
     mask = torch.tensor(fresh, dtype=torch.bool)
     if eos_token_id is not None and eos_token_id in tokens:
         first_eos = tokens.index(eos_token_id)

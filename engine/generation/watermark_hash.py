@@ -74,9 +74,9 @@ def is_green(config: GreenlistWatermark, vocab_size: int, window: Sequence[int],
 # ---------------------------------------------------------------------------------------- SynthID
 @functools.lru_cache(maxsize=8)
 def sampling_table(seed: int, size: int) -> torch.Tensor:
-    """SynthID's table of g-value bits, drawn once per (seed, size)."""
+    """SynthID's table of g-value bits, drawn once per (seed, size); kept as bytes (at most 16 MB)."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
-    return torch.randint(low=0, high=2, size=(size,), generator=generator)  # [size]
+    return torch.randint(low=0, high=2, size=(size,), generator=generator).to(torch.uint8)  # [size]
 
 
 def accumulate_hash(current: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
@@ -101,4 +101,4 @@ def g_values(config: SynthIDWatermark, context_hash: torch.Tensor, tokens: torch
     keys = torch.tensor(config.keys, dtype=torch.int64)  # [depth]
     layered = accumulate_hash(hashed[:, :, None], keys[None, None, :, None])  # [R, T, depth]
     table = sampling_table(config.sampling_table_seed, config.sampling_table_size)
-    return table[layered % config.sampling_table_size]
+    return table[layered % config.sampling_table_size].long()

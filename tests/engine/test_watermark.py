@@ -246,6 +246,8 @@ def test_config_from_dicts_and_transformers_objects() -> None:
         ({"keys": [], "ngram_len": 3}, "watermarking_config.keys"),
         ({"keys": [1, "2"], "ngram_len": 3}, "watermarking_config.keys"),
         ({"keys": [1], "ngram_len": 1}, "watermarking_config.ngram_len"),
+        ({"keys": [1], "ngram_len": 1025}, "watermarking_config.ngram_len"),
+        ({"keys": list(range(65)), "ngram_len": 5}, "watermarking_config.keys"),
         (
             {"keys": [1], "ngram_len": 3, "sampling_table_size": 2**24 + 1},
             "watermarking_config.sampling_table_size",
