@@ -9,6 +9,7 @@ underscores: ``--max-num-seqs`` is ``CBSERVE_MAX_NUM_SEQS``); the command line w
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -51,6 +52,25 @@ def _non_negative_float(text: str) -> float:
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
     return value
+
+
+def _watermark(text: str) -> Any:
+    """``--watermarking-config``: a JSON object of transformers' WatermarkingConfig or
+    SynthIDTextWatermarkingConfig fields, validated before the model loads."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    # NOTE: imported here so that `cbserve --help` does not pay for torch.
+    from engine.generation.errors import GenerationConfigError
+    from engine.generation.watermark_config import watermarking_config_from
+
+    try:
+        return watermarking_config_from(value)
+    except GenerationConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _origins(text: str) -> list[str]:
@@ -145,6 +165,14 @@ def _add_serve_flags(serve: argparse.ArgumentParser) -> None:
         default="auto",
         help="the tool-call syntax parsed for tool_choice auto: auto (from the chat template), hermes, "
         "llama3_json or mistral",
+    )
+    a(
+        "--watermarking-config",
+        type=_watermark,
+        default=None,
+        help="watermark every request that names none, and detect it by default: a JSON object of "
+        'WatermarkingConfig fields (\'{"bias": 2.0, "seeding_scheme": "selfhash"}\') or of '
+        'SynthIDTextWatermarkingConfig fields (\'{"ngram_len": 5, "keys": [654, 400, 836]}\')',
     )
 
 
@@ -250,6 +278,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_queue=args.max_queue,
             reasoning_parser=args.reasoning_parser,
             tool_call_parser=args.tool_call_parser,
+            watermarking_config=args.watermarking_config,
         )
     except ServerConfigError as exc:
         logger.error("%s", exc)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +19,10 @@ from engine.executor.cuda_graphs import CudaGraphDecoder
 from engine.executor.decode_stack import CpuDecodeStack
 from engine.executor.kv_cache import KVCache
 from engine.executor.runner import ModelRunner
-from engine.generation.config import GenerationConfig
+from engine.generation.config import GenerationConfig, GenerationConfigError
 from engine.generation.sampler import Sampler
+from engine.generation.watermark_config import watermarking_config_from
+from engine.generation.watermark_detect import DEFAULT_Z_THRESHOLD, WatermarkDetection, detect_watermark
 from engine.loader.model_loader import LoadedModel, load_model
 from engine.manager import ContinuousBatchingManager
 from engine.outputs import GenerationOutput
@@ -285,6 +288,33 @@ class Engine:
         finally:
             manager.stop(block=True, timeout=30)
         return results
+
+    def detect_watermark(
+        self,
+        tokens: Sequence[int] | str,
+        watermarking_config: Any,
+        z_threshold: float = DEFAULT_Z_THRESHOLD,
+        ignore_repeated_ngrams: bool = False,
+    ) -> WatermarkDetection:
+        """Score a generated output (its token ids, or its text, tokenized without special tokens) against
+        the ``watermarking_config`` it was generated with (a dict, a transformers config or one of ours),
+        with this model's vocabulary, BOS and EOS (engine/generation/watermark_detect.py)."""
+        config = watermarking_config_from(watermarking_config)
+        if config is None:
+            raise GenerationConfigError("watermarking_config", "is required to detect a watermark")
+        if isinstance(tokens, str):
+            ids = [int(t) for t in self.tokenizer.encode(tokens, add_special_tokens=False)]
+        else:
+            ids = list(tokens)
+        return detect_watermark(
+            ids,
+            config,
+            self.vocab_size,
+            bos_token_id=self.model_config.bos_token_id,
+            eos_token_id=self.tokenizer.eos_token_id,
+            z_threshold=z_threshold,
+            ignore_repeated_ngrams=ignore_repeated_ngrams,
+        )
 
 
 def _default_model_name(model: str, loaded: LoadedModel) -> str:

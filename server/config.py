@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.generation.watermark_config import Watermark
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # 16 MiB: far above any prompt that fits a context window
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
@@ -34,6 +38,9 @@ class ServerConfig:
     tool_call_parser: str = (
         "auto"  # server/tool_syntax.py: auto (from the chat template), hermes, llama3_json, mistral
     )
+    # The watermark of every request that names none, and the one /v1/watermark/detect checks by default:
+    # a watermark, or a dict of WatermarkingConfig / SynthIDTextWatermarkingConfig fields (converted).
+    watermarking_config: Watermark | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.served_model_name, str) or not self.served_model_name.strip():
@@ -60,12 +67,25 @@ class ServerConfig:
             raise ServerConfigError(
                 f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}"
             )
+        self._convert_watermark()
         if not isinstance(self.cors_origins, tuple) or not all(
             isinstance(o, str) and o for o in self.cors_origins
         ):
             raise ServerConfigError(
                 f"cors_origins must be a tuple of non-empty strings, got {self.cors_origins!r}"
             )
+
+    def _convert_watermark(self) -> None:
+        # NOTE: imported here: `cbserve --help` reads this module and must not pay for torch.
+        from engine.generation.errors import GenerationConfigError
+        from engine.generation.watermark_config import watermarking_config_from
+
+        try:
+            object.__setattr__(
+                self, "watermarking_config", watermarking_config_from(self.watermarking_config)
+            )
+        except GenerationConfigError as exc:
+            raise ServerConfigError(str(exc)) from None
 
 
 _BYTE_UNITS = {

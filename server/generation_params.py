@@ -21,6 +21,7 @@ from typing import Any
 from engine.admission import check_context_length
 from engine.generation.config import GenerationConfig
 from engine.generation.grammar_spec import GrammarSpec
+from engine.generation.watermark_config import Watermark
 from server.errors import APIError
 from server.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
@@ -115,9 +116,11 @@ def build_generation_config(
     top_logprobs: int,
     structured_output: GrammarSpec | None = None,
     bad_words: list[list[int]] | None = None,
+    watermark: Watermark | None = None,
 ) -> GenerationConfig:
     """The validated config for one prompt of ``req`` (raises ``GenerationConfigError`` / ``APIError``).
-    ``bad_words``: ``req.bad_words`` as token ids (``bad_words_ids``)."""
+    ``bad_words``: ``req.bad_words`` as token ids (``bad_words_ids``). ``watermark``: the server's
+    default watermark, for a request that names none (a request can replace it, not turn it off)."""
     temperature = float(req.temperature) if req.temperature is not None else defaults.temperature
     overrides: dict[str, Any] = {
         "max_new_tokens": max_new_tokens,
@@ -143,6 +146,7 @@ def build_generation_config(
         "top_logprobs": top_logprobs if output_logprobs else 0,
         "prompt_logprobs": requested_prompt_logprobs(req),
         "structured_output": structured_output,
+        "watermarking_config": req.watermarking_config if req.watermarking_config is not None else watermark,
         "temperature": temperature,
         "do_sample": temperature > 0,
     }

@@ -165,6 +165,11 @@ class SamplingRequest(RequestBody):
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
+    # transformers' WatermarkingConfig or SynthIDTextWatermarkingConfig fields (validated by the engine).
+    watermarking_config: dict[str, Any] | None = Field(
+        None,
+        description="A watermark on the output: WatermarkingConfig or SynthIDTextWatermarkingConfig fields.",
+    )
 
     @field_validator("stream_options")
     @classmethod
@@ -273,6 +278,18 @@ class TokenizeRequest(RequestBody):
 class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[StrictInt]
+
+
+class WatermarkDetectRequest(RequestBody):
+    """``/v1/watermark/detect``: a generated output (``text`` or ``tokens``) and the watermark it was
+    generated with (default: the server's ``--watermarking-config``)."""
+
+    model: str | None = None
+    text: StrictStr | None = None
+    tokens: list[StrictInt] | None = None
+    watermarking_config: dict[str, Any] | None = None
+    z_threshold: Number = Field(3.0, description="prediction is z_score > z_threshold.")
+    ignore_repeated_ngrams: StrictBool = Field(False, description="Green list: count each n-gram once.")
 
 
 # --------------------------------------------------------------------------------------------- responses
@@ -395,6 +412,20 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class WatermarkDetectResponse(BaseModel):
+    """transformers' WatermarkDetector numbers (green list), or SynthID's scores: a field that the
+    watermark's kind does not have is left out."""
+
+    num_tokens_scored: int
+    num_green_tokens: int | None = None
+    green_fraction: float | None = None
+    mean_score: float | None = None
+    weighted_mean_score: float | None = None
+    z_score: float
+    p_value: float
+    prediction: bool
 
 
 class ErrorDetail(BaseModel):

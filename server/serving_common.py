@@ -126,6 +126,7 @@ def admit(
                     top_logprobs,
                     structured_output,
                     bad_words,
+                    state.config.watermarking_config,
                 )
             )
     except (ContextLengthExceededError, GenerationConfigError) as exc:

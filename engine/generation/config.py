@@ -15,6 +15,7 @@ from typing import Any
 
 from engine.generation.errors import GenerationConfigError
 from engine.generation.grammar_spec import GrammarSpec
+from engine.generation.watermark_config import Watermark, watermarking_config_from
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "GenerationConfig", "GenerationConfigError"]
 # Used when neither the request nor the model's generation_config.json sets max_new_tokens.
@@ -98,6 +99,9 @@ class GenerationConfig:
     skip_special_tokens: bool = True
     # Structured outputs: what the output must match (engine/generation/grammar_spec.py).
     structured_output: GrammarSpec | None = None
+    # A watermark on the output (engine/generation/watermark_config.py): one of ours, a dict or a
+    # transformers WatermarkingConfig / SynthIDTextWatermarkingConfig.
+    watermarking_config: Watermark | None = None
 
     def __post_init__(self) -> None:
         # NOTE: JSON gives ints for floats, string keys for logit_bias and lists for sequence_bias keys;
@@ -123,6 +127,8 @@ class GenerationConfig:
             set_(self, "eos_token_id", list(self.eos_token_id))
         if isinstance(self.stop_strings, tuple):
             set_(self, "stop_strings", list(self.stop_strings))
+        # NOTE: validates as it converts (a GenerationConfigError naming watermarking_config.<field>).
+        set_(self, "watermarking_config", watermarking_config_from(self.watermarking_config))
         self.validate()
 
     # ------------------------------------------------------------------ derived views

@@ -9,7 +9,8 @@ sequence_bias) loop in Python, and only over the rows that use them.
 Order (``transformers``' ``_get_logits_processor``, with the OpenAI/vLLM extras placed beside their
 kin): sequence_bias, logit_bias, repetition_penalty, presence/frequency penalties, no_repeat_ngram,
 bad_words, min_new_tokens (EOS + stop_token_ids), suppress_tokens, begin_suppress_tokens; then, for
-sampled rows only, the warpers: temperature, top_k, top_p, min_p, typical_p, epsilon, eta.
+sampled rows only, the warpers: temperature, top_k, top_p, min_p, typical_p, epsilon, eta; last, as
+transformers places it, the watermark (watermark.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from engine.generation.rows import SamplingRow
+from engine.generation.watermark import apply_watermarks
 
 NEG_INF = float("-inf")
 
@@ -404,4 +406,5 @@ def apply_logits_processors(
         apply_typical_p(logits, rows, sampled)
         apply_epsilon(logits, rows, sampled)
         apply_eta(logits, rows, sampled)
+    apply_watermarks(logits, rows)
     return logits

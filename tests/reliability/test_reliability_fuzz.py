@@ -35,6 +35,7 @@ EXPECTED_OPERATIONS = {
     ("GET", "/v1/models/{model_id}"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
+    ("POST", "/v1/watermark/detect"),
     ("GET", "/health"),
     ("GET", "/version"),
     ("GET", "/metrics"),

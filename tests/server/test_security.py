@@ -36,6 +36,7 @@ PROTECTED = [
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
     ("POST", "/tokenize", {"prompt": "hi"}),
     ("POST", "/detokenize", {"tokens": [1, 2]}),
+    ("POST", "/v1/watermark/detect", {"tokens": [5, 6, 7], "watermarking_config": {}}),
 ]
 OPEN = ["/health", "/metrics", "/version", "/openapi.json", "/docs"]
 ALLOWED_ORIGIN = "http://allowed.example"

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from cli.main import _subparser, apply_env_defaults, build_parser, main
+from engine.generation.watermark_config import GreenlistWatermark, SynthIDWatermark
 from server.config import parse_bytes
 
 
@@ -84,6 +85,7 @@ def test_every_flag_reads_the_environment() -> None:
         "CBSERVE_MAX_BODY_BYTES": "1MiB",
         "CBSERVE_REASONING_PARSER": "none",
         "CBSERVE_TOOL_CALL_PARSER": "mistral",
+        "CBSERVE_WATERMARKING_CONFIG": '{"bias": 3, "seeding_scheme": "selfhash"}',
     }
     args = parse(["serve"], env)
     assert args.model == "/models/x.gguf" and args.host == "0.0.0.0" and args.port == 9001
@@ -104,6 +106,7 @@ def test_every_flag_reads_the_environment() -> None:
     assert args.cors_origins == ["http://a.example", "http://b.example"]
     assert args.max_body_bytes == 1 << 20 and args.reasoning_parser == "none"
     assert args.tool_call_parser == "mistral"
+    assert args.watermarking_config == GreenlistWatermark(bias=3.0, seeding_scheme="selfhash")
     # every serve flag has its variable in this test
     serve_flags = {a.dest for a in _subparser(build_parser(), "serve")._actions}
     assert {f"CBSERVE_{d.upper()}" for d in serve_flags - {"help", "handler"}} == set(env)
@@ -131,6 +134,21 @@ def test_bad_flag_value_exits_2() -> None:
     with pytest.raises(SystemExit) as exc:
         parse(["serve", "--max-num-seqs", "0"])
     assert exc.value.code == 2
+
+
+def test_watermarking_config_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse(["serve", "--watermarking-config", '{"ngram_len": 5, "keys": [654, 400]}'])
+    assert args.watermarking_config == SynthIDWatermark(ngram_len=5, keys=(654, 400))
+    assert parse(["serve"]).watermarking_config is None
+    for bad, why in (
+        ("[1, 2]", "expected a JSON object"),
+        ("{bias: 2}", "expected a JSON object"),
+        ('{"greenlist_ratio": 1.5}', "watermarking_config.greenlist_ratio: must be in (0, 1)"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            parse(["serve", "--watermarking-config", bad])
+        assert exc.value.code == 2
+        assert why in capsys.readouterr().err
 
 
 def test_kv_cache_memory_and_num_blocks_are_exclusive(monkeypatch: pytest.MonkeyPatch) -> None:

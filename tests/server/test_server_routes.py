@@ -66,6 +66,7 @@ def test_version_models_and_openapi(live_server: LiveServer, http: httpx.Client)
         "/v1/models",
         "/tokenize",
         "/detokenize",
+        "/v1/watermark/detect",
         "/health",
     ):
         assert path in schema["paths"], path
