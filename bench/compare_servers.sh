@@ -5,7 +5,8 @@
 # (--seed), so no run is served from a prefix cache that an earlier run filled.
 #
 #   bench/compare_servers.sh OUTDIR [SYSTEM ...]
-#       SYSTEM: cbserve cbserve-bf16 transformers transformers-bf16 llamacpp
+#       SYSTEM: cbserve cbserve-bf16 cbserve-bi cbserve-bf16-bi transformers transformers-bf16 llamacpp
+#       (-bi: cbserve with --batch-invariant)
 #
 # Environment: CONCURRENCIES (default "1 8 16 32"), INPUT_LEN (128), OUTPUT_LEN (64), LLAMACPP_PYTHON
 # (the python that has llama-cpp-python[server]; default .venv/bin/python), TIMEOUT per run (900 s).
@@ -33,6 +34,10 @@ start() {  # start SYSTEM in the background on $PORT; sets PID and EXTRA
     case "$1" in
         cbserve) .venv/bin/cbserve serve --port "$PORT" --dtype float32 --max-num-seqs 64 --log-level warning & ;;
         cbserve-bf16) .venv/bin/cbserve serve --port "$PORT" --dtype bfloat16 --max-num-seqs 64 --log-level warning & ;;
+        cbserve-bi|cbserve-bf16-bi)
+            if [[ "$1" == cbserve-bf16-bi ]]; then DTYPE=bfloat16; else DTYPE=float32; fi
+            .venv/bin/cbserve serve --port "$PORT" --dtype "$DTYPE" --batch-invariant --max-num-seqs 64 \
+                --log-level warning & ;;
         transformers|transformers-bf16)
             if [[ "$1" == transformers-bf16 ]]; then DTYPE=bfloat16; else DTYPE=float32; fi
             DTYPE="$DTYPE" bench/peers.sh transformers "$PORT" &
