@@ -1,9 +1,15 @@
-"""The float32 ceiling of a serving workload on this CPU: the output tokens/s that no float32 server can beat
-here, because the run's matrix multiplications alone, at this machine's fused multiply-add peak, take that
-long.
+"""The compute ceiling of a serving workload on this CPU: the output tokens/s that no float32 (or, with
+``--dtype bfloat16``, bfloat16) server can beat here, because the run's matrix multiplications alone, at this
+machine's multiply-add peak, take that long.
 
     python -m bench.cpu_ceiling results/DIR/*.json          # saved runs (--save-result): each one's ceiling
     python -m bench.cpu_ceiling --num-prompts 32 --random-input-len 128 --random-output-len 64
+    python -m bench.cpu_ceiling --dtype bfloat16 results/DIR/cbserve-bf16-*.json
+
+The bfloat16 peak is that of the CPU's widest bfloat16 instruction (bench/csrc/bf16_peak.c: AMX tiles where
+the CPU has AMX-BF16, AVX512-BF16 dot products where it has those), or the float32 one where it has neither.
+It is a compute bound only: a decode step that reads every weight for few rows is bound by the memory
+bandwidth well below it.
 
 The peak is measured, not looked up: a C loop of independent FMA chains in registers on every thread
 (bench/csrc/fma_peak.c), best of ``--rounds``. The work is counted from the model's config and each request's
@@ -33,6 +39,8 @@ from engine.loader.source import DEFAULT_MODEL, resolve_model
 from engine.model_config import ModelConfig
 
 SOURCE = Path(__file__).parent / "csrc" / "fma_peak.c"
+BF16_SOURCE = Path(__file__).parent / "csrc" / "bf16_peak.c"
+BF16_KINDS = {1: "AVX512-BF16 dot products", 2: "AMX-BF16 tiles"}
 
 
 def _bind(path: Path) -> ctypes.CDLL:
@@ -42,16 +50,38 @@ def _bind(path: Path) -> ctypes.CDLL:
     return lib
 
 
+def _bind_bf16(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    lib.bf16_peak_run.argtypes = [ctypes.c_long, ctypes.c_int]
+    lib.bf16_peak_run.restype = ctypes.c_double
+    lib.bf16_peak_kind.restype = ctypes.c_int
+    return lib
+
+
 load = BuildOnce(SOURCE, _bind)
+load_bf16 = BuildOnce(BF16_SOURCE, _bind_bf16)
 
 
 def fma_peak_gflops(threads: int, seconds: float = 0.5, rounds: int = 5) -> float:
     """The best GFLOPS of ``rounds`` runs of the FMA loop on ``threads`` threads, each ~``seconds`` long."""
-    lib = load()
-    iterations = 1 << 16
+    return _best_gflops(load().fma_peak_run, threads, seconds, rounds)
+
+
+def bf16_peak_gflops(threads: int, seconds: float = 0.5, rounds: int = 5) -> tuple[float, str]:
+    """The bfloat16 peak (best GFLOPS of ``rounds`` runs) and the instruction that gave it; the float32 FMA
+    peak where the CPU has no bfloat16 instruction."""
+    lib = load_bf16()
+    kind = int(lib.bf16_peak_kind())
+    if kind not in BF16_KINDS:
+        return fma_peak_gflops(threads, seconds, rounds), "float32 FMA (no bfloat16 instructions)"
+    return _best_gflops(lib.bf16_peak_run, threads, seconds, rounds), BF16_KINDS[kind]
+
+
+def _best_gflops(run: Any, threads: int, seconds: float, rounds: int) -> float:
+    iterations = 1 << 10
     while True:  # size a round to ~seconds (the first call also starts the OpenMP threads)
         start = time.perf_counter()
-        lib.fma_peak_run(iterations, threads)
+        run(iterations, threads)
         if time.perf_counter() - start >= seconds / 4 or iterations >= 1 << 40:
             break
         iterations *= 4
@@ -59,7 +89,7 @@ def fma_peak_gflops(threads: int, seconds: float = 0.5, rounds: int = 5) -> floa
     best = 0.0
     for _ in range(rounds):
         start = time.perf_counter()
-        flops = lib.fma_peak_run(iterations, threads)
+        flops = run(iterations, threads)
         best = max(best, flops / (time.perf_counter() - start) / 1e9)
     return best
 
@@ -112,8 +142,8 @@ def floor_seconds(work: Work, peak_gflops: float) -> float:
 
 
 def ceiling_tok_s(work: Work, output_tokens: int, peak_gflops: float) -> float:
-    """The output tokens/s that no float32 server beats on a run of ``work`` at ``peak_gflops`` (inf for
-    a run with nothing to compute)."""
+    """The output tokens/s that no server beats on a run of ``work`` at ``peak_gflops`` (inf for a run with
+    nothing to compute)."""
     floor_s = floor_seconds(work, peak_gflops)
     return output_tokens / floor_s if floor_s > 0 else float("inf")
 
@@ -131,7 +161,7 @@ def report(
         wanted = times * measured
         lines.append(
             f"  {times:g}x that = {wanted:.1f} tok/s = {100 * wanted / ceiling:.0f}% of the ceiling"
-            + (" (beyond what float32 can do here)" if wanted > ceiling else "")
+            + (" (beyond what this precision can do here)" if wanted > ceiling else "")
         )
     return "\n".join(lines)
 
@@ -151,10 +181,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--seconds", type=float, default=0.5, help="length of one round of the FMA loop")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="whose peak")
     args = p.parse_args(argv)
     config = model_config(args.model)
-    peak = fma_peak_gflops(args.threads, args.seconds, args.rounds)
-    print(f"FMA peak: {peak:.1f} GFLOPS on {args.threads} threads (float32, best of {args.rounds})")
+    if args.dtype == "bfloat16":
+        peak, kind = bf16_peak_gflops(args.threads, args.seconds, args.rounds)
+        print(f"bfloat16 peak: {peak:.1f} GFLOPS on {args.threads} threads ({kind}, best of {args.rounds})")
+    else:
+        peak = fma_peak_gflops(args.threads, args.seconds, args.rounds)
+        print(f"FMA peak: {peak:.1f} GFLOPS on {args.threads} threads (float32, best of {args.rounds})")
     if not args.runs:
         n = args.num_prompts
         work = run_work(config, [args.random_input_len] * n, [args.random_output_len] * n)

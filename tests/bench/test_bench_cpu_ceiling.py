@@ -127,3 +127,31 @@ def test_cli_prints_each_saved_runs_ceiling(
         f"  served 10.0 tok/s = {100 * 10.0 / ceiling:.0f}% of the ceiling",
         f"  4x that = 40.0 tok/s = {100 * 40.0 / ceiling:.0f}% of the ceiling",
     ]
+
+
+def test_the_bfloat16_peak_is_its_widest_instructions() -> None:
+    """AMX tiles multiply-add far faster than float32 FMAs (16K per instruction); elsewhere the peak is
+    that of AVX512-BF16 dot products or, without them, the float32 FMA peak."""
+    try:
+        peak, kind = cpu_ceiling.bf16_peak_gflops(1, seconds=0.05, rounds=2)
+    except KernelUnavailable as e:
+        pytest.skip(f"the bfloat16 loop cannot be built here: {e}")
+    assert kind in (*cpu_ceiling.BF16_KINDS.values(), "float32 FMA (no bfloat16 instructions)")
+    assert peak > 1.0
+    if kind == cpu_ceiling.BF16_KINDS[2]:
+        assert peak > 2 * _peak_or_skip(1)
+
+
+def test_cli_takes_the_bfloat16_peak(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(
+        cpu_ceiling, "bf16_peak_gflops", lambda threads, seconds, rounds: (500.0, "AMX-BF16 tiles")
+    )
+    assert (
+        main(["--dtype", "bfloat16", "--model", "smollm2-135m", "--num-prompts", "2", "--threads", "2"]) == 0
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "bfloat16 peak: 500.0 GFLOPS on 2 threads (AMX-BF16 tiles, best of 5)"
+    work = run_work(get_preset("smollm2-135m"), [128, 128], [64, 64])
+    assert lines[1].endswith(f"ceiling {ceiling_tok_s(work, 128, 500.0):.1f} tok/s")
