@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from server.config import REASONING_PARSERS, TOOL_CALL_PARSERS, parse_bytes
+from server.config import DEFAULT_GRAMMAR_TIMEOUT_S, REASONING_PARSERS, TOOL_CALL_PARSERS, parse_bytes
 
 ENV_PREFIX = "CBSERVE_"
 
@@ -144,6 +144,12 @@ def _add_serve_flags(serve: argparse.ArgumentParser) -> None:
     a("--max-queue", type=_positive_int, default=256, help="waiting requests before 429")
     a("--max-model-len", type=_positive_int, default=None, help="context length limit (default: the model's)")
     a("--shutdown-timeout", type=_non_negative_float, default=30.0, help="seconds to drain on SIGTERM")
+    a(
+        "--grammar-compile-timeout",
+        type=_non_negative_float,
+        default=DEFAULT_GRAMMAR_TIMEOUT_S,
+        help="seconds a structured output's grammar may take to compile before a 400 (too complex)",
+    )
     a("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     a(
         "--cors-origins",
@@ -276,6 +282,7 @@ def _serve(args: argparse.Namespace) -> int:
             cors_origins=tuple(args.cors_origins or ()),
             shutdown_timeout=args.shutdown_timeout,
             max_queue=args.max_queue,
+            grammar_compile_timeout=args.grammar_compile_timeout,
             reasoning_parser=args.reasoning_parser,
             tool_call_parser=args.tool_call_parser,
             watermarking_config=args.watermarking_config,

@@ -23,6 +23,7 @@ from engine.generation.config import GenerationConfig, GenerationConfigError
 from engine.generation.sampler import Sampler
 from engine.generation.watermark_config import watermarking_config_from
 from engine.generation.watermark_detect import DEFAULT_Z_THRESHOLD, WatermarkDetection, detect_watermark
+from engine.grammar_workers import DEFAULT_COMPILE_TIMEOUT_S
 from engine.loader.model_loader import LoadedModel, load_model
 from engine.manager import ContinuousBatchingManager
 from engine.outputs import GenerationOutput
@@ -190,9 +191,15 @@ class Engine:
         return self.num_blocks * self.block_size
 
     # ------------------------------------------------------------------ continuous batching
-    def init_continuous_batching(self, max_queue: int = 1024, **overrides: Any) -> ContinuousBatchingManager:
+    def init_continuous_batching(
+        self,
+        max_queue: int = 1024,
+        grammar_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+        **overrides: Any,
+    ) -> ContinuousBatchingManager:
         """A manager over this engine's model and cache (not started). ``overrides`` may change the
-        scheduler's options (``scheduler``, ``max_batch_tokens``, ``max_num_seqs``, ...)."""
+        scheduler's options (``scheduler``, ``max_batch_tokens``, ``max_num_seqs``, ...);
+        ``grammar_timeout_s`` bounds the wait for a structured output's grammar (engine/grammar_workers.py)."""
         o = self.options
         opts = {**o.__dict__, **{k: v for k, v in overrides.items() if v is not None}}
         sched_config = SchedulerConfig(
@@ -226,6 +233,7 @@ class Engine:
             max_model_len=self.max_model_len,
             eos_token_ids=eos,
             max_queue=max_queue,
+            grammar_timeout_s=grammar_timeout_s,
         )
         return self._manager
 

@@ -21,7 +21,9 @@ from engine.admission import RequestLimits, check_prompt
 from engine.errors import EngineDeadError, QueueFullError
 from engine.generation.config import GenerationConfig, GenerationConfigError
 from engine.generation.grammar import CompiledGrammar, GrammarCompiler
+from engine.generation.grammar_spec import GrammarSpec
 from engine.generation.sampler import Sampler
+from engine.grammar_workers import DEFAULT_COMPILE_TIMEOUT_S, GrammarWorkers
 from engine.inbox import AddRequest, CancelRequest, EvictRequest
 from engine.loop import EngineLoop, Executor
 from engine.outputs import GenerationOutput
@@ -44,6 +46,7 @@ class ContinuousBatchingManager:
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
         max_queue: int = 1024,
+        grammar_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
     ) -> None:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
@@ -57,8 +60,8 @@ class ContinuousBatchingManager:
         self._admission_lock = threading.Lock()  # NOTE: the queue-full check and the put are one step.
         self._ready: queue.Queue[str] = queue.Queue()
         self._sync_sinks: dict[str, SyncSink] = {}
-        self._grammars: GrammarCompiler | None = None  # built on the first constrained request
-        self._grammars_lock = threading.Lock()
+        # NOTE: the compiler reads the whole vocabulary: only servers that constrain an output build it.
+        self.grammars = GrammarWorkers(self._new_grammar_compiler, grammar_timeout_s)
 
     @property
     def executor(self) -> Executor:
@@ -103,10 +106,15 @@ class ContinuousBatchingManager:
         generation_config: GenerationConfig | None = None,
         request_id: str | None = None,
         record_timestamps: bool = True,
+        grammar: CompiledGrammar | None = None,
     ) -> RequestHandle:
-        """Admit a request from a running asyncio loop; its outputs stream through the returned handle."""
+        """Admit a request from a running asyncio loop; its outputs stream through the returned handle.
+        A constrained request passes its ``grammar`` from ``await compile_grammar(spec)``: compiling here
+        would block the event loop."""
         sink = AsyncSink(asyncio.get_running_loop())
-        group = self._new_group(prompt_ids, generation_config, request_id, sink, True, record_timestamps)
+        group = self._new_group(
+            prompt_ids, generation_config, request_id, sink, True, record_timestamps, grammar
+        )
         self._enqueue(group)
         return RequestHandle(self, group.request_id, group.n, sink)
 
@@ -146,6 +154,11 @@ class ContinuousBatchingManager:
         self._sync_sinks[rid] = sink
         self._enqueue(group)
         return rid
+
+    async def compile_grammar(self, spec: GrammarSpec) -> CompiledGrammar:
+        """``spec`` compiled on a grammar worker (engine/grammar_workers.py), awaiting at most the
+        compile timeout: ``GenerationConfigError`` (``GrammarTooComplexError``) or ``QueueFullError``."""
+        return await self.grammars.compile_async(spec)
 
     def cancel_request(self, request_id: str) -> None:
         """Cancel at the next step: blocks are freed and one final output with status cancelled is sent."""
@@ -224,6 +237,7 @@ class ContinuousBatchingManager:
         sink: Sink,
         streaming: bool,
         record_timestamps: bool,
+        grammar: CompiledGrammar | None = None,
     ) -> SequenceGroup:
         if self.loop.dead is not None or not self.is_running():
             raise EngineDeadError(f"the engine loop is not running{self.loop.death_reason()}")
@@ -236,7 +250,7 @@ class ContinuousBatchingManager:
             max_new = self.limits.default_max_new_tokens(len(prompt_ids))
         rid = request_id or _new_request_id()
         self.limits.check_fits(len(prompt_ids), max_new, rid)
-        grammar = self._compile_grammar(config)
+        grammar = self._grammar_of(config, grammar)
         return SequenceGroup(
             rid,
             prompt_ids,
@@ -250,17 +264,20 @@ class ContinuousBatchingManager:
             grammar=grammar,
         )
 
-    def _compile_grammar(self, config: GenerationConfig) -> CompiledGrammar | None:
-        """The request's compiled grammar (cached by spec), on the caller's thread: a bad spec raises
-        ``GenerationConfigError`` here, and the engine thread never compiles."""
-        if config.structured_output is None:
-            return None
-        with self._grammars_lock:
-            if self._grammars is None:
-                # NOTE: reading the vocabulary costs a few hundred ms: only servers that use it pay.
-                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
-            compiler = self._grammars
-        return compiler.compile(config.structured_output)
+    def _grammar_of(
+        self, config: GenerationConfig, compiled: CompiledGrammar | None
+    ) -> CompiledGrammar | None:
+        """The request's compiled grammar: the one given (it must be ``config``'s), else compiled on a
+        grammar worker while this (synchronous) caller waits. The engine thread never compiles."""
+        spec = config.structured_output
+        if compiled is not None and compiled.spec != spec:
+            raise ValueError(f"the grammar given was compiled from {compiled.spec!r}, not from {spec!r}")
+        if spec is None or compiled is not None:
+            return compiled
+        return self.grammars.compile(spec)
+
+    def _new_grammar_compiler(self) -> GrammarCompiler:
+        return GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
     def _enqueue(self, group: SequenceGroup) -> None:
         with self._admission_lock:

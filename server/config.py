@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # 16 MiB: far above any prompt that fits a context window
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 DEFAULT_MAX_QUEUE = 256
+DEFAULT_GRAMMAR_TIMEOUT_S = 10.0  # engine/grammar_workers.py: a structured output's grammar, compiled
 # auto: split <think>...</think> out of chat outputs when the tokenizer has both tokens; think: always;
 # none: never (the thinking stays in ``content``). vLLM's parser names for the same format are aliases.
 REASONING_PARSERS = ("auto", "think", "none", "qwen3", "deepseek_r1")
@@ -34,6 +35,7 @@ class ServerConfig:
     cors_origins: tuple[str, ...] = field(default_factory=tuple)
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     max_queue: int = DEFAULT_MAX_QUEUE
+    grammar_compile_timeout: float = DEFAULT_GRAMMAR_TIMEOUT_S
     reasoning_parser: str = "auto"
     tool_call_parser: str = (
         "auto"  # server/tool_syntax.py: auto (from the chat template), hermes, llama3_json, mistral
@@ -59,6 +61,9 @@ class ServerConfig:
             raise ServerConfigError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout!r}")
         if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 1:
             raise ServerConfigError(f"max_queue must be a positive integer, got {self.max_queue!r}")
+        timeout = self.grammar_compile_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ServerConfigError(f"grammar_compile_timeout must be > 0 seconds, got {timeout!r}")
         if self.reasoning_parser not in REASONING_PARSERS:
             raise ServerConfigError(
                 f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}"

@@ -16,10 +16,12 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 
 from engine.generation.config import GenerationConfig
+from engine.generation.grammar_spec import GrammarSpec
 from engine.outputs import GenerationOutput, RequestStatus
 from server.errors import APIError, api_error_from_engine
 
 if TYPE_CHECKING:
+    from engine.generation.grammar import CompiledGrammar
     from engine.manager import ContinuousBatchingManager
     from engine.request_handle import RequestHandle
 
@@ -85,19 +87,38 @@ class Submission:
             self.cancel()
 
 
+async def compile_grammar(
+    manager: ContinuousBatchingManager, spec: GrammarSpec | None, prompt_param: str
+) -> CompiledGrammar | None:
+    """``spec`` compiled on the engine's grammar workers (awaited); engine errors become ``APIError``
+    (400 naming the field for a spec too complex or invalid, 429 when the workers are busy)."""
+    if spec is None:
+        return None
+    try:
+        return await manager.compile_grammar(spec)
+    except Exception as exc:
+        error = api_error_from_engine(exc, prompt_param)
+        if error is None:
+            raise
+        raise error from exc
+
+
 def submit_prompts(
     manager: ContinuousBatchingManager,
     prompts: list[list[int]],
     configs: list[GenerationConfig],
     base_request_id: str,
     prompt_param: str,
+    grammar: CompiledGrammar | None = None,
 ) -> Submission:
-    """Submit one engine request per prompt (ids ``{base_request_id}-{i}``); engine errors become
-    ``APIError`` (400 / 429 / 503)."""
+    """Submit one engine request per prompt (ids ``{base_request_id}-{i}``), each constrained by
+    ``grammar`` when given (compiled from the configs' spec); engine errors become ``APIError``
+    (400 / 429 / 503)."""
     handles: list[RequestHandle] = []
     try:
         for i, (prompt, config) in enumerate(zip(prompts, configs, strict=True)):
-            handles.append(manager.submit(prompt, config, request_id=f"{base_request_id}-{i}"))
+            rid = f"{base_request_id}-{i}"
+            handles.append(manager.submit(prompt, config, request_id=rid, grammar=grammar))
     except Exception as exc:
         for handle in handles:
             handle.cancel()

@@ -101,7 +101,9 @@ class ServerState:
 
     # ------------------------------------------------------------------ start / stop
     def start(self) -> None:
-        manager = self.engine.init_continuous_batching(max_queue=self.config.max_queue)
+        manager = self.engine.init_continuous_batching(
+            max_queue=self.config.max_queue, grammar_timeout_s=self.config.grammar_compile_timeout
+        )
         manager.add_step_observer(self.metrics.observe_step)
         manager.add_finish_observer(self.metrics.observe_finished)
         manager.start()

@@ -29,6 +29,13 @@ def _check_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
     return ids
 
 
+def num_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> int:
+    """How many prompts a completions ``prompt`` holds, before any is tokenized."""
+    if isinstance(prompt, str) or all(isinstance(p, int) for p in prompt):
+        return 1
+    return len(prompt)
+
+
 def completion_prompts(
     prompt: str | list[str] | list[int] | list[list[int]], tokenizer: Any, vocab_size: int
 ) -> list[list[int]]:

@@ -31,6 +31,9 @@ from engine.loader.chat_template import RESERVED_TEMPLATE_VARIABLES
 # NOTE: every stop string is checked after every token on the engine thread, so a request with thousands
 # of them would slow every other request down; vLLM clients send a handful (OpenAI allows 4).
 MAX_STOP_STRINGS = 256
+# NOTE: OpenAI's own limit. Each tool's schema joins the grammar of a forced or ``auto`` call, which is
+# compiled per request: the count bounds that work before anything is compiled.
+MAX_TOOLS = 128
 # The roles OpenAI's chat API defines. Any other string would reach the chat template verbatim, where it
 # becomes prompt text (a role such as "user<|im_end|>..." forges turns).
 ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
@@ -245,7 +248,7 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     add_generation_prompt: StrictBool = True
-    tools: list[ToolDefinition] | None = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
     chat_template_kwargs: dict[str, Any] | None = Field(

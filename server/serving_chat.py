@@ -95,7 +95,7 @@ async def create_chat_completion(
         auto_tools=bool(auto),
     )
     reasoning = ChatReasoning.for_request(state, prompt)
-    admitted = admit(
+    admitted = await admit(
         state,
         request,
         body,

@@ -16,7 +16,13 @@ from engine.generation.config import GenerationConfig, GenerationConfigError
 from engine.generation.grammar_spec import GrammarSpec
 from engine.outputs import GenerationOutput
 from scheduler.request import FinishReason
-from server.engine_client import ClientDisconnected, Submission, collect_final_outputs, submit_prompts
+from server.engine_client import (
+    ClientDisconnected,
+    Submission,
+    collect_final_outputs,
+    compile_grammar,
+    submit_prompts,
+)
 from server.errors import APIError, api_error_from_engine
 from server.generation_params import bad_words_ids, build_generation_config, resolve_max_tokens
 from server.lifecycle import ServerState
@@ -44,6 +50,21 @@ def check_model(requested: str | None, state: ServerState) -> None:
             f"the model '{requested}' does not exist; this server serves '{state.config.served_model_name}'",
             param="model",
             code="model_not_found",
+        )
+
+
+def check_fits_queue(state: ServerState, num_prompts: int, param: str) -> None:
+    """A request is admitted whole (one queue entry per prompt; the ``n`` samples of a prompt share its
+    entry), so one with more prompts than the whole waiting queue holds can never be: a 400, not a 429
+    that no retry could satisfy. Checked before any prompt is tokenized."""
+    max_queue = state.config.max_queue
+    if num_prompts > max_queue:
+        raise APIError(
+            400,
+            f"the request has {num_prompts} prompts but the waiting queue holds at most {max_queue} "
+            "requests, so it can never be admitted: send fewer prompts per request",
+            param=param,
+            code="request_too_large",
         )
 
 
@@ -84,7 +105,7 @@ class Admitted:
     model: str
 
 
-def admit(
+async def admit(
     state: ServerState,
     request: Request,
     body: SamplingRequest,
@@ -95,8 +116,9 @@ def admit(
     prompt_param: str,
     structured_output: GrammarSpec | None = None,
 ) -> Admitted:
-    """Resolve every prompt's config (all checked before any is submitted), then submit them all.
-    ``structured_output``: what every output must match (compiled when submitted)."""
+    """Resolve every prompt's config (all checked before any is submitted), compile the
+    ``structured_output`` every output must match (on a grammar worker, awaited: never on the event
+    loop), then submit them all."""
     if body.stream and body.prompt_logprobs is not None:
         raise APIError(
             400,
@@ -133,9 +155,11 @@ def admit(
         error = api_error_from_engine(exc, prompt_param)
         assert error is not None  # NOTE: both types are mapped; narrows for mypy.
         raise error from exc
+    grammar = await compile_grammar(manager, structured_output, prompt_param)
     rid = request_id_of(request.scope)
     # NOTE: a client may reuse its X-Request-Id; the engine's ids must stay unique, hence the counter.
-    submission = submit_prompts(manager, prompts, configs, f"{rid}-{next(_engine_ids)}", prompt_param)
+    base_id = f"{rid}-{next(_engine_ids)}"
+    submission = submit_prompts(manager, prompts, configs, base_id, prompt_param, grammar)
     return Admitted(submission, f"{id_prefix}-{rid}", int(time.time()), state.config.served_model_name)
 
 

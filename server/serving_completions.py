@@ -22,7 +22,7 @@ from server.logprobs_format import (
     prompt_logprobs,
     vllm_prompt_logprobs,
 )
-from server.prompts import completion_prompts
+from server.prompts import completion_prompts, num_prompts
 from server.schemas import (
     ERROR_RESPONSES,
     CompletionChoice,
@@ -33,6 +33,7 @@ from server.schemas import (
 from server.serving_common import (
     Admitted,
     admit,
+    check_fits_queue,
     check_model,
     final_outputs,
     finish_reason,
@@ -63,10 +64,11 @@ async def create_completion(body: CompletionRequest, request: Request) -> Comple
     state = server_state(request)
     check_model(body.model, state)
     log_unknown_fields(body, "completions")
+    check_fits_queue(state, num_prompts(body.prompt), "prompt")
     tokenizer = state.tokenizer
     prompts = completion_prompts(body.prompt, tokenizer, state.engine.model_config.vocab_size)
     want_logprobs = body.logprobs is not None
-    admitted = admit(
+    admitted = await admit(
         state,
         request,
         body,

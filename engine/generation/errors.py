@@ -9,3 +9,8 @@ class GenerationConfigError(ValueError):
     def __init__(self, field_name: str, message: str) -> None:
         self.field = field_name
         super().__init__(f"{field_name}: {message}")
+
+
+class GrammarTooComplexError(GenerationConfigError):
+    """A structured output (schema, regex, grammar) past the grammar library's limits, or not compiled
+    within the time allowed: HTTP 400, the message saying it is too complex."""

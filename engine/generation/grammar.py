@@ -2,9 +2,11 @@
 docs/GENERATION.md).
 
 - ``GrammarCompiler``: the tokenizer's vocabulary, and ``compile(spec) -> CompiledGrammar``, cached by
-  spec (least recently used first out). Called at admission, on the caller's thread: a spec the library
-  rejects raises ``GenerationConfigError`` naming the spec's request field. llguidance bounds the work of
-  a grammar with its parser limits (lexer fuel, grammar size), so a pathological schema fails, not hangs.
+  spec (least recently used first out; a rejected spec is remembered too, so a repeated bad one costs
+  nothing). Called at admission, on a worker thread of engine/generation/grammar_workers.py: a spec the
+  library rejects raises ``GenerationConfigError`` naming the spec's request field. llguidance bounds the
+  work of a grammar with its parser limits (lexer fuel, grammar size, nesting depth), so a pathological
+  schema fails, not hangs: ``GrammarTooComplexError``, the message saying it is too complex.
 - ``CompiledGrammar.matcher(max_new_tokens)``: a fresh ``GrammarMatcher`` per sequence; for a JSON
   grammar with a token budget, it closes the output before the budget cuts it
   (engine/generation/grammar_closing.py).
@@ -27,13 +29,17 @@ from typing import Protocol
 import llguidance
 import torch
 
-from engine.generation.errors import GenerationConfigError
+from engine.generation.errors import GenerationConfigError, GrammarTooComplexError
 from engine.generation.grammar_closing import ClosingBudget, ClosingPlanner, signed_bit
 from engine.generation.grammar_spec import GrammarSpec
 
 MAX_CACHED_GRAMMARS = 128
 # NOTE: llguidance logs warnings to stderr at level 1; errors reach the caller through is_error instead.
 _LOG_LEVEL = 0
+# Words of llguidance's errors about its limits (nesting depth, grammar size, lexer fuel, regex states):
+# such a spec is well-formed but too costly, and the message says so.
+_LIMIT_WORDS = ("limit", "too large", "too big", "too many", "too complex", "fuel", "unable to determine")
+_WHAT = {"json_schema": "schema", "json_object": "schema", "regex": "regex", "choice": "choice"}
 _LIBRARY_FORMAT = {
     "json_schema": "json_schema",
     "json_object": "json_schema",
@@ -163,32 +169,50 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.max_cached = max_cached
         self._tokenizer = llguidance.LLTokenizer(to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids))
-        self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
+        self._cache: OrderedDict[GrammarSpec, CompiledGrammar | GenerationConfigError] = OrderedDict()
         self._lock = threading.Lock()
         self._planner: ClosingPlanner | None = None  # built at the first compile (it reads the vocabulary)
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """The compiled grammar of ``spec`` (cached); ``GenerationConfigError`` naming ``spec.field`` when
         the library rejects it."""
-        with self._lock:
-            cached = self._cache.get(spec)
-            if cached is not None:
-                self._cache.move_to_end(spec)
-                return cached
-        start = self._start_matcher(spec)
+        cached = self.cached(spec)
+        if cached is not None:
+            return cached
+        try:
+            start = self._start_matcher(spec)
+        except GenerationConfigError as exc:
+            self._remember(spec, exc)
+            raise
         with self._lock:
             if self._planner is None:
                 self._planner = ClosingPlanner(self._tokenizer, self.vocab_size)
             compiled = CompiledGrammar(spec, start, self._planner)
-            self._cache[spec] = compiled
-            while len(self._cache) > self.max_cached:
-                self._cache.popitem(last=False)
+        self._remember(spec, compiled)
         return compiled
+
+    def cached(self, spec: GrammarSpec) -> CompiledGrammar | None:
+        """The compiled grammar of ``spec`` if it is cached; raises its error again (naming this spec's
+        field) if the spec was rejected; None when it was never compiled (or was evicted)."""
+        with self._lock:
+            entry = self._cache.get(spec)
+            if entry is not None:
+                self._cache.move_to_end(spec)
+        if isinstance(entry, GenerationConfigError):
+            reason = str(entry).removeprefix(f"{entry.field}: ")
+            raise type(entry)(spec.field, reason)
+        return entry
 
     @property
     def num_cached(self) -> int:
         with self._lock:
             return len(self._cache)
+
+    def _remember(self, spec: GrammarSpec, entry: CompiledGrammar | GenerationConfigError) -> None:
+        with self._lock:
+            self._cache[spec] = entry
+            while len(self._cache) > self.max_cached:
+                self._cache.popitem(last=False)
 
     def _start_matcher(self, spec: GrammarSpec) -> llguidance.LLMatcher:
         try:
@@ -202,5 +226,8 @@ class GrammarCompiler:
             matcher.compute_bitmask()
         if matcher.is_error():
             message = str(matcher.get_error()).split("\n<state>")[0]
+            if any(word in message.lower() for word in _LIMIT_WORDS):
+                what = _WHAT.get(spec.kind, spec.kind)
+                raise GrammarTooComplexError(spec.field, f"{what} too complex: {message}")
             raise GenerationConfigError(spec.field, f"invalid {spec.kind}: {message}")
         return matcher

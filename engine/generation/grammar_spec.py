@@ -19,6 +19,9 @@ from engine.generation.errors import GenerationConfigError
 GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 GRAMMAR_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
 DEFAULT_FIELD = "structured_output"
+# NOTE: compiling costs time and memory that grow with the text; the largest real schemas (128 tools
+# with their parameters) are a few hundred kB, so a longer one is refused before anything is compiled.
+MAX_SPEC_CHARS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,11 @@ class GrammarSpec:
             )
         if not isinstance(self.text, str) or not self.text.strip():
             raise GenerationConfigError(self.field, f"the {self.kind} must be a non-empty string")
+        if len(self.text) > MAX_SPEC_CHARS:
+            raise GenerationConfigError(
+                self.field,
+                f"the {self.kind} is too large: {len(self.text)} characters, at most {MAX_SPEC_CHARS}",
+            )
 
     # ------------------------------------------------------------------ constructors
     @classmethod

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from engine.generation.config import GenerationConfig, GenerationConfigError
+from engine.generation.errors import GrammarTooComplexError
 from engine.generation.grammar import GrammarCompiler, GrammarMatcher, GrammarMatcherError, bitmask_words
 from engine.generation.grammar_mask import apply_token_bitmask
-from engine.generation.grammar_spec import GrammarSpec
+from engine.generation.grammar_spec import MAX_SPEC_CHARS, GrammarSpec
 from engine.generation.rows import SamplingRow
 from engine.generation.sampler import Sampler
 from engine.loader.tokenizer import Tokenizer
@@ -126,6 +127,50 @@ def test_spec_and_config_validation() -> None:
         GenerationConfig(structured_output=GrammarSpec.json_object(), ignore_eos=True)
     assert info.value.field == "ignore_eos"
     assert GrammarSpec.json_schema({"b": 1, "a": 2}) == GrammarSpec.json_schema('{"b": 1, "a": 2}')
+    GrammarSpec.regex("a" * MAX_SPEC_CHARS)  # at the limit: kept
+    with pytest.raises(GenerationConfigError, match="too large") as info:
+        GrammarSpec.regex("a" * (MAX_SPEC_CHARS + 1), "guided_regex")
+    assert info.value.field == "guided_regex"
+    with pytest.raises(GenerationConfigError, match="too large"):  # a huge enum: refused before compiling
+        GrammarSpec.json_schema({"enum": [f"value-{i}" for i in range(100_000)]})
+
+
+def nested_schema(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def all_of_choices(count: int) -> dict[str, Any]:
+    """Every one of ``count`` two-way choices at once: the grammar multiplies them out."""
+    one_of_two = [
+        [{"type": "object", "properties": {f"{key}{i}": {"type": t}}, "required": [f"{key}{i}"]}]
+        for i in range(count)
+        for key, t in (("k", "integer"), ("j", "string"))
+    ]
+    return {"allOf": [{"anyOf": one_of_two[2 * i] + one_of_two[2 * i + 1]} for i in range(count)]}
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        lambda: GrammarSpec.json_schema(nested_schema(300), "response_format"),  # past the nesting limit
+        lambda: GrammarSpec.json_schema(all_of_choices(20), "response_format"),  # 2^20 alternatives
+        lambda: GrammarSpec.regex("(.{0,100}){0,100}x", "response_format"),  # too many lexer states
+    ],
+    ids=["deep-nesting", "all-of-choices", "regex-blowup"],
+)
+def test_a_spec_past_the_library_limits_is_too_complex(compiler: GrammarCompiler, spec: Any) -> None:
+    with pytest.raises(GrammarTooComplexError, match="too complex") as info:
+        compiler.compile(spec())
+    assert info.value.field == "response_format"
+    # Remembered: asked again (from another field) it fails at once with that field, nothing recompiled.
+    again = spec()
+    again = type(again)(again.kind, again.text, "guided_json")
+    with pytest.raises(GrammarTooComplexError) as info:
+        compiler.cached(again)
+    assert info.value.field == "guided_json"
 
 
 def test_a_failing_matcher_fails_only_its_row(tokenizer: Tokenizer, compiler: GrammarCompiler) -> None:

@@ -180,6 +180,9 @@ JSON_CASES: list[tuple[str, str, dict[str, Any], str | None, tuple[str, ...]]] =
     ("logit-bias-key-negative", COMPLETIONS, {"logit_bias": {"-1": 5}}, "logit_bias", ()),
     ("logit-bias-key-huge", COMPLETIONS, {"logit_bias": {str(10**30): 5}}, "logit_bias", ()),
     ("logit-bias-value", COMPLETIONS, {"logit_bias": {"5": 101}}, "logit_bias", ()),
+    # more tools than OpenAI allows (each joins the grammar compiled for the request)
+    ("tools-over-limit", CHAT, {"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)],
+     "tool_choice": "required"}, "tools", ("128",)),
     # thousands of stop strings
     ("stop-thousands", COMPLETIONS, {"stop": [f"stop-{i}" for i in range(5000)]}, "stop", ("256",)),
     # beyond the configured limits

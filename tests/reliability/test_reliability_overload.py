@@ -1,7 +1,8 @@
 """Overload: ten times ``--max-queue`` requests at once against a server whose queue is tiny. The excess
 is refused at once with 429 and the OpenAI error body (``rate_limit_error`` / ``queue_full``); every
 request that was accepted completes in full (streaming or not); afterwards the server is idle and admits
-again.
+again. One request with more prompts than the whole queue holds is a 400 (it could never be admitted),
+not a 429.
 
 A dedicated server (``start_live_server``: uvicorn in a thread over ``build_app``) with ``max_queue=3`` and
 two sequences running at most, so that most of the burst must wait and the queue really fills.
@@ -98,3 +99,18 @@ def test_burst_beyond_the_queue_gets_429_and_the_rest_completes(server: LiveServ
     resp = httpx.post(server.base_url + "/v1/completions", json={**body(1), "stream": False}, timeout=60)
     assert resp.status_code == 200, resp.text
     assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
+
+
+def test_more_prompts_than_the_queue_holds_is_a_400_not_a_429(server: LiveServer) -> None:
+    assert server.wait_idle(timeout=30)
+    too_many = {"prompt": [f"Prompt {i}" for i in range(MAX_QUEUE + 1)], "max_tokens": 2}
+    resp = httpx.post(server.base_url + "/v1/completions", json=too_many, timeout=60)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "request_too_large" and error["param"] == "prompt", error
+    assert str(MAX_QUEUE + 1) in error["message"] and str(MAX_QUEUE) in error["message"]
+    # As many prompts as the queue holds, each with n = 2 samples (they share their prompt's entry): served.
+    fits = {"prompt": [f"Prompt {i}" for i in range(MAX_QUEUE)], "max_tokens": 2, "n": 2, "ignore_eos": True}
+    resp = httpx.post(server.base_url + "/v1/completions", json=fits, timeout=120)
+    assert resp.status_code == 200, resp.text
+    assert len(resp.json()["choices"]) == 2 * MAX_QUEUE

@@ -80,6 +80,7 @@ def test_every_flag_reads_the_environment() -> None:
         "CBSERVE_MAX_QUEUE": "7",
         "CBSERVE_MAX_MODEL_LEN": "1024",
         "CBSERVE_SHUTDOWN_TIMEOUT": "2.5",
+        "CBSERVE_GRAMMAR_COMPILE_TIMEOUT": "4.5",
         "CBSERVE_LOG_LEVEL": "debug",
         "CBSERVE_CORS_ORIGINS": "http://a.example, http://b.example",
         "CBSERVE_MAX_BODY_BYTES": "1MiB",
@@ -103,6 +104,7 @@ def test_every_flag_reads_the_environment() -> None:
     assert args.enforce_eager is True
     assert (args.api_key, args.served_model_name, args.max_queue, args.max_model_len) == ("k", "m", 7, 1024)
     assert args.shutdown_timeout == 2.5 and args.log_level == "debug"
+    assert args.grammar_compile_timeout == 4.5
     assert args.cors_origins == ["http://a.example", "http://b.example"]
     assert args.max_body_bytes == 1 << 20 and args.reasoning_parser == "none"
     assert args.tool_call_parser == "mistral"

@@ -30,6 +30,7 @@ def test_watermark_default_is_converted() -> None:
         ({"max_body_bytes": True}, "max_body_bytes"),
         ({"shutdown_timeout": -1}, "shutdown_timeout"),
         ({"max_queue": 0}, "max_queue"),
+        ({"grammar_compile_timeout": 0}, "grammar_compile_timeout"),
         ({"cors_origins": ["http://a"]}, "cors_origins"),
         ({"cors_origins": ("",)}, "cors_origins"),
         ({"watermarking_config": {"bias": None}}, "watermarking_config.bias"),
