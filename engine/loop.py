@@ -270,6 +270,7 @@ class EngineLoop:
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions,
+            num_grammar_matchers=self.outputs.num_grammar_matchers(),
             is_running=running,
         )
 

@@ -56,6 +56,10 @@ class OutputProcessor:
     def add(self, group: SequenceGroup) -> None:
         self.groups[group.request_id] = group
 
+    def num_grammar_matchers(self) -> int:
+        """Grammar matchers the unfinished groups' samples hold (a finished sample drops its own)."""
+        return sum(seq.gen.grammar is not None for g in self.groups.values() for seq in g.sequences)
+
     # ------------------------------------------------------------------ accepting tokens
     def accept_step(self, batch: ScheduledBatch, sampled: list[list[SampledToken]], now: float) -> StepTokens:
         """``sampled``: per chunk that ``needs_sample``, its sequence's token then, at a fan-out, the

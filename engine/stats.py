@@ -16,3 +16,4 @@ class EngineStats:
     prefix_cache_hits: int  # of which found, total
     num_preemptions: int  # total
     is_running: bool
+    num_grammar_matchers: int = 0  # grammar matchers held by unfinished samples (0 when idle: none leaked)

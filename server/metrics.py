@@ -118,6 +118,12 @@ class Metrics:
         self.kv_cache_usage_perc = Gauge(
             PREFIX + "kv_cache_usage_perc", "Fraction of KV-cache blocks in use, 0 to 1.", m, registry=reg
         ).labels(model_name)
+        self.num_grammar_matchers = Gauge(
+            PREFIX + "num_grammar_matchers",
+            "Grammar matchers held by unfinished constrained samples.",
+            m,
+            registry=reg,
+        ).labels(model_name)
         # NOTE: prometheus-client appends `_total` to counters: these are exposed as `<name>_total`.
         self.prefix_cache_queries = Counter(
             PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", m, registry=reg
@@ -248,6 +254,7 @@ class Metrics:
         self.num_requests_running.set(stats.num_requests_running)
         self.num_requests_waiting.set(stats.num_requests_waiting)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        self.num_grammar_matchers.set(stats.num_grammar_matchers)
         with self._lock:
             self._last_prefix_queries = _advance(
                 self.prefix_cache_queries, self._last_prefix_queries, stats.prefix_cache_queries

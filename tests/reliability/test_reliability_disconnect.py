@@ -2,13 +2,18 @@
 mid-stream; completions and chat; n = 1 and 2) must leave nothing behind: every KV block free again
 (``cbserve:kv_cache_usage_perc`` 0 and no request running, as /metrics reports it, within seconds), the
 scheduler's invariants intact (``check_integrity()``), no response counted in flight, and the next
-request served normally. The same for non-streaming clients that give up before their answer.
+request served normally. The same for non-streaming clients that give up before their answer, and for a
+storm of constrained streams (JSON schemas, regexes, tool calls forced and ``auto``), which must also
+leave no grammar matcher behind (``cbserve:num_grammar_matchers`` 0, and no ``GrammarMatcher`` object
+more in the process than before the storm).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -16,7 +21,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_fixtures import LiveServer, wait_until
 
+from engine.generation.grammar import GrammarMatcher
+
 NUM_STREAMS = 100
+NUM_CONSTRAINED_STREAMS = 60
 CONCURRENCY = 16
 MAX_TOKENS = 24
 STORM_TIMEOUT_S = 240.0
@@ -29,10 +37,7 @@ def scrape(base_url: str) -> dict[str, float]:
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if (
-                sample.name.startswith("cbserve:num_requests_")
-                or sample.name == "cbserve:kv_cache_usage_perc"
-            ):
+            if sample.name.startswith("cbserve:num_") or sample.name == "cbserve:kv_cache_usage_perc":
                 values[sample.name] = sample.value
             if sample.name == "cbserve:request_success_total" and sample.labels["finished_reason"] == "abort":
                 values["abort"] = sample.value
@@ -45,6 +50,7 @@ def metrics_idle(base_url: str) -> bool:
         m.get("cbserve:kv_cache_usage_perc") == 0.0
         and m.get("cbserve:num_requests_running") == 0.0
         and m.get("cbserve:num_requests_waiting") == 0.0
+        and m.get("cbserve:num_grammar_matchers") == 0.0
     )
 
 
@@ -55,6 +61,7 @@ def assert_all_released(live_server: LiveServer) -> None:
         live_server.base_url
     )
     assert live_server.wait_idle(timeout=IDLE_TIMEOUT_S), manager.stats()
+    assert manager.stats().num_grammar_matchers == 0, manager.stats()
     manager.check_integrity()  # the loop is idle: the allocator's and scheduler's books must balance
     assert wait_until(lambda: live_server.state.num_active == 0, IDLE_TIMEOUT_S), live_server.state.num_active
 
@@ -68,10 +75,54 @@ def request_body(rng: random.Random, i: int) -> tuple[str, dict[str, Any]]:
     return "/v1/completions", {"prompt": prompt, **common}
 
 
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "city": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "city", "age"],
+}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CLOCK_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+
+
+def constrained_body(rng: random.Random, i: int) -> tuple[str, dict[str, Any]]:
+    """A constrained stream: a JSON schema, a regex, a forced or ``auto`` tool call; sampled, so that the
+    outputs differ and run long enough to be cut."""
+    common = {
+        "max_tokens": MAX_TOKENS,
+        "temperature": 1.0,
+        "seed": i,
+        "stream": True,
+        "n": 2 if i % 4 == 0 else 1,
+    }
+    chat = {"messages": [{"role": "user", "content": f"Describe person {i} and the weather."}], **common}
+    tools = {**chat, "tools": [WEATHER_TOOL, CLOCK_TOOL]}
+    kinds: list[tuple[str, dict[str, Any]]] = [
+        ("/v1/chat/completions", {**chat, "response_format": {"type": "json_schema",
+                                                              "json_schema": {"name": "person", "schema": PERSON}}}),
+        ("/v1/completions", {"prompt": f"Person {i} as JSON:", **common, "structured_outputs": {"json": PERSON}}),
+        ("/v1/completions", {"prompt": f"Code {i}:", **common, "guided_regex": "[A-Z]{3}-[0-9a-z ]{10,40}"}),
+        ("/v1/chat/completions", {**tools, "tool_choice": "required"}),
+        ("/v1/chat/completions", {**tools, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+        ("/v1/chat/completions", {**tools, "tool_choice": "auto"}),
+    ]  # fmt: skip
+    return kinds[i % len(kinds)]
+
+
 async def one_client(
-    client: httpx.AsyncClient, live_server: LiveServer, rng: random.Random, i: int, stats: dict[str, int]
+    client: httpx.AsyncClient,
+    live_server: LiveServer,
+    rng: random.Random,
+    i: int,
+    stats: dict[str, int],
+    make_body: Callable[[random.Random, int], tuple[str, dict[str, Any]]] = request_body,
 ) -> None:
-    path, body = request_body(rng, i)
+    path, body = make_body(rng, i)
     mode = rng.choice(["before-headers", "after-events", "after-events", "after-events"])
     if mode == "before-headers":
         # NOTE: cancelling the task closes the connection wherever the request is (maybe not yet answered).
@@ -92,13 +143,20 @@ async def one_client(
             if not line.startswith("data: "):
                 continue
             assert '"error"' not in line, line
+            if line == "data: [DONE]":
+                stats["completed-early"] += 1  # the output ended before the cut
+                return
             if seen >= cut_after:
                 break
             seen += 1
     stats["cut-mid-stream" if seen else "cut-at-start"] += 1  # leaving the block closes the connection
 
 
-async def storm(live_server: LiveServer) -> dict[str, int]:
+async def storm(
+    live_server: LiveServer,
+    num_streams: int = NUM_STREAMS,
+    make_body: Callable[[random.Random, int], tuple[str, dict[str, Any]]] = request_body,
+) -> dict[str, int]:
     rng = random.Random(1234)
     stats: dict[str, int] = {
         k: 0 for k in ("cut-before-headers", "completed-early", "cut-at-start", "cut-mid-stream")
@@ -109,9 +167,9 @@ async def storm(live_server: LiveServer) -> dict[str, int]:
 
         async def bounded(i: int) -> None:
             async with semaphore:
-                await one_client(client, live_server, random.Random(rng.random()), i, stats)
+                await one_client(client, live_server, random.Random(rng.random()), i, stats, make_body)
 
-        await asyncio.wait_for(asyncio.gather(*(bounded(i) for i in range(NUM_STREAMS))), STORM_TIMEOUT_S)
+        await asyncio.wait_for(asyncio.gather(*(bounded(i) for i in range(num_streams))), STORM_TIMEOUT_S)
     return stats
 
 
@@ -131,6 +189,30 @@ def test_disconnect_storm_frees_every_block(live_server: LiveServer) -> None:
     )
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["completion_tokens"] == 8
+
+
+def num_grammar_matchers_alive() -> int:
+    """``GrammarMatcher`` objects the process still holds (garbage collected first)."""
+    gc.collect()
+    return sum(isinstance(o, GrammarMatcher) for o in gc.get_objects())
+
+
+def test_disconnect_storm_on_constrained_and_tool_streams(live_server: LiveServer) -> None:
+    assert live_server.wait_idle(timeout=30)
+    alive_before = num_grammar_matchers_alive()
+    stats = asyncio.run(storm(live_server, NUM_CONSTRAINED_STREAMS, constrained_body))
+    assert sum(stats.values()) == NUM_CONSTRAINED_STREAMS, stats
+    assert stats["cut-mid-stream"] >= NUM_CONSTRAINED_STREAMS // 4, stats  # the storm really cut streams
+    assert_all_released(live_server)  # blocks, requests, and num_grammar_matchers 0
+    assert num_grammar_matchers_alive() <= alive_before
+    # A constrained request after the storm is served, valid.
+    resp = httpx.post(
+        live_server.base_url + "/v1/chat/completions",
+        json=constrained_body(random.Random(0), 0)[1] | {"stream": False, "n": 1},
+        headers=live_server.headers,
+        timeout=60,
+    )
+    assert resp.status_code == 200, resp.text
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
