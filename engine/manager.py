@@ -111,6 +111,9 @@ class ContinuousBatchingManager:
         """Admit a request from a running asyncio loop; its outputs stream through the returned handle.
         A constrained request passes its ``grammar`` from ``await compile_grammar(spec)``: compiling here
         would block the event loop."""
+        spec = (generation_config or self.generation_defaults).structured_output
+        if spec is not None and grammar is None:
+            raise ValueError("a constrained request needs its grammar: `await compile_grammar(spec)` first")
         sink = AsyncSink(asyncio.get_running_loop())
         group = self._new_group(
             prompt_ids, generation_config, request_id, sink, True, record_timestamps, grammar
