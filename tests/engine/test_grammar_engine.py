@@ -3,6 +3,7 @@ sequence's matcher valid, n > 1 forks copy it, and nothing (matcher, block) outl
 
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
 import time
@@ -133,3 +134,29 @@ def test_masks_are_computed_while_the_forward_runs(engine: Engine, monkeypatch: 
     assert overlapped and all(overlapped), overlapped
     assert threads and all(name.startswith("cbserve-grammar-masks") for name in threads), threads
     manager.check_integrity()
+
+
+def test_the_async_api_takes_the_grammar_compiled_off_its_event_loop(engine: Engine) -> None:
+    """``submit`` (the server's path) refuses a constrained config without its compiled grammar, so that it
+    can never compile on the event loop; ``await compile_grammar`` then ``submit`` serves it."""
+    manager = engine.init_continuous_batching()
+    manager.start()
+    spec = GrammarSpec.regex("[0-9]{3}")
+    config = engine.generation_defaults.merged(structured_output=spec, max_new_tokens=8, do_sample=False)
+    prompt = engine.tokenizer.encode("Three digits:")
+
+    async def main() -> str:
+        with pytest.raises(ValueError, match="compile_grammar"):
+            manager.submit(prompt, config)
+        grammar = await manager.compile_grammar(spec)
+        text = ""
+        async for out in manager.submit(prompt, config, grammar=grammar):
+            text = out.text
+        return text
+
+    try:
+        text = asyncio.run(asyncio.wait_for(main(), 120))
+    finally:
+        manager.stop(timeout=30)
+    manager.check_integrity()
+    assert re.fullmatch("[0-9]{3}", text), text
