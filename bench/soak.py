@@ -4,16 +4,19 @@
 
 ``--concurrency`` workers send requests back to back until ``--duration`` seconds have passed. Each
 request is one scenario, drawn at random (seeded): short and long prompts, completions and chat,
-streaming and not, ``n`` of 1 or 2, and cancellations (a stream dropped after a few events, a
-non-streaming client that gives up). Every request is bounded in time.
+streaming and not, ``n`` of 1 or 2, cancellations (a stream dropped after a few events, a
+non-streaming client that gives up), and constrained outputs (bench/soak_constrained.py: JSON-schema,
+regex and forced tool-call requests, streamed and not, and constrained streams dropped early).
+``--scenarios`` runs a subset. Every request is bounded in time.
 
 Counted: requests accepted (2xx), refused by admission control (429 or 503, not failures), and failed:
 an accepted request that did not complete (a 5xx, an unexpected 4xx, an error event in its stream, a
-stream without ``[DONE]``, a wrong token count, a transport error). Cancelled requests are the client's
-choice and count as cancelled.
+stream without ``[DONE]``, a wrong token count, a constrained output that does not match its constraint,
+a transport error). Cancelled requests are the client's choice and count as cancelled.
 
 At the end: the server must return to idle (``cbserve:kv_cache_usage_perc`` 0, nothing running or
-waiting on /metrics) within ``--idle-timeout`` seconds, else a block leaked. With ``--pid``, the server's
+waiting, no grammar matcher held, on /metrics) within ``--idle-timeout`` seconds, else a block or a
+matcher leaked. With ``--pid``, the server's
 resident memory (``VmRSS`` of ``/proc/PID/status``) is sampled every second; growth is measured from
 the end of the warm-up (the first 10% of the run) to the end: the median of the samples in the 10% of
 the run after warm-up against the median of the last 10%.
@@ -40,6 +43,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.soak_constrained import CONSTRAINED_SCENARIOS, check_answer, check_stream, constrained_request
+
 WARMUP_FRACTION = 0.1
 REQUEST_TIMEOUT_S = 120.0
 SCENARIOS: dict[str, float] = {  # scenario -> weight
@@ -50,7 +55,14 @@ SCENARIOS: dict[str, float] = {  # scenario -> weight
     "chat-n2": 1,
     "cancel-stream": 2,
     "cancel-non-stream": 1,
+    **CONSTRAINED_SCENARIOS,
 }
+IDLE_GAUGES = (
+    "cbserve:kv_cache_usage_perc",
+    "cbserve:num_requests_running",
+    "cbserve:num_requests_waiting",
+    "cbserve:num_grammar_matchers",
+)
 WORDS = (
     "the quick brown fox jumps over a lazy dog while seven wizards quietly hex an old jukebox "
     "near the river bank where children play and merchants sell bread cheese apples and wine"
@@ -80,8 +92,12 @@ class SoakConfig:
     max_model_len: int
     headers: dict[str, str]
     seed: int
+    scenarios: tuple[str, ...] = tuple(SCENARIOS)
 
     def __post_init__(self) -> None:
+        unknown = set(self.scenarios) - set(SCENARIOS)
+        if unknown or not self.scenarios:
+            raise ValueError(f"--scenarios: unknown {sorted(unknown)} (known: {', '.join(SCENARIOS)})")
         if self.duration <= 0:
             raise ValueError(f"--duration must be > 0 seconds, got {self.duration}")
         if self.concurrency < 1:
@@ -96,6 +112,8 @@ def prompt_text(rng: random.Random, num_words: int) -> str:
 
 def build_request(rng: random.Random, scenario: str, max_model_len: int) -> tuple[str, dict[str, Any]]:
     """(path, body) of one request of ``scenario``; prompt + max_tokens always fit the context."""
+    if scenario in CONSTRAINED_SCENARIOS:
+        return constrained_request(rng, scenario)
     # ~1.3 tokens a word: about half the context, at most ~400 tokens (a CPU server must keep up)
     long_words = max(16, min(300, max_model_len // 3))
     common: dict[str, Any] = {
@@ -133,11 +151,20 @@ def expected_tokens(body: dict[str, Any]) -> int:
     return int(body["max_tokens"]) * int(body.get("n", 1))
 
 
+def check_json_answer(body: dict[str, Any], answer: dict[str, Any]) -> str | None:
+    """What is wrong with a whole non-streamed answer (None: nothing): its constraint, or its length."""
+    if not body.get("ignore_eos"):
+        return check_answer(body, answer)
+    if answer["usage"]["completion_tokens"] != expected_tokens(body):
+        return f"completion_tokens {answer['usage']['completion_tokens']} != {expected_tokens(body)}"
+    return None
+
+
 async def run_stream(
     client: httpx.AsyncClient, path: str, body: dict[str, Any], cut_after: int | None
 ) -> tuple[int, str | None]:
     """(status, failure or None) of one streamed request; ``cut_after`` events, then hang up."""
-    events = 0
+    chunks: list[dict[str, Any]] = []
     usage: dict[str, Any] | None = None
     done = False
     async with client.stream("POST", path, json=body) as resp:
@@ -154,18 +181,20 @@ async def run_stream(
             if "error" in event:
                 return 200, f"error event {event['error']}"
             usage = event.get("usage") or usage
-            events += 1
-            if cut_after is not None and events >= cut_after:
+            chunks.append(event)
+            if cut_after is not None and len(chunks) >= cut_after:
                 return 200, None
     if not done:
         return 200, "stream ended without [DONE]"
+    if not body.get("ignore_eos"):
+        return 200, check_stream(body, chunks)
     if usage is not None and usage["completion_tokens"] != expected_tokens(body):
         return 200, f"completion_tokens {usage['completion_tokens']} != {expected_tokens(body)}"
     return 200, None
 
 
 async def one_request(client: httpx.AsyncClient, rng: random.Random, cfg: SoakConfig, tally: Tally) -> None:
-    scenario = rng.choices(list(SCENARIOS), weights=list(SCENARIOS.values()))[0]
+    scenario = rng.choices(cfg.scenarios, weights=[SCENARIOS[s] for s in cfg.scenarios])[0]
     path, body = build_request(rng, scenario, cfg.max_model_len)
     tally.by_scenario[scenario] += 1
     try:
@@ -175,24 +204,20 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, cfg: SoakCo
             except httpx.TimeoutException:
                 tally.cancelled += 1
                 return
-            status, failure = resp.status_code, None
-            if status == 200 and resp.json()["usage"]["completion_tokens"] != expected_tokens(body):
-                failure = "wrong completion_tokens"
-            elif status != 200:
-                failure = resp.text[:200]
+            status = resp.status_code
+            failure = check_json_answer(body, resp.json()) if status == 200 else resp.text[:200]
         elif body.get("stream"):
-            cut = rng.randint(0, 20) if scenario == "cancel-stream" else None
+            cancel = scenario.startswith("cancel-")
+            cut = rng.randint(0, 20) if cancel else None
             status, failure = await run_stream(client, path, body, cut)
-            if scenario == "cancel-stream" and status == 200 and failure is None:
+            if cancel and status == 200 and failure is None:
                 tally.accepted += 1
                 tally.cancelled += 1
                 return
         else:
             resp = await client.post(path, json=body)
             status = resp.status_code
-            failure = None if status == 200 else resp.text[:200]
-            if status == 200 and resp.json()["usage"]["completion_tokens"] != expected_tokens(body):
-                failure = f"completion_tokens {resp.json()['usage']['completion_tokens']} != {expected_tokens(body)}"
+            failure = check_json_answer(body, resp.json()) if status == 200 else resp.text[:200]
     except (httpx.HTTPError, ValueError, KeyError) as exc:
         tally.fail(scenario, f"{type(exc).__name__}: {exc}")
         return
@@ -259,11 +284,10 @@ def rss_growth(samples: list[tuple[float, int]], duration: float) -> dict[str, f
 
 def engine_gauges(base_url: str, headers: dict[str, str]) -> dict[str, float]:
     text = httpx.get(base_url + "/metrics", headers=headers, timeout=10).text
-    names = ("cbserve:kv_cache_usage_perc", "cbserve:num_requests_running", "cbserve:num_requests_waiting")
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in names:
+            if sample.name in IDLE_GAUGES:
                 out[sample.name] = out.get(sample.name, 0.0) + sample.value
     return out
 
@@ -273,7 +297,7 @@ def wait_idle(base_url: str, headers: dict[str, str], timeout: float) -> dict[st
     deadline = time.monotonic() + timeout
     while True:
         gauges = engine_gauges(base_url, headers)
-        if (len(gauges) == 3 and not any(gauges.values())) or time.monotonic() >= deadline:
+        if (len(gauges) == len(IDLE_GAUGES) and not any(gauges.values())) or time.monotonic() >= deadline:
             return gauges
         time.sleep(0.25)
 
@@ -286,6 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pid", type=int, default=None, help="the server's process id, to sample its RSS")
     p.add_argument("--api-key", default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--scenarios",
+        type=lambda text: tuple(s.strip() for s in text.split(",") if s.strip()),
+        default=tuple(SCENARIOS),
+        help=f"comma-separated subset of the mix (default all: {', '.join(SCENARIOS)})",
+    )
     p.add_argument("--idle-timeout", type=float, default=30.0, help="seconds for the server to go idle")
     p.add_argument("--max-rss-growth", type=float, default=5.0, help="percent of RSS growth that fails")
     p.add_argument("--output", type=Path, default=None, help="also write the JSON summary here")
@@ -321,7 +351,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: no /proc/{args.pid}/status: is --pid the server's process id?", file=sys.stderr)
         return 2
     try:
-        cfg = SoakConfig(args.base_url, args.duration, args.concurrency, max_model_len, headers, args.seed)
+        cfg = SoakConfig(
+            args.base_url, args.duration, args.concurrency, max_model_len, headers, args.seed, args.scenarios
+        )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -329,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tally, samples = asyncio.run(soak(cfg, args.pid))
     elapsed = time.monotonic() - started
     gauges = wait_idle(args.base_url, headers, args.idle_timeout)
-    leaked = len(gauges) != 3 or any(gauges.values())
+    leaked = len(gauges) != len(IDLE_GAUGES) or any(gauges.values())
     growth = rss_growth(samples, elapsed) if args.pid is not None else None
     summary: dict[str, Any] = {
         "duration_s": round(elapsed, 1),

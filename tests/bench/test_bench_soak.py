@@ -1,0 +1,74 @@
+"""bench/soak.py with its constrained scenarios (bench/soak_constrained.py): how answers are checked (no
+server), and a short bounded soak of the constrained mix against the live server: no failed accepted
+request, every block and grammar matcher released after."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from server_fixtures import LiveServer
+
+from bench import soak
+from bench.soak_constrained import (
+    CODE_REGEX,
+    CONSTRAINED_SCENARIOS,
+    check_answer,
+    check_stream,
+    constrained_request,
+)
+
+SOAK_SECONDS = 20  # a short run: the 10-minute soak is run by hand (docs/RELIABILITY.md)
+
+
+def chunk(delta: dict[str, object], finish: str | None = None) -> dict[str, object]:
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+def test_a_streamed_tool_call_is_reassembled_and_its_arguments_checked() -> None:
+    _, body = constrained_request(random.Random(0), "tool-call-stream")
+    opening = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "add", "arguments": ""}}
+    good = [
+        chunk({"role": "assistant", "content": ""}),
+        chunk({"tool_calls": [opening]}),
+        chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"a": 1, "b": 2}'}}]}),
+        chunk({}, "tool_calls"),
+    ]
+    assert check_stream(body, good) is None
+    wrong = [*good[:2], chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"a": 1}'}}]}), good[3]]
+    assert "invalid arguments for add" in str(check_stream(body, wrong))
+    assert "expected tool_calls" in str(check_stream(body, [good[0], chunk({"content": "hi"}, "stop")]))
+
+
+def test_json_and_regex_answers_must_match_their_constraint() -> None:
+    _, schema_body = constrained_request(random.Random(0), "json-schema-stream")
+    person = '{"name": "Ann", "age": 30, "city": "Oslo"}'
+    assert (
+        check_stream(schema_body, [chunk({"content": person[:10]}), chunk({"content": person[10:]}, "stop")])
+        is None
+    )
+    assert "invalid" in str(check_stream(schema_body, [chunk({"content": '{"name": "Ann"}'}, "stop")]))
+    _, regex_body = constrained_request(random.Random(0), "regex")
+    assert regex_body["guided_regex"] == CODE_REGEX
+    answer = {"choices": [{"text": "ABC-1234", "finish_reason": "stop"}]}
+    assert check_answer(regex_body, answer) is None
+    answer = {"choices": [{"text": "ABC-12", "finish_reason": "length"}]}
+    assert "expected stop" in str(check_answer(regex_body, answer))
+
+
+@pytest.mark.slow
+def test_a_short_soak_of_the_constrained_mix_is_clean(live_server: LiveServer, tmp_path: Path) -> None:
+    assert live_server.wait_idle(timeout=30)
+    scenarios = [*CONSTRAINED_SCENARIOS, "chat-n2"]
+    output = tmp_path / "soak.json"
+    argv = ["--base-url", live_server.base_url, "--api-key", str(live_server.api_key), "--seed", "3"]
+    argv += ["--duration", str(SOAK_SECONDS), "--concurrency", "4", "--scenarios", ",".join(scenarios)]
+    status = soak.main([*argv, "--output", str(output)])
+    summary = json.loads(output.read_text())
+    assert status == 0, summary
+    assert summary["failed"] == 0 and summary["failures"] == [], summary
+    assert not summary["leaked_blocks"] and summary["idle_gauges"]["cbserve:num_grammar_matchers"] == 0
+    assert set(summary["by_scenario"]) <= set(scenarios)
+    assert sum(summary["by_scenario"].get(s, 0) for s in CONSTRAINED_SCENARIOS) > 0, summary
