@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.errors import UnsatisfiableOptionsError
+from engine.generation.grammar import GrammarMatcherError
 from engine.generation.sampler import SampledToken
 from engine.outputs import GenerationOutput, RequestStatus
 from engine.request_handle import Sink
@@ -99,6 +100,11 @@ class OutputProcessor:
             result = seq.gen.on_token(tok.token_id, tok.logprob, now)
         except UnsatisfiableOptionsError as exc:
             return Failure(seq, str(exc), UnsatisfiableOptionsError.code)
+        except GrammarMatcherError as exc:
+            # NOTE: the token came from the matcher's own mask: its grammar asks for bytes this vocabulary
+            # cannot spell (a character no token sequence writes), which the request's options caused.
+            message = f"the structured output cannot be followed with this model's vocabulary: {exc}"
+            return Failure(seq, message, UnsatisfiableOptionsError.code)
         except Exception as exc:  # NOTE: one request's failure must not take the batch down.
             logger.exception("request %s failed", seq.scheduler_id)
             return Failure(seq, f"{exc!r}")

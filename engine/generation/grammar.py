@@ -31,6 +31,7 @@ import torch
 
 from engine.generation.errors import GenerationConfigError, GrammarTooComplexError
 from engine.generation.grammar_closing import ClosingBudget, ClosingPlanner, signed_bit
+from engine.generation.grammar_literals import unwritable_character
 from engine.generation.grammar_spec import GrammarSpec
 
 MAX_CACHED_GRAMMARS = 128
@@ -215,6 +216,13 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
 
     def _start_matcher(self, spec: GrammarSpec) -> llguidance.LLMatcher:
+        character = unwritable_character(self._tokenizer, spec)
+        if character is not None:
+            raise GenerationConfigError(
+                spec.field,
+                f"the character U+{ord(character):04X} cannot be written with this model's vocabulary "
+                "(it has no token for some of its bytes)",
+            )
         try:
             grammar = llguidance.grammar_from(_LIBRARY_FORMAT[spec.kind], spec.text)  # type: ignore[arg-type]
         except (ValueError, TypeError) as exc:

@@ -135,6 +135,30 @@ def test_spec_and_config_validation() -> None:
         GrammarSpec.json_schema({"enum": [f"value-{i}" for i in range(100_000)]})
 
 
+UNWRITABLE = "\U000bf838"  # SmolLM2's vocabulary has no token for its UTF-8 lead byte 0xF2
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        lambda: GrammarSpec.choice(["yes", f"no{UNWRITABLE}"], "guided_choice"),
+        lambda: GrammarSpec.regex(f"a{UNWRITABLE}+", "guided_choice"),
+        lambda: GrammarSpec.json_schema({"enum": [f"x{UNWRITABLE}"]}, "guided_choice"),
+        lambda: GrammarSpec.json_schema({"properties": {UNWRITABLE: {"type": "integer"}}}, "guided_choice"),
+    ],
+    ids=["choice", "regex", "enum", "property-name"],
+)
+def test_a_literal_the_vocabulary_cannot_write_is_refused(compiler: GrammarCompiler, spec: Any) -> None:
+    with pytest.raises(GenerationConfigError, match="U\\+BF838 cannot be written") as info:
+        compiler.compile(spec())
+    assert info.value.field == "guided_choice"
+
+
+def test_writable_non_ascii_literals_compile(tokenizer: Tokenizer, compiler: GrammarCompiler) -> None:
+    compiled = compiler.compile(GrammarSpec.choice(["中文", "😀", "é"]))
+    assert greedy_text(tokenizer, compiled.matcher(), "😀") == "😀"
+
+
 def nested_schema(depth: int) -> dict[str, Any]:
     schema: dict[str, Any] = {"type": "string"}
     for _ in range(depth):

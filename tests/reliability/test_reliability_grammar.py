@@ -166,3 +166,25 @@ def test_a_compilation_past_the_timeout_is_a_400_while_others_stream(
     gate.set()
     assert server.wait_idle(timeout=30)
     assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
+
+
+UNWRITABLE = "\U000bf838"  # SmolLM2's vocabulary has no token for its UTF-8 lead byte 0xF2
+
+
+def test_a_character_the_vocabulary_cannot_write_is_a_400_never_a_500(server: LiveServer) -> None:
+    """Spelt out (a choice option), it is refused at admission naming the field; written as a regex escape
+    (found only while generating), the request fails alone as its own options' fault: a 400, or in a
+    stream an error event with that code, never a 500."""
+    url = server.base_url + "/v1/completions"
+    resp = httpx.post(url, json={**COMPLETION, "guided_choice": ["yes", f"no{UNWRITABLE}"]}, timeout=60)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "guided_choice" and "U+BF838" in error["message"], error
+    escaped = {**COMPLETION, "guided_regex": "\\x{BF838}"}
+    resp = httpx.post(url, json=escaped, timeout=60)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["code"] == "invalid_generation_options", resp.text
+    with httpx.stream("POST", url, json={**escaped, "stream": True}, timeout=60) as stream:
+        events = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "invalid_generation_options"
+    assert server.wait_idle(timeout=30)
