@@ -2,13 +2,19 @@
 with data that fits the schema (positive) and data that does not (negative). The server must never answer
 5xx, every 4xx must carry the OpenAI error body, and a stream must never carry a server error event.
 
-Bounded: ``MAX_EXAMPLES`` cases per operation and mode, no shrinking, and generation kept short by
-capping ``max_tokens``/``max_completion_tokens``/``n`` in each case before it is sent (the cap keeps a
-valid case valid; a case made invalid by it is still a fair input).
+The structured-output and tool fields (``response_format``, ``structured_outputs``, ``guided_json``,
+``guided_regex``, ``tools``, ``tool_choice``) must be in the published schema, and are fuzzed on their own
+too: in a copy of the schema that requires one of them, so that every case carries it (a plain run may
+leave optional fields out). Each case that reaches the engine compiles a grammar from fuzzed input.
+
+Bounded: ``MAX_EXAMPLES`` cases per operation and mode (``MAX_FIELD_EXAMPLES`` per focused field), no
+shrinking, and generation kept short by capping ``max_tokens``/``max_completion_tokens``/``n`` in each
+case before it is sent (the cap keeps a valid case valid; a case made invalid by it is still a fair input).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from typing import Any
@@ -22,6 +28,7 @@ from schemathesis import GenerationMode
 from server_fixtures import LiveServer
 
 MAX_EXAMPLES = 25
+MAX_FIELD_EXAMPLES = 12
 MAX_NEW_TOKENS = 4
 MAX_N = 3
 MAX_PROMPTS = 4
@@ -40,6 +47,13 @@ EXPECTED_OPERATIONS = {
     ("GET", "/version"),
     ("GET", "/metrics"),
 }
+# (path, request schema, field): each structured-output or tool field, fuzzed in every case.
+FOCUSED_FIELDS = [
+    *[("/v1/completions", "CompletionRequest", f) for f in ("response_format", "structured_outputs", "guided_json",
+                                                             "guided_regex")],
+    *[("/v1/chat/completions", "ChatCompletionRequest", f) for f in ("response_format", "structured_outputs",
+                                                                      "tools", "tool_choice")],
+]  # fmt: skip
 
 
 def cap_generation(body: Any) -> None:
@@ -102,14 +116,18 @@ def describe(case: Any) -> str:
 
 
 def fuzz_operation(
-    operation: Any, mode: GenerationMode, live_server: LiveServer, session: requests.Session
+    operation: Any,
+    mode: GenerationMode,
+    live_server: LiveServer,
+    session: requests.Session,
+    max_examples: int = MAX_EXAMPLES,
 ) -> tuple[int, list[str]]:
-    """Run up to ``MAX_EXAMPLES`` cases of one operation; the number of calls made and the problems."""
+    """Run up to ``max_examples`` cases of one operation; the number of calls made and the problems."""
     failures: list[str] = []
     num_calls = 0
 
     @settings(
-        max_examples=MAX_EXAMPLES,
+        max_examples=max_examples,
         deadline=None,
         database=None,
         derandomize=True,  # NOTE: the same cases every run: a failure here reproduces
@@ -160,3 +178,31 @@ def test_fuzz_every_operation(live_server: LiveServer, mode: GenerationMode) -> 
     assert requests.get(live_server.base_url + "/health", timeout=10).status_code == 200
     assert live_server.wait_idle(timeout=60), live_server.state.manager and live_server.state.manager.stats()
     assert time.monotonic() - started < 300
+
+
+def requiring(raw: dict[str, Any], component: str, field: str) -> dict[str, Any]:
+    """A copy of the OpenAPI document whose ``component`` request schema requires ``field``."""
+    changed = copy.deepcopy(raw)
+    schema = changed["components"]["schemas"][component]
+    assert field in schema["properties"], f"{field} is missing from the published {component}"
+    schema["required"] = [*schema.get("required", []), field]
+    return changed
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=str)
+def test_fuzz_structured_output_and_tool_fields(live_server: LiveServer, mode: GenerationMode) -> None:
+    raw = requests.get(live_server.base_url + "/openapi.json", timeout=30).json()
+    failures: list[str] = []
+    calls: dict[str, int] = {}
+    with requests.Session() as session:
+        for path, component, field in FOCUSED_FIELDS:
+            schema = schemathesis.openapi.from_dict(requiring(raw, component, field))
+            operation = schema[path]["POST"]
+            calls[f"{path} {field}"], problems = fuzz_operation(
+                operation, mode, live_server, session, MAX_FIELD_EXAMPLES
+            )
+            failures.extend(problems)
+    assert not failures, "\n".join(failures[:20])
+    assert all(n >= MAX_FIELD_EXAMPLES // 2 for n in calls.values()), calls
+    assert requests.get(live_server.base_url + "/health", timeout=10).status_code == 200
+    assert live_server.wait_idle(timeout=60), live_server.state.manager and live_server.state.manager.stats()
