@@ -229,17 +229,27 @@ def test_non_streaming_clients_that_leave(live_server: LiveServer, route: str) -
     else:
         bodies = [{"messages": [{"role": "user", "content": f"Tell story {k}"}], **long} for k in range(2)]
 
+    num_prompts = sum(len(b["prompt"]) if isinstance(b.get("prompt"), list) else 1 for b in bodies)
+    manager = live_server.state.manager
+    assert manager is not None
+
     async def leave_early() -> int:
-        async with httpx.AsyncClient(base_url=live_server.base_url, timeout=1.0) as client:
-            results = await asyncio.gather(
-                *(client.post(route, json=b, headers=live_server.headers) for b in bodies),
-                return_exceptions=True,
-            )
-        return sum(isinstance(r, httpx.ReadTimeout) for r in results)
+        async with httpx.AsyncClient(base_url=live_server.base_url, timeout=60) as client:
+            calls = [
+                asyncio.ensure_future(client.post(route, json=b, headers=live_server.headers)) for b in bodies
+            ]
+            # NOTE: the clients leave once the engine holds every request: a fixed client timeout raced a
+            # loaded machine, where the server could admit them only after the check for idle.
+            held = await asyncio.to_thread(wait_until, lambda: manager.num_unfinished() >= num_prompts, 60)
+            for call in calls:
+                call.cancel()
+            results = await asyncio.gather(*calls, return_exceptions=True)
+        assert held, manager.stats()
+        return sum(isinstance(r, asyncio.CancelledError) for r in results)
 
     aborted_before = scrape(live_server.base_url)["abort"]
     assert asyncio.run(leave_early()) == len(bodies)
     assert_all_released(live_server)
     # Freed by the cancellation (every sample ends as an abort), not by running 300 tokens to the end.
-    num_samples = sum(len(b["prompt"]) if isinstance(b.get("prompt"), list) else 1 for b in bodies) * 2
+    num_samples = num_prompts * 2
     assert scrape(live_server.base_url)["abort"] - aborted_before == num_samples
