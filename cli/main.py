@@ -73,6 +73,19 @@ def _watermark(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _logits_processor(text: str) -> str:
+    """``--logits-processors``: each spec must import before the model loads (it is built, with the
+    model's tokenizer, once the model is loaded)."""
+    # NOTE: imported here so that `cbserve --help` does not pay for torch.
+    from engine.generation.processor_plugins import ProcessorLoadError, resolve_logits_processor
+
+    try:
+        resolve_logits_processor(text)
+    except ProcessorLoadError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _origins(text: str) -> list[str]:
     return [o.strip() for o in text.split(",") if o.strip()]
 
@@ -174,6 +187,16 @@ def _add_serve_flags(serve: argparse.ArgumentParser) -> None:
         'WatermarkingConfig fields (\'{"bias": 2.0, "seeding_scheme": "selfhash"}\') or of '
         'SynthIDTextWatermarkingConfig fields (\'{"ngram_len": 5, "keys": [654, 400, 836]}\')',
     )
+    a(
+        "--logits-processors",
+        nargs="+",
+        type=_logits_processor,
+        default=None,
+        metavar="SPEC",
+        help="logits processors for the requests with logits_processor_args: package.module:Class or an entry "
+        "point name of the group cbserve.logits_processors, each built with (tokenizer, vocab_size) and "
+        "called with (rows, logits); refuses to start when one cannot be loaded (docs/GENERATION.md)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -207,7 +230,9 @@ def apply_env_defaults(parser: argparse.ArgumentParser, env: Mapping[str, str]) 
             continue
         raw = env[name]
         convert: Callable[[str], Any]
-        if isinstance(action, argparse.BooleanOptionalAction):
+        if action.nargs == "+":
+            convert = _env_list(action.type or str)  # type: ignore[arg-type]
+        elif isinstance(action, argparse.BooleanOptionalAction):
             convert = _env_bool
         elif action.type is not None:
             convert = action.type  # type: ignore[assignment]
@@ -222,6 +247,11 @@ def apply_env_defaults(parser: argparse.ArgumentParser, env: Mapping[str, str]) 
                 f"environment variable {name}: {raw!r} is not one of {', '.join(map(str, action.choices))}"
             )
         serve.set_defaults(**{action.dest: value})
+
+
+def _env_list(convert: Callable[[str], Any]) -> Callable[[str], list[Any]]:
+    """A many-valued flag from the environment: its values separated by commas or spaces."""
+    return lambda raw: [convert(part) for part in raw.replace(",", " ").split()]
 
 
 def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
@@ -267,6 +297,11 @@ def _serve(args: argparse.Namespace) -> int:
         )
     except (OSError, ValueError) as exc:
         logger.error("could not load model %r: %s", args.model, exc)
+        return 2
+    try:
+        engine.load_logits_processors(args.logits_processors or [])
+    except ValueError as exc:
+        logger.error("could not load the logits processors: %s", exc)
         return 2
     try:
         config = ServerConfig(

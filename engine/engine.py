@@ -20,7 +20,13 @@ from engine.executor.decode_stack import CpuDecodeStack
 from engine.executor.kv_cache import KVCache
 from engine.executor.runner import ModelRunner
 from engine.generation.config import GenerationConfig, GenerationConfigError
+from engine.generation.processor_plugins import load_logits_processors
 from engine.generation.sampler import Sampler
+from engine.generation.user_processors import (
+    BatchedLogitsProcessor,
+    TransformersCriterion,
+    TransformersProcessor,
+)
 from engine.generation.watermark_config import watermarking_config_from
 from engine.generation.watermark_detect import DEFAULT_Z_THRESHOLD, WatermarkDetection, detect_watermark
 from engine.loader.model_loader import LoadedModel, load_model
@@ -112,6 +118,7 @@ class Engine:
                 self.device,
             )
         self.decode_stack = CpuDecodeStack.for_model(self.model)  # None: not a float32 CPU model's fast path
+        self.logits_processors: list[tuple[str, BatchedLogitsProcessor]] = []  # load_logits_processors
         self._manager: ContinuousBatchingManager | None = None
 
     @classmethod
@@ -189,6 +196,14 @@ class Engine:
     def kv_capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    # ------------------------------------------------------------------ user processors
+    def load_logits_processors(self, specs: Sequence[str]) -> None:
+        """Load the server's logits processors (``package.module:Class`` or an entry point name in the group
+        ``cbserve.logits_processors``), built with this model's tokenizer and vocabulary size; they run
+        for the requests with ``logits_processor_args`` in every manager made after this call. Raises
+        ``ProcessorLoadError`` (a ``ValueError``) naming the spec that cannot be used, and why."""
+        self.logits_processors = load_logits_processors(specs, self.tokenizer, self.vocab_size)
+
     # ------------------------------------------------------------------ continuous batching
     def init_continuous_batching(self, max_queue: int = 1024, **overrides: Any) -> ContinuousBatchingManager:
         """A manager over this engine's model and cache (not started). ``overrides`` may change the
@@ -215,7 +230,9 @@ class Engine:
             self.decode_stack,
         )
         eos = tuple(self.tokenizer.eos_token_ids) or tuple(self.model_config.eos_token_ids)
-        sampler = Sampler(self.vocab_size, self.device, eos_token_ids=eos)
+        sampler = Sampler(
+            self.vocab_size, self.device, eos_token_ids=eos, logits_processors=self.logits_processors
+        )
         self._manager = ContinuousBatchingManager(
             scheduler=scheduler,
             executor=executor,
@@ -236,11 +253,15 @@ class Engine:
         progress_bar: bool = True,
         record_timestamps: bool = False,
         streamer: Any = None,
+        logits_processor: Sequence[TransformersProcessor] | None = None,
+        stopping_criteria: Sequence[TransformersCriterion] | None = None,
         **generation_kwargs: Any,
     ) -> dict[str, GenerationOutput]:
         """Generate for every prompt with continuous batching; returns request id -> final output
         (for ``num_return_sequences`` > 1, ids ``{id}`` for sample 0 and ``{id}/{i}`` for the others).
-        ``streamer``: a transformers ``BaseStreamer`` for a single prompt, as ``generate(streamer=...)``."""
+        ``streamer``: a transformers ``BaseStreamer`` for a single prompt, as ``generate(streamer=...)``.
+        ``logits_processor`` / ``stopping_criteria``: transformers-style objects applied to every prompt's
+        rows, as ``generate`` applies them (engine/generation/user_processors.py)."""
         if streamer is not None and len(inputs) != 1:
             raise ValueError(
                 f"a streamer follows one prompt (as transformers' streamers do), got {len(inputs)}"
@@ -262,6 +283,8 @@ class Engine:
                     generation_config=config,
                     record_timestamps=record_timestamps,
                     streamer=streamer,
+                    logits_processor=logits_processor,
+                    stopping_criteria=stopping_criteria,
                 )
             bar = tqdm(
                 total=len(inputs),
