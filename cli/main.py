@@ -179,6 +179,12 @@ def _add_serve_flags(serve: argparse.ArgumentParser) -> None:
         help="the tool-call syntax parsed for tool_choice auto: auto (from the chat template), hermes, "
         "llama3_json or mistral",
     )
+    _add_generation_flags(serve)
+
+
+def _add_generation_flags(serve: argparse.ArgumentParser) -> None:
+    """The flags that change how every request generates."""
+    a = serve.add_argument
     a(
         "--watermarking-config",
         type=_watermark,
@@ -271,10 +277,38 @@ def _serve(args: argparse.Namespace) -> int:
         logger.error("give --kv-cache-memory or --num-blocks, not both")
         return 2
     # NOTE: imported here so that `cbserve --help` and `cbserve bench` do not pay for torch.
-    from engine.engine import Engine
     from server.app import build_app
     from server.config import ServerConfig, ServerConfigError
     from server.lifecycle import DrainingServer, uvicorn_config
+
+    engine = _load_engine(args)
+    if engine is None:
+        return 2
+    try:
+        config = ServerConfig(
+            served_model_name=args.served_model_name or engine.model_name,
+            api_key=args.api_key or None,
+            max_body_bytes=args.max_body_bytes,
+            cors_origins=tuple(args.cors_origins or ()),
+            shutdown_timeout=args.shutdown_timeout,
+            max_queue=args.max_queue,
+            reasoning_parser=args.reasoning_parser,
+            tool_call_parser=args.tool_call_parser,
+            watermarking_config=args.watermarking_config,
+        )
+    except ServerConfigError as exc:
+        logger.error("%s", exc)
+        return 2
+    app = build_app(engine, config)
+    _log_serving(engine, config.served_model_name, args.host, args.port)
+    server = DrainingServer(uvicorn_config(app, args.host, args.port, args.log_level), app.state.server)
+    server.run()
+    return 0 if server.started else 1
+
+
+def _load_engine(args: argparse.Namespace) -> Any:
+    """The model with its logits processors, or None once the reason it cannot be served is logged."""
+    from engine.engine import Engine
 
     try:
         engine = Engine.from_pretrained(
@@ -297,32 +331,13 @@ def _serve(args: argparse.Namespace) -> int:
         )
     except (OSError, ValueError) as exc:
         logger.error("could not load model %r: %s", args.model, exc)
-        return 2
+        return None
     try:
         engine.load_logits_processors(args.logits_processors or [])
     except ValueError as exc:
         logger.error("could not load the logits processors: %s", exc)
-        return 2
-    try:
-        config = ServerConfig(
-            served_model_name=args.served_model_name or engine.model_name,
-            api_key=args.api_key or None,
-            max_body_bytes=args.max_body_bytes,
-            cors_origins=tuple(args.cors_origins or ()),
-            shutdown_timeout=args.shutdown_timeout,
-            max_queue=args.max_queue,
-            reasoning_parser=args.reasoning_parser,
-            tool_call_parser=args.tool_call_parser,
-            watermarking_config=args.watermarking_config,
-        )
-    except ServerConfigError as exc:
-        logger.error("%s", exc)
-        return 2
-    app = build_app(engine, config)
-    _log_serving(engine, config.served_model_name, args.host, args.port)
-    server = DrainingServer(uvicorn_config(app, args.host, args.port, args.log_level), app.state.server)
-    server.run()
-    return 0 if server.started else 1
+        return None
+    return engine
 
 
 def _log_serving(engine: Any, served_model_name: str, host: str, port: int) -> None:

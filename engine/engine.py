@@ -271,10 +271,6 @@ class Engine:
             config = config.merged(**generation_kwargs)
         manager = self.init_continuous_batching(max_queue=max(1024, len(inputs) + 1))
         manager.start()
-        results: dict[str, GenerationOutput] = {}
-        expected = len(inputs) * config.num_return_sequences
-        num_tokens = 0
-        start = time.perf_counter()
         try:
             for i, ids in enumerate(inputs):
                 manager.add_request(
@@ -286,31 +282,9 @@ class Engine:
                     logits_processor=logits_processor,
                     stopping_criteria=stopping_criteria,
                 )
-            bar = tqdm(
-                total=len(inputs),
-                desc="generate_batch",
-                unit="req",
-                file=sys.stderr,
-                disable=not progress_bar,
-            )
-            with bar:
-                while len(results) < expected:
-                    out = manager.get_result(timeout=1.0)
-                    if out is None:
-                        if not manager.is_running():
-                            raise RuntimeError("the engine loop stopped before every request finished")
-                        continue
-                    if not out.is_finished:
-                        continue
-                    key = out.request_id if out.index == 0 else f"{out.request_id}/{out.index}"
-                    results[key] = out
-                    num_tokens += len(out.generated_ids)
-                    if out.index == 0:
-                        bar.update(1)
-                    bar.set_postfix(tok_s=f"{num_tokens / max(time.perf_counter() - start, 1e-9):.1f}")
+            return _collect_finals(manager, len(inputs), config.num_return_sequences, progress_bar)
         finally:
             manager.stop(block=True, timeout=30)
-        return results
 
     def detect_watermark(
         self,
@@ -338,6 +312,35 @@ class Engine:
             z_threshold=z_threshold,
             ignore_repeated_ngrams=ignore_repeated_ngrams,
         )
+
+
+def _collect_finals(
+    manager: ContinuousBatchingManager, num_prompts: int, num_samples: int, progress_bar: bool
+) -> dict[str, GenerationOutput]:
+    """Every final output of ``generate_batch``'s requests, keyed ``{id}`` (sample 0) or ``{id}/{i}``,
+    with a progress bar of finished prompts and the tokens per second."""
+    results: dict[str, GenerationOutput] = {}
+    num_tokens = 0
+    start = time.perf_counter()
+    bar = tqdm(
+        total=num_prompts, desc="generate_batch", unit="req", file=sys.stderr, disable=not progress_bar
+    )
+    with bar:
+        while len(results) < num_prompts * num_samples:
+            out = manager.get_result(timeout=1.0)
+            if out is None:
+                if not manager.is_running():
+                    raise RuntimeError("the engine loop stopped before every request finished")
+                continue
+            if not out.is_finished:
+                continue
+            key = out.request_id if out.index == 0 else f"{out.request_id}/{out.index}"
+            results[key] = out
+            num_tokens += len(out.generated_ids)
+            if out.index == 0:
+                bar.update(1)
+            bar.set_postfix(tok_s=f"{num_tokens / max(time.perf_counter() - start, 1e-9):.1f}")
+    return results
 
 
 def _default_model_name(model: str, loaded: LoadedModel) -> str:
