@@ -5,6 +5,7 @@ processors by spec."""
 
 from __future__ import annotations
 
+import importlib.metadata
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from transformers import (
 from user_processor_fixtures import BanToken
 
 from engine.generation.config import GenerationConfig, GenerationConfigError
-from engine.generation.processor_plugins import ProcessorLoadError, load_logits_processors
+from engine.generation.processor_plugins import ENTRY_POINT_GROUP, ProcessorLoadError, load_logits_processors
 from engine.generation.request_state import RequestGenerationState
 from engine.generation.rng import RequestRNG
 from engine.generation.rows import SamplingRow
@@ -229,3 +230,21 @@ def test_a_spec_named_twice_is_refused() -> None:
     spec = "user_processor_fixtures:BanToken"
     with pytest.raises(ProcessorLoadError, match="named twice"):
         load_logits_processors([spec, spec], None, V)
+
+
+def test_an_entry_point_names_a_processor(monkeypatch: pytest.MonkeyPatch) -> None:
+    installed = importlib.metadata.EntryPoints(
+        [
+            importlib.metadata.EntryPoint("ban", "user_processor_fixtures:BanToken", ENTRY_POINT_GROUP),
+            importlib.metadata.EntryPoint("gone", "no_such_module_anywhere:Thing", ENTRY_POINT_GROUP),
+        ]
+    )
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: installed.select(group=group))
+    [(name, processor)] = load_logits_processors(["ban"], None, V)
+    assert name == "ban" and isinstance(processor, BanToken) and processor.vocab_size == V
+    with pytest.raises(
+        ProcessorLoadError, match="'gone': entry point 'no_such_module_anywhere:Thing' fails to load"
+    ):
+        load_logits_processors(["gone"], None, V)
+    with pytest.raises(ProcessorLoadError, match=r"no entry point of that name .* \(ban, gone\)"):
+        load_logits_processors(["other"], None, V)

@@ -19,6 +19,7 @@ from transformers import (
 )
 
 from engine.engine import Engine
+from engine.generation.config import GenerationConfigError
 from engine.generation.user_processors import PROCESSOR_FAILED
 from engine.outputs import GenerationOutput, RequestStatus
 from scheduler.request import FinishReason
@@ -208,3 +209,15 @@ def test_generate_batch_applies_the_hooks_to_every_prompt(
     )
     ours = [outs[f"batch_req_{i}"].generated_ids for i in range(len(prompts))]
     assert ours == [_generate(oracle_model, p, logits_processor=[NoImmediateRepeat()]) for p in prompts]
+
+
+def test_logits_processor_args_need_server_processors(engine: Engine, prompts: list[list[int]]) -> None:
+    manager = engine.init_continuous_batching()
+    manager.start()
+    try:
+        with pytest.raises(
+            GenerationConfigError, match="logits_processor_args: this server loads no logits processors"
+        ):
+            manager.add_request(prompts[0], logits_processor_args={"ban_token_id": 1})
+    finally:
+        manager.stop(block=True, timeout=30)
