@@ -73,6 +73,19 @@ def _watermark(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _logits_processor(text: str) -> str:
+    """``--logits-processors``: each spec must import before the model loads (it is built, with the
+    model's tokenizer, once the model is loaded)."""
+    # NOTE: imported here so that `cbserve --help` does not pay for torch.
+    from engine.generation.processor_plugins import ProcessorLoadError, resolve_logits_processor
+
+    try:
+        resolve_logits_processor(text)
+    except ProcessorLoadError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _origins(text: str) -> list[str]:
     return [o.strip() for o in text.split(",") if o.strip()]
 
@@ -172,6 +185,12 @@ def _add_serve_flags(serve: argparse.ArgumentParser) -> None:
         help="the tool-call syntax parsed for tool_choice auto: auto (from the chat template), hermes, "
         "llama3_json or mistral",
     )
+    _add_generation_flags(serve)
+
+
+def _add_generation_flags(serve: argparse.ArgumentParser) -> None:
+    """The flags that change how every request generates."""
+    a = serve.add_argument
     a(
         "--watermarking-config",
         type=_watermark,
@@ -179,6 +198,16 @@ def _add_serve_flags(serve: argparse.ArgumentParser) -> None:
         help="watermark every request that names none, and detect it by default: a JSON object of "
         'WatermarkingConfig fields (\'{"bias": 2.0, "seeding_scheme": "selfhash"}\') or of '
         'SynthIDTextWatermarkingConfig fields (\'{"ngram_len": 5, "keys": [654, 400, 836]}\')',
+    )
+    a(
+        "--logits-processors",
+        nargs="+",
+        type=_logits_processor,
+        default=None,
+        metavar="SPEC",
+        help="logits processors for the requests with logits_processor_args: package.module:Class or an entry "
+        "point name of the group cbserve.logits_processors, each built with (tokenizer, vocab_size) and "
+        "called with (rows, logits); refuses to start when one cannot be loaded (docs/GENERATION.md)",
     )
 
 
@@ -213,7 +242,9 @@ def apply_env_defaults(parser: argparse.ArgumentParser, env: Mapping[str, str]) 
             continue
         raw = env[name]
         convert: Callable[[str], Any]
-        if isinstance(action, argparse.BooleanOptionalAction):
+        if action.nargs == "+":
+            convert = _env_list(action.type or str)  # type: ignore[arg-type]
+        elif isinstance(action, argparse.BooleanOptionalAction):
             convert = _env_bool
         elif action.type is not None:
             convert = action.type  # type: ignore[assignment]
@@ -228,6 +259,11 @@ def apply_env_defaults(parser: argparse.ArgumentParser, env: Mapping[str, str]) 
                 f"environment variable {name}: {raw!r} is not one of {', '.join(map(str, action.choices))}"
             )
         serve.set_defaults(**{action.dest: value})
+
+
+def _env_list(convert: Callable[[str], Any]) -> Callable[[str], list[Any]]:
+    """A many-valued flag from the environment: its values separated by commas or spaces."""
+    return lambda raw: [convert(part) for part in raw.replace(",", " ").split()]
 
 
 def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
@@ -247,32 +283,12 @@ def _serve(args: argparse.Namespace) -> int:
         logger.error("give --kv-cache-memory or --num-blocks, not both")
         return 2
     # NOTE: imported here so that `cbserve --help` and `cbserve bench` do not pay for torch.
-    from engine.engine import Engine
     from server.app import build_app
     from server.config import ServerConfig, ServerConfigError
     from server.lifecycle import DrainingServer, uvicorn_config
 
-    try:
-        engine = Engine.from_pretrained(
-            model=args.model,
-            device=args.device,
-            dtype=args.dtype,
-            load_format=args.load_format,
-            model_impl=args.model_impl,
-            batch_invariant=args.batch_invariant,
-            attention_backend=args.attention_backend,
-            scheduler=args.scheduler,
-            max_batch_tokens=args.max_batch_tokens,
-            max_num_seqs=args.max_num_seqs,
-            block_size=args.block_size,
-            kv_cache_memory=args.kv_cache_memory,
-            num_blocks=args.num_blocks,
-            enable_prefix_caching=args.enable_prefix_caching,
-            max_model_len=args.max_model_len,
-            enforce_eager=args.enforce_eager,
-        )
-    except (OSError, ValueError) as exc:
-        logger.error("could not load model %r: %s", args.model, exc)
+    engine = _load_engine(args)
+    if engine is None:
         return 2
     try:
         config = ServerConfig(
@@ -295,6 +311,40 @@ def _serve(args: argparse.Namespace) -> int:
     server = DrainingServer(uvicorn_config(app, args.host, args.port, args.log_level), app.state.server)
     server.run()
     return 0 if server.started else 1
+
+
+def _load_engine(args: argparse.Namespace) -> Any:
+    """The model with its logits processors, or None once the reason it cannot be served is logged."""
+    from engine.engine import Engine
+
+    try:
+        engine = Engine.from_pretrained(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            load_format=args.load_format,
+            model_impl=args.model_impl,
+            batch_invariant=args.batch_invariant,
+            attention_backend=args.attention_backend,
+            scheduler=args.scheduler,
+            max_batch_tokens=args.max_batch_tokens,
+            max_num_seqs=args.max_num_seqs,
+            block_size=args.block_size,
+            kv_cache_memory=args.kv_cache_memory,
+            num_blocks=args.num_blocks,
+            enable_prefix_caching=args.enable_prefix_caching,
+            max_model_len=args.max_model_len,
+            enforce_eager=args.enforce_eager,
+        )
+    except (OSError, ValueError) as exc:
+        logger.error("could not load model %r: %s", args.model, exc)
+        return None
+    try:
+        engine.load_logits_processors(args.logits_processors or [])
+    except ValueError as exc:
+        logger.error("could not load the logits processors: %s", exc)
+        return None
+    return engine
 
 
 def _log_serving(engine: Any, served_model_name: str, host: str, port: int) -> None:

@@ -20,7 +20,13 @@ from engine.executor.decode_stack import CpuDecodeStack
 from engine.executor.kv_cache import KVCache
 from engine.executor.runner import ModelRunner
 from engine.generation.config import GenerationConfig, GenerationConfigError
+from engine.generation.processor_plugins import load_logits_processors
 from engine.generation.sampler import Sampler
+from engine.generation.user_processors import (
+    BatchedLogitsProcessor,
+    TransformersCriterion,
+    TransformersProcessor,
+)
 from engine.generation.watermark_config import watermarking_config_from
 from engine.generation.watermark_detect import DEFAULT_Z_THRESHOLD, WatermarkDetection, detect_watermark
 from engine.grammar_workers import DEFAULT_COMPILE_TIMEOUT_S
@@ -113,6 +119,7 @@ class Engine:
                 self.device,
             )
         self.decode_stack = CpuDecodeStack.for_model(self.model)  # None: not a float32 CPU model's fast path
+        self.logits_processors: list[tuple[str, BatchedLogitsProcessor]] = []  # load_logits_processors
         self._manager: ContinuousBatchingManager | None = None
 
     @classmethod
@@ -190,6 +197,14 @@ class Engine:
     def kv_capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    # ------------------------------------------------------------------ user processors
+    def load_logits_processors(self, specs: Sequence[str]) -> None:
+        """Load the server's logits processors (``package.module:Class`` or an entry point name in the group
+        ``cbserve.logits_processors``), built with this model's tokenizer and vocabulary size; they run
+        for the requests with ``logits_processor_args`` in every manager made after this call. Raises
+        ``ProcessorLoadError`` (a ``ValueError``) naming the spec that cannot be used, and why."""
+        self.logits_processors = load_logits_processors(specs, self.tokenizer, self.vocab_size)
+
     # ------------------------------------------------------------------ continuous batching
     def init_continuous_batching(
         self,
@@ -222,7 +237,9 @@ class Engine:
             self.decode_stack,
         )
         eos = tuple(self.tokenizer.eos_token_ids) or tuple(self.model_config.eos_token_ids)
-        sampler = Sampler(self.vocab_size, self.device, eos_token_ids=eos)
+        sampler = Sampler(
+            self.vocab_size, self.device, eos_token_ids=eos, logits_processors=self.logits_processors
+        )
         self._manager = ContinuousBatchingManager(
             scheduler=scheduler,
             executor=executor,
@@ -244,11 +261,15 @@ class Engine:
         progress_bar: bool = True,
         record_timestamps: bool = False,
         streamer: Any = None,
+        logits_processor: Sequence[TransformersProcessor] | None = None,
+        stopping_criteria: Sequence[TransformersCriterion] | None = None,
         **generation_kwargs: Any,
     ) -> dict[str, GenerationOutput]:
         """Generate for every prompt with continuous batching; returns request id -> final output
         (for ``num_return_sequences`` > 1, ids ``{id}`` for sample 0 and ``{id}/{i}`` for the others).
-        ``streamer``: a transformers ``BaseStreamer`` for a single prompt, as ``generate(streamer=...)``."""
+        ``streamer``: a transformers ``BaseStreamer`` for a single prompt, as ``generate(streamer=...)``.
+        ``logits_processor`` / ``stopping_criteria``: transformers-style objects applied to every prompt's
+        rows, as ``generate`` applies them (engine/generation/user_processors.py)."""
         if streamer is not None and len(inputs) != 1:
             raise ValueError(
                 f"a streamer follows one prompt (as transformers' streamers do), got {len(inputs)}"
@@ -258,10 +279,6 @@ class Engine:
             config = config.merged(**generation_kwargs)
         manager = self.init_continuous_batching(max_queue=max(1024, len(inputs) + 1))
         manager.start()
-        results: dict[str, GenerationOutput] = {}
-        expected = len(inputs) * config.num_return_sequences
-        num_tokens = 0
-        start = time.perf_counter()
         try:
             for i, ids in enumerate(inputs):
                 manager.add_request(
@@ -270,32 +287,12 @@ class Engine:
                     generation_config=config,
                     record_timestamps=record_timestamps,
                     streamer=streamer,
+                    logits_processor=logits_processor,
+                    stopping_criteria=stopping_criteria,
                 )
-            bar = tqdm(
-                total=len(inputs),
-                desc="generate_batch",
-                unit="req",
-                file=sys.stderr,
-                disable=not progress_bar,
-            )
-            with bar:
-                while len(results) < expected:
-                    out = manager.get_result(timeout=1.0)
-                    if out is None:
-                        if not manager.is_running():
-                            raise RuntimeError("the engine loop stopped before every request finished")
-                        continue
-                    if not out.is_finished:
-                        continue
-                    key = out.request_id if out.index == 0 else f"{out.request_id}/{out.index}"
-                    results[key] = out
-                    num_tokens += len(out.generated_ids)
-                    if out.index == 0:
-                        bar.update(1)
-                    bar.set_postfix(tok_s=f"{num_tokens / max(time.perf_counter() - start, 1e-9):.1f}")
+            return _collect_finals(manager, len(inputs), config.num_return_sequences, progress_bar)
         finally:
             manager.stop(block=True, timeout=30)
-        return results
 
     def detect_watermark(
         self,
@@ -323,6 +320,35 @@ class Engine:
             z_threshold=z_threshold,
             ignore_repeated_ngrams=ignore_repeated_ngrams,
         )
+
+
+def _collect_finals(
+    manager: ContinuousBatchingManager, num_prompts: int, num_samples: int, progress_bar: bool
+) -> dict[str, GenerationOutput]:
+    """Every final output of ``generate_batch``'s requests, keyed ``{id}`` (sample 0) or ``{id}/{i}``,
+    with a progress bar of finished prompts and the tokens per second."""
+    results: dict[str, GenerationOutput] = {}
+    num_tokens = 0
+    start = time.perf_counter()
+    bar = tqdm(
+        total=num_prompts, desc="generate_batch", unit="req", file=sys.stderr, disable=not progress_bar
+    )
+    with bar:
+        while len(results) < num_prompts * num_samples:
+            out = manager.get_result(timeout=1.0)
+            if out is None:
+                if not manager.is_running():
+                    raise RuntimeError("the engine loop stopped before every request finished")
+                continue
+            if not out.is_finished:
+                continue
+            key = out.request_id if out.index == 0 else f"{out.request_id}/{out.index}"
+            results[key] = out
+            num_tokens += len(out.generated_ids)
+            if out.index == 0:
+                bar.update(1)
+            bar.set_postfix(tok_s=f"{num_tokens / max(time.perf_counter() - start, 1e-9):.1f}")
+    return results
 
 
 def _default_model_name(model: str, loaded: LoadedModel) -> str:

@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from engine.admission import RequestLimits, check_prompt
@@ -23,6 +23,7 @@ from engine.generation.config import GenerationConfig, GenerationConfigError
 from engine.generation.grammar import CompiledGrammar, GrammarCompiler
 from engine.generation.grammar_spec import GrammarSpec
 from engine.generation.sampler import Sampler
+from engine.generation.user_processors import RequestHooks, TransformersCriterion, TransformersProcessor
 from engine.grammar_workers import DEFAULT_COMPILE_TIMEOUT_S, GrammarWorkers
 from engine.inbox import AddRequest, CancelRequest, EvictRequest
 from engine.loop import EngineLoop, Executor
@@ -130,29 +131,35 @@ class ContinuousBatchingManager:
         record_timestamps: bool = False,
         generation_config: GenerationConfig | None = None,
         streamer: Any = None,
+        logits_processor: Sequence[TransformersProcessor] | None = None,
+        stopping_criteria: Sequence[TransformersCriterion] | None = None,
         **generation_kwargs: Any,
     ) -> str:
         """Admit a request; read its outputs with ``get_result`` or ``request_id_iter``. With
         ``streaming`` every step's output is delivered, otherwise only the final one. ``streamer``: a
         transformers ``BaseStreamer`` (``TextStreamer``, ``TextIteratorStreamer``, ...) fed the prompt and
-        then each token as it is generated (engine/streamer_sink.py); one sequence only."""
+        then each token as it is generated (engine/streamer_sink.py); one sequence only.
+        ``logits_processor`` / ``stopping_criteria``: transformers-style objects (a list, or a
+        ``LogitsProcessorList`` / ``StoppingCriteriaList``) run for this request's rows alone, in order
+        (engine/generation/user_processors.py)."""
         config = generation_config or self.generation_defaults
         overrides = dict(generation_kwargs)
         if max_new_tokens is not None:
             overrides["max_new_tokens"] = max_new_tokens
         if overrides:
             config = config.merged(**overrides)
+        hooks = RequestHooks.of(logits_processor, stopping_criteria)
         rid = request_id or _new_request_id()
         sink = SyncSink(rid, self._ready, config.num_return_sequences)
         if streamer is None:
-            group = self._new_group(input_ids, config, rid, sink, streaming, record_timestamps)
+            group = self._new_group(input_ids, config, rid, sink, streaming, record_timestamps, hooks=hooks)
         else:
             if config.num_return_sequences != 1:
                 raise GenerationConfigError(
                     "streamer", "a streamer follows one sequence: num_return_sequences must be 1"
                 )
             fed = StreamerSink(sink, streamer, pass_every_output=streaming)
-            group = self._new_group(input_ids, config, rid, fed, True, record_timestamps)
+            group = self._new_group(input_ids, config, rid, fed, True, record_timestamps, hooks=hooks)
             fed.start(list(input_ids))
         self._sync_sinks[rid] = sink
         self._enqueue(group)
@@ -241,11 +248,16 @@ class ContinuousBatchingManager:
         streaming: bool,
         record_timestamps: bool,
         grammar: CompiledGrammar | None = None,
+        hooks: RequestHooks | None = None,
     ) -> SequenceGroup:
         if self.loop.dead is not None or not self.is_running():
             raise EngineDeadError(f"the engine loop is not running{self.loop.death_reason()}")
         config = config or self.generation_defaults
         config.validate(vocab_size=self.vocab_size)
+        if config.logits_processor_args is not None and not self.loop.sampler.logits_processors:
+            raise GenerationConfigError(
+                "logits_processor_args", "this server loads no logits processors (--logits-processors)"
+            )
         prompt_ids = list(prompt_ids)
         check_prompt(prompt_ids, self.vocab_size)
         max_new = config.max_new_tokens
@@ -265,6 +277,7 @@ class ContinuousBatchingManager:
             self.tokenizer,
             self.eos_token_ids,
             grammar=grammar,
+            hooks=hooks,
         )
 
     def _grammar_of(

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from engine.errors import UnsatisfiableOptionsError
 from engine.generation.grammar import GrammarMatcherError
 from engine.generation.sampler import SampledToken
+from engine.generation.user_processors import PROCESSOR_FAILED, StoppingCriterionError
 from engine.outputs import GenerationOutput, RequestStatus
 from engine.request_handle import Sink
 from engine.sequence_group import Sequence, SequenceGroup
@@ -90,13 +91,13 @@ class OutputProcessor:
 
     def accept(self, seq: Sequence, tok: SampledToken, now: float) -> FinishReason | Failure | None:
         """Feed one token to ``seq``: why it finished (None: it goes on), or why it failed."""
+        if tok.error is not None and tok.error_code is not None:  # the request's options or processors
+            if tok.error_code == PROCESSOR_FAILED:
+                logger.warning("request %s failed: %s", seq.scheduler_id, tok.error)
+            return Failure(seq, tok.error, tok.error_code)
         try:
             if tok.error is not None:
-                raise (
-                    UnsatisfiableOptionsError(tok.error)
-                    if tok.error_from_options
-                    else RuntimeError(tok.error)
-                )
+                raise RuntimeError(tok.error)
             result = seq.gen.on_token(tok.token_id, tok.logprob, now)
         except UnsatisfiableOptionsError as exc:
             return Failure(seq, str(exc), UnsatisfiableOptionsError.code)
@@ -105,6 +106,9 @@ class OutputProcessor:
             # cannot spell (a character no token sequence writes), which the request's options caused.
             message = f"the structured output cannot be followed with this model's vocabulary: {exc}"
             return Failure(seq, message, UnsatisfiableOptionsError.code)
+        except StoppingCriterionError as exc:
+            logger.warning("request %s failed: %s", seq.scheduler_id, exc)
+            return Failure(seq, str(exc), PROCESSOR_FAILED)
         except Exception as exc:  # NOTE: one request's failure must not take the batch down.
             logger.exception("request %s failed", seq.scheduler_id)
             return Failure(seq, f"{exc!r}")

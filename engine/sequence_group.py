@@ -24,6 +24,7 @@ from engine.generation.grammar import CompiledGrammar, GrammarMatcher
 from engine.generation.prompt_logprobs import PromptLogprobs
 from engine.generation.request_state import RequestGenerationState
 from engine.generation.rows import SampledToken
+from engine.generation.user_processors import RequestHooks
 from engine.request_handle import Sink
 from scheduler.request import FinishReason, Request
 
@@ -47,6 +48,7 @@ class SequenceGroup:
     forked: bool = False  # the fan-out has happened (or can no longer happen)
     grammar: CompiledGrammar | None = None  # what every sample's output must match (compiled at admission)
     prompt_logprobs: PromptLogprobs | None = None  # set in __post_init__ when the config asks for them
+    hooks: RequestHooks | None = None  # the request's own processors and stopping criteria (Python API)
 
     def __post_init__(self) -> None:
         if self.config.prompt_logprobs is not None:
@@ -147,6 +149,7 @@ class SequenceGroup:
             max_new_tokens=self.max_new_tokens,
             start_time=self.arrival_time,
             grammar=grammar,
+            hooks=self.hooks,
         )
 
 

@@ -147,6 +147,7 @@ def build_generation_config(
         "prompt_logprobs": requested_prompt_logprobs(req),
         "structured_output": structured_output,
         "watermarking_config": req.watermarking_config if req.watermarking_config is not None else watermark,
+        "logits_processor_args": req.logits_processor_args,
         "temperature": temperature,
         "do_sample": temperature > 0,
     }

@@ -173,6 +173,10 @@ class SamplingRequest(RequestBody):
         None,
         description="A watermark on the output: WatermarkingConfig or SynthIDTextWatermarkingConfig fields.",
     )
+    # The arguments of the server's --logits-processors for this request (engine/generation/user_processors.py).
+    logits_processor_args: dict[str, Any] | None = Field(
+        None, description="Per-request arguments of the server's logits processors (--logits-processors)."
+    )
 
     @field_validator("stream_options")
     @classmethod

@@ -71,7 +71,11 @@ UNSUPPORTED_FIELDS: tuple[Unsupported, ...] = (
     ),
     Unsupported("audio", _absent, "this server generates text only"),
     Unsupported("prediction", _absent, "predicted outputs are not supported"),
-    Unsupported("logits_processors", _absent, "custom logits processors cannot be loaded"),
+    Unsupported(
+        "logits_processors",
+        _absent,
+        "a request cannot load processors; the server's --logits-processors take logits_processor_args",
+    ),
 )
 
 

@@ -103,11 +103,12 @@ def start_live_server(
     num_blocks: int = NUM_BLOCKS,
     max_model_len: int = MAX_MODEL_LEN,
     max_num_seqs: int = 16,
+    logits_processors: tuple[str, ...] = (),
 ) -> Iterator[LiveServer]:
     """The default model on CPU behind the real app with ``config``, served until the block exits.
 
     The ``live_server`` fixture is the one with the defaults; a test that needs other limits (a tiny queue,
-    fresh metrics) starts its own with this."""
+    fresh metrics, ``--logits-processors`` specs) starts its own with this."""
     from engine.engine import Engine
 
     engine = Engine.from_pretrained(
@@ -117,6 +118,7 @@ def start_live_server(
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
     )
+    engine.load_logits_processors(logits_processors)
     app = build_app(engine, config)
     with serve_in_thread(app, f"{config.served_model_name}-uvicorn") as base_url:
         yield LiveServer(base_url, config.api_key, config.served_model_name, app.state.server)

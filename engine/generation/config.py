@@ -102,6 +102,9 @@ class GenerationConfig:
     # A watermark on the output (engine/generation/watermark_config.py): one of ours, a dict or a
     # transformers WatermarkingConfig / SynthIDTextWatermarkingConfig.
     watermarking_config: Watermark | None = None
+    # The arguments of the server's logits processors for this request (engine/generation/user_processors.py):
+    # None leaves the request out of them.
+    logits_processor_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # NOTE: JSON gives ints for floats, string keys for logit_bias and lists for sequence_bias keys;
@@ -193,6 +196,7 @@ class GenerationConfig:
         self._validate_biases()
         self._validate_stop_strings()
         self._validate_structured_output()
+        self._validate_logits_processor_args()
         if vocab_size is not None:
             self._validate_vocab(vocab_size)
 
@@ -339,6 +343,15 @@ class GenerationConfig:
         if self.ignore_eos:
             # NOTE: a complete grammar allows only EOS; ignoring it would leave no token to sample.
             raise GenerationConfigError("ignore_eos", "cannot be combined with structured output")
+
+    def _validate_logits_processor_args(self) -> None:
+        args = self.logits_processor_args
+        if args is None:
+            return
+        if not isinstance(args, dict) or not all(isinstance(k, str) for k in args):
+            raise GenerationConfigError(
+                "logits_processor_args", f"must be an object with string keys, got {args!r}"
+            )
 
     def _validate_vocab(self, vocab_size: int) -> None:
         def check(name: str, ids: Iterable[int]) -> None:

@@ -8,8 +8,9 @@ sequence_bias) loop in Python, and only over the rows that use them.
 
 Order (``transformers``' ``_get_logits_processor``, with the OpenAI/vLLM extras placed beside their
 kin): sequence_bias, logit_bias, repetition_penalty, presence/frequency penalties, no_repeat_ngram,
-bad_words, min_new_tokens (EOS + stop_token_ids), suppress_tokens, begin_suppress_tokens; then, for
-sampled rows only, the warpers: temperature, top_k, top_p, min_p, typical_p, epsilon, eta; last, as
+bad_words, min_new_tokens (EOS + stop_token_ids), suppress_tokens, begin_suppress_tokens; then the
+user's processors (user_processors.py), where transformers merges ``generate``'s ``logits_processor``;
+then, for sampled rows only, the warpers: temperature, top_k, top_p, min_p, typical_p, epsilon, eta; last, as
 transformers places it, the watermark (watermark.py).
 """
 
@@ -381,11 +382,15 @@ def apply_eta(logits: torch.Tensor, rows: Sequence[SamplingRow], idx: list[int])
 
 # ---------------------------------------------------------------------------------------- pipeline
 def apply_logits_processors(
-    logits: torch.Tensor, rows: Sequence[SamplingRow], default_eos: tuple[int, ...] = ()
+    logits: torch.Tensor,
+    rows: Sequence[SamplingRow],
+    default_eos: tuple[int, ...] = (),
+    user_processors: Callable[[torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
     """Run every processor, in order, over ``logits`` [R, V] (modified in place and returned).
 
-    ``default_eos``: the model's EOS ids, for rows that name none themselves.
+    ``default_eos``: the model's EOS ids, for rows that name none themselves. ``user_processors``: runs
+    the user's processors over ``logits`` in place, after cbserve's own and before the warpers.
     """
     if logits.shape[0] != len(rows):
         raise ValueError(f"{logits.shape[0]} logits rows but {len(rows)} sampling rows")
@@ -397,6 +402,8 @@ def apply_logits_processors(
     apply_bad_words(logits, rows, default_eos)
     apply_min_new_tokens(logits, rows, default_eos)
     apply_suppress_tokens(logits, rows)
+    if user_processors is not None:
+        user_processors(logits)
     sampled = [i for i, r in enumerate(rows) if not r.config.is_greedy]
     if sampled:
         apply_temperature(logits, rows, sampled)

@@ -19,6 +19,7 @@ from engine.generation.rng import RequestRNG
 from engine.generation.rows import SamplingRow
 from engine.generation.stop_strings import StopStringMatcher
 from engine.generation.stopping import StoppingCriteria
+from engine.generation.user_processors import RequestHooks
 from engine.outputs import TokenLogprob
 from scheduler.request import FinishReason
 
@@ -40,6 +41,9 @@ class RequestGenerationState:
     ``start_time``: monotonic start for ``max_time`` (default: now).
     ``grammar``: the sample's matcher when its output is constrained; every token but a final stop token
     advances it, and it is dropped when the sequence ends.
+    ``hooks``: the request's own logits processors and stopping criteria (engine/generation/user_processors.py);
+    a criterion that says stop ends the sequence with ``FinishReason.STOP`` (its last token kept, as
+    transformers keeps it), once ``min_new_tokens`` allow it.
     """
 
     def __init__(
@@ -52,8 +56,10 @@ class RequestGenerationState:
         max_new_tokens: int | None = None,
         start_time: float | None = None,
         grammar: GrammarMatcher | None = None,
+        hooks: RequestHooks | None = None,
     ) -> None:
         self.config = config
+        self.hooks = hooks
         self.prompt_ids = prompt_ids
         self.sample_index = sample_index
         self.rng = RequestRNG(config.seed, sample_index)
@@ -91,6 +97,7 @@ class RequestGenerationState:
             rng=self.rng,
             eos_token_ids=self.criteria.eos_token_ids,
             grammar=self.grammar,
+            hooks=self.hooks,
         )
 
     # ------------------------------------------------------------------ updates
@@ -116,6 +123,8 @@ class RequestGenerationState:
             self._text += self.detokenizer.add(token_id)
             if self.stop_matcher and self.criteria.may_stop(n):
                 reason = self._match_stop_string(checked)
+            if reason is None and self._user_criteria_stop(n):
+                reason = FinishReason.STOP
         if reason is None:
             reason = self.criteria.length_or_time(n, now)
         if reason is not None:
@@ -128,6 +137,15 @@ class RequestGenerationState:
         if self.finish_reason is not None:
             return TokenResult("", self.finish_reason, self.text)
         return self._finish(reason)
+
+    def _user_criteria_stop(self, num_output_tokens: int) -> bool:
+        if self.hooks is None or not self.hooks.stopping_criteria:
+            return False
+        if (
+            num_output_tokens < self.config.min_new_tokens
+        ):  # NOTE: the token stays: it counts toward the minimum
+            return False
+        return self.hooks.should_stop([*self.prompt_ids, *self.output_ids])
 
     def _match_stop_string(self, checked: int) -> FinishReason | None:
         pos = self.stop_matcher.find(self._text, checked)

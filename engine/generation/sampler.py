@@ -12,12 +12,20 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.errors import UnsatisfiableOptionsError
 from engine.generation.grammar_mask import apply_grammar_masks, compute_grammar_masks
 from engine.generation.logprobs import compute_logprobs
 from engine.generation.mask_prefetch import MaskPrefetcher, PendingMasks
 from engine.generation.processors import apply_logits_processors
 from engine.generation.rng import RequestRNG
 from engine.generation.rows import SampledToken, SamplingRow
+from engine.generation.user_processors import (
+    PROCESSOR_FAILED,
+    BatchedLogitsProcessor,
+    ProcessorRow,
+    apply_request_processors,
+    apply_server_processors,
+)
 from engine.outputs import TokenLogprob
 
 __all__ = ["SampledToken", "Sampler", "SamplingRow"]
@@ -51,16 +59,23 @@ class Sampler:
 
     ``eos_token_ids``: the model's EOS ids, used by min_new_tokens masking and bad_words filtering for
     rows that name none (``SamplingRow.eos_token_ids`` or ``config.eos_token_id``).
+    ``logits_processors``: the server's processors, by name (engine/generation/user_processors.py), for
+    the rows whose config has ``logits_processor_args``.
     """
 
     def __init__(
-        self, vocab_size: int, device: torch.device | str = "cpu", eos_token_ids: Sequence[int] = ()
+        self,
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+        eos_token_ids: Sequence[int] = (),
+        logits_processors: Sequence[tuple[str, BatchedLogitsProcessor]] = (),
     ) -> None:
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.eos_token_ids = tuple(eos_token_ids)
+        self.logits_processors = tuple(logits_processors)
         self._masks = MaskPrefetcher(vocab_size, self.eos_token_ids)
 
     def masks_ahead(self, rows: Sequence[SamplingRow]) -> PendingMasks:
@@ -95,29 +110,57 @@ class Sampler:
             grammar = compute_grammar_masks(rows, self.vocab_size, self.eos_token_ids)
         if grammar is not None:
             apply_grammar_masks(logits, grammar, errors)
-        apply_logits_processors(logits, rows, self.eos_token_ids)
+        codes: list[str | None] = [None] * len(rows)
+        apply_logits_processors(
+            logits, rows, self.eos_token_ids, lambda lg: self._apply_user_processors(lg, rows, errors, codes)
+        )
 
         # Every token masked (max -inf), or a penalty that pushed a logit to +inf or NaN (torch.max propagates
         # NaN): the request's options did it.
         # NOTE: amax, not max(dim=1): the same values (NaN propagates), without max's slow index tracking.
         dead = (~torch.isfinite(logits.amax(dim=1))).tolist()
-        from_options = [False] * len(rows)
         for i, is_dead in enumerate(dead):
             if is_dead and errors[i] is None:
                 errors[i] = (
                     "the generation options leave no token that can be sampled (every token masked, or a "
                     "penalty that overflows the logits)"
                 )
-                from_options[i] = True
+                codes[i] = UnsatisfiableOptionsError.code
 
         tokens = self._pick(logits, rows, errors)
         logprobs = self._logprobs(logits, rows, errors, tokens)
         return [
-            SampledToken(token_id=-1, error=errors[i], error_from_options=from_options[i])
+            SampledToken(token_id=-1, error=errors[i], error_code=codes[i])
             if errors[i] is not None
             else SampledToken(token_id=tokens[i], logprob=logprobs.get(i))
             for i in range(len(rows))
         ]
+
+    def _apply_user_processors(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        errors: list[str | None],
+        codes: list[str | None],
+    ) -> None:
+        """The server's processors, then each request's own, over ``logits`` in place; a row they fail
+        gets its error and the code ``logits_processor_failed``."""
+        failed_before = [e is not None for e in errors]
+        if self.logits_processors:
+            server_rows = [
+                None
+                if r.config.logits_processor_args is None
+                else ProcessorRow(r.prompt_ids, r.output_ids, r.config.logits_processor_args)
+                for r in rows
+            ]
+            apply_server_processors(logits, self.logits_processors, server_rows, errors)
+        if any(r.hooks is not None for r in rows):
+            apply_request_processors(
+                logits, [r.hooks for r in rows], lambda i: [*rows[i].prompt_ids, *rows[i].output_ids], errors
+            )
+        for i, before in enumerate(failed_before):
+            if not before and errors[i] is not None:
+                codes[i] = PROCESSOR_FAILED
 
     def _pick(self, logits: torch.Tensor, rows: Sequence[SamplingRow], errors: list[str | None]) -> list[int]:
         """The next token of every row without an error (-1 for the others): greedy rows by argmax in one

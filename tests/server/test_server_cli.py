@@ -87,6 +87,7 @@ def test_every_flag_reads_the_environment() -> None:
         "CBSERVE_REASONING_PARSER": "none",
         "CBSERVE_TOOL_CALL_PARSER": "mistral",
         "CBSERVE_WATERMARKING_CONFIG": '{"bias": 3, "seeding_scheme": "selfhash"}',
+        "CBSERVE_LOGITS_PROCESSORS": "user_processor_fixtures:BanToken, user_processor_fixtures:WrongShape",
     }
     args = parse(["serve"], env)
     assert args.model == "/models/x.gguf" and args.host == "0.0.0.0" and args.port == 9001
@@ -109,6 +110,10 @@ def test_every_flag_reads_the_environment() -> None:
     assert args.max_body_bytes == 1 << 20 and args.reasoning_parser == "none"
     assert args.tool_call_parser == "mistral"
     assert args.watermarking_config == GreenlistWatermark(bias=3.0, seeding_scheme="selfhash")
+    assert args.logits_processors == [
+        "user_processor_fixtures:BanToken",
+        "user_processor_fixtures:WrongShape",
+    ]
     # every serve flag has its variable in this test
     serve_flags = {a.dest for a in _subparser(build_parser(), "serve")._actions}
     assert {f"CBSERVE_{d.upper()}" for d in serve_flags - {"help", "handler"}} == set(env)
@@ -151,6 +156,48 @@ def test_watermarking_config_flag(capsys: pytest.CaptureFixture[str]) -> None:
             parse(["serve", "--watermarking-config", bad])
         assert exc.value.code == 2
         assert why in capsys.readouterr().err
+
+
+def test_logits_processors_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    specs = ["user_processor_fixtures:BanToken", "user_processor_fixtures:WrongShape"]
+    assert parse(["serve", "--logits-processors", *specs]).logits_processors == specs
+    assert parse(["serve"]).logits_processors is None
+    for bad, why in (
+        ("no_such_module_anywhere:Thing", "cannot import 'no_such_module_anywhere'"),
+        ("user_processor_fixtures:Missing", "has no attribute 'Missing'"),
+        ("no-such-entry-point", "no entry point of that name"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            parse(["serve", "--logits-processors", bad])
+        assert exc.value.code == 2
+        assert why in capsys.readouterr().err
+
+
+def test_serve_refuses_to_start_when_a_processor_cannot_be_built(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The spec imports (the command line passes it) but its class cannot be built with the model's
+    tokenizer: ``serve`` logs why and exits 2 before serving."""
+    from engine.engine import Engine
+    from engine.generation.processor_plugins import load_logits_processors
+
+    for name in [k for k in os.environ if k.startswith("CBSERVE_")]:
+        monkeypatch.delenv(name)
+
+    class NoModel:
+        """The part of a loaded ``Engine`` that ``serve`` uses before it serves."""
+
+        def load_logits_processors(self, specs: list[str]) -> None:
+            load_logits_processors(specs, None, 16)
+
+    monkeypatch.setattr(Engine, "from_pretrained", staticmethod(lambda **kwargs: NoModel()))
+    for spec, why in (
+        ("user_processor_fixtures:FailsToBuild", "FailsToBuild(tokenizer, vocab_size) failed"),
+        ("user_processor_fixtures:TakesOnlyLogits", "must take (rows, logits)"),
+    ):
+        caplog.clear()
+        assert main(["serve", "--logits-processors", spec]) == 2
+        assert why in caplog.text
 
 
 def test_kv_cache_memory_and_num_blocks_are_exclusive(monkeypatch: pytest.MonkeyPatch) -> None:
