@@ -47,6 +47,7 @@ class SequenceGroup:
     forked: bool = False  # the fan-out has happened (or can no longer happen)
     grammar: CompiledGrammar | None = None  # what every sample's output must match (compiled at admission)
     prompt_logprobs: PromptLogprobs | None = None  # set in __post_init__ when the config asks for them
+    exit_layers: tuple[int, ...] = ()  # DoLa's candidate layers for this model (resolved at admission)
 
     def __post_init__(self) -> None:
         if self.config.prompt_logprobs is not None:
@@ -117,6 +118,7 @@ class SequenceGroup:
             arrival_time=self.arrival_time,
             output_ids=output_ids if output_ids is not None else [],
             wants_prompt_logits=self.prompt_logprobs is not None and not self.prompt_logprobs.is_complete,
+            exit_layers=self.exit_layers,
             payload=seq,
         )
 

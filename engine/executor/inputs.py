@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,6 +35,9 @@ class BatchInputs:
     decode_seq_lens: tuple[int, ...] = ()  # their KV lengths (ascending), on the host
     prefill_query_lens: tuple[int, ...] = ()  # new tokens of each of the other sequences, on the host
     prefill_seq_lens: tuple[int, ...] = ()  # and their KV lengths after this step
+    # (logits row, layers): the row's logits are DoLa's contrast of the last layer with those layers
+    # (engine/executor/dola.py)
+    early_exits: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -52,12 +56,14 @@ class BatchInputs:
         logits_rows: Sequence[int],
         block_size: int,
         device: torch.device | str = "cpu",
+        exit_layers: Sequence[tuple[int, ...]] | None = None,
     ) -> BatchInputs:
         """Build from Python lists: sequence ``i`` computes ``token_ids[i]`` at positions starting at
         ``starts[i]`` (the tokens before are already in its pages); ``logits_rows[i]`` asks for the
         logits of its last ``logits_rows[i]`` new tokens (0, 1 for a sampling chunk, or all of them for
         prompt logprobs; a bool counts as 0 or 1). Logits rows come out in the order of the arguments,
-        a sequence's rows in position order."""
+        a sequence's rows in position order. ``exit_layers[i]``: DoLa's candidate layers for sequence ``i``'s
+        last logits row (empty: none)."""
         order = decode_first_order(token_ids, starts)
         last_row: dict[int, int] = {}
         input_ids: list[int] = []
@@ -87,6 +93,14 @@ class BatchInputs:
         def t(x: list[int] | list[list[int]]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.int64, device=device)
 
+        early_exits: list[tuple[int, tuple[int, ...]]] = []
+        if exit_layers is not None:
+            ends = list(itertools.accumulate(int(r) for r in logits_rows))
+            early_exits = [
+                (ends[i] - 1, tuple(layers))
+                for i, layers in enumerate(exit_layers)
+                if layers and logits_rows[i]
+            ]
         return cls(
             input_ids=t(input_ids),
             positions=t(positions),
@@ -102,6 +116,7 @@ class BatchInputs:
             decode_seq_lens=tuple(seq_lens[:num_decode]),
             prefill_query_lens=tuple(qsl[j + 1] - qsl[j] for j in range(num_decode, len(seq_lens))),
             prefill_seq_lens=tuple(seq_lens[num_decode:]),
+            early_exits=tuple(early_exits),
         )
 
 
