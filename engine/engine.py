@@ -17,6 +17,7 @@ from engine.cpu.openmp_pools import on_scratch_thread
 from engine.executor.attention.backend import select_decode_kernel
 from engine.executor.cuda_graphs import CudaGraphDecoder
 from engine.executor.decode_stack import CpuDecodeStack
+from engine.executor.dola import LayerContrast
 from engine.executor.kv_cache import KVCache
 from engine.executor.runner import ModelRunner
 from engine.generation.config import GenerationConfig, GenerationConfigError
@@ -251,8 +252,16 @@ class Engine:
             eos_token_ids=eos,
             max_queue=max_queue,
             grammar_timeout_s=grammar_timeout_s,
+            layer_contrast=self._layer_contrast(),
         )
         return self._manager
+
+    def _layer_contrast(self) -> LayerContrast | None:
+        """DoLa's view of the model, where its code gives its layers' logits (the native model does)."""
+        if not getattr(self.model, "supports_early_exits", False):
+            return None
+        cfg = self.model_config
+        return LayerContrast(cfg.num_hidden_layers, bool(getattr(cfg, "tie_word_embeddings", False)))
 
     def generate_batch(
         self,

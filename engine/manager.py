@@ -19,6 +19,7 @@ from typing import Any
 
 from engine.admission import RequestLimits, check_prompt
 from engine.errors import EngineDeadError, QueueFullError
+from engine.executor.dola import LayerContrast
 from engine.generation.config import GenerationConfig, GenerationConfigError
 from engine.generation.grammar import CompiledGrammar, GrammarCompiler
 from engine.generation.grammar_spec import GrammarSpec
@@ -48,6 +49,7 @@ class ContinuousBatchingManager:
         eos_token_ids: tuple[int, ...],
         max_queue: int = 1024,
         grammar_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+        layer_contrast: LayerContrast | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
@@ -56,6 +58,7 @@ class ContinuousBatchingManager:
         self.limits = RequestLimits(max_model_len, scheduler.block_size, scheduler.num_blocks)
         self.eos_token_ids = eos_token_ids
         self.max_queue = max_queue
+        self.layer_contrast = layer_contrast  # None: the model cannot give its layers' logits (no DoLa)
         self.loop = EngineLoop(scheduler, executor, sampler)
         self._thread: threading.Thread | None = None
         self._admission_lock = threading.Lock()  # NOTE: the queue-full check and the put are one step.
@@ -266,6 +269,7 @@ class ContinuousBatchingManager:
         rid = request_id or _new_request_id()
         self.limits.check_fits(len(prompt_ids), max_new, rid)
         grammar = self._grammar_of(config, grammar)
+        exit_layers = self._dola_layers(config)
         return SequenceGroup(
             rid,
             prompt_ids,
@@ -278,7 +282,21 @@ class ContinuousBatchingManager:
             self.eos_token_ids,
             grammar=grammar,
             hooks=hooks,
+            exit_layers=exit_layers,
         )
+
+    def _dola_layers(self, config: GenerationConfig) -> tuple[int, ...]:
+        """DoLa's candidate layers of this model for the request (none without ``dola_layers``)."""
+        if config.dola_layers is None:
+            return ()
+        if self.layer_contrast is None:
+            raise GenerationConfigError(
+                "dola_layers", "this model's implementation cannot give its layers' logits"
+            )
+        try:
+            return self.layer_contrast.candidate_layers(config.dola_layers)
+        except ValueError as e:
+            raise GenerationConfigError("dola_layers", str(e)) from e
 
     def _grammar_of(
         self, config: GenerationConfig, compiled: CompiledGrammar | None

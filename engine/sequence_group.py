@@ -49,6 +49,7 @@ class SequenceGroup:
     grammar: CompiledGrammar | None = None  # what every sample's output must match (compiled at admission)
     prompt_logprobs: PromptLogprobs | None = None  # set in __post_init__ when the config asks for them
     hooks: RequestHooks | None = None  # the request's own processors and stopping criteria (Python API)
+    exit_layers: tuple[int, ...] = ()  # DoLa's candidate layers for this model (resolved at admission)
 
     def __post_init__(self) -> None:
         if self.config.prompt_logprobs is not None:
@@ -119,6 +120,7 @@ class SequenceGroup:
             arrival_time=self.arrival_time,
             output_ids=output_ids if output_ids is not None else [],
             wants_prompt_logits=self.prompt_logprobs is not None and not self.prompt_logprobs.is_complete,
+            exit_layers=self.exit_layers,
             payload=seq,
         )
 

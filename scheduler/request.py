@@ -47,6 +47,8 @@ class Request:
     # NOTE: the engine clears it once every prompt position's logits have been seen: a request recomputed
     # after preemption does not ask again.
     wants_prompt_logits: bool = False  # every prompt position's logits (prompt logprobs), not only the last
+    # layers whose hidden states also give logits for the rows this request samples from (DoLa's candidates)
+    exit_layers: tuple[int, ...] = ()
     payload: Any = None
 
     @property

@@ -136,6 +136,7 @@ def build_generation_config(
         "presence_penalty": req.presence_penalty,
         "frequency_penalty": req.frequency_penalty,
         "repetition_penalty": req.repetition_penalty,
+        "dola_layers": req.dola_layers,
         "logit_bias": _logit_bias(req.logit_bias),
         "stop_strings": _stop_strings(req.stop),
         "stop_token_ids": list(req.stop_token_ids) if req.stop_token_ids else None,

@@ -168,6 +168,13 @@ class SamplingRequest(RequestBody):
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
+    dola_layers: (
+        Literal["low", "high"] | Annotated[list[StrictInt], Field(min_length=1, max_length=256)] | None
+    ) = Field(
+        None,
+        description="DoLa (transformers' dola_layers): contrast the last layer with 'low' or 'high' layers or "
+        "these layer indices; use with repetition_penalty 1.2.",
+    )
     # transformers' WatermarkingConfig or SynthIDTextWatermarkingConfig fields (validated by the engine).
     watermarking_config: dict[str, Any] | None = Field(
         None,

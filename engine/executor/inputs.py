@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,6 +36,9 @@ class BatchInputs:
     decode_seq_lens: tuple[int, ...] = ()  # their KV lengths (ascending), on the host
     prefill_query_lens: tuple[int, ...] = ()  # new tokens of each of the other sequences, on the host
     prefill_seq_lens: tuple[int, ...] = ()  # and their KV lengths after this step
+    # (logits row, layers): the row's logits are DoLa's contrast of the last layer with those layers
+    # (engine/executor/dola.py)
+    early_exits: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -52,12 +57,13 @@ class BatchInputs:
         logits_rows: Sequence[int],
         block_size: int,
         device: torch.device | str = "cpu",
+        exit_layers: Sequence[tuple[int, ...]] | None = None,
     ) -> BatchInputs:
         """Build from Python lists: sequence ``i`` computes ``token_ids[i]`` at positions starting at
-        ``starts[i]`` (the tokens before are already in its pages); ``logits_rows[i]`` asks for the
-        logits of its last ``logits_rows[i]`` new tokens (0, 1 for a sampling chunk, or all of them for
-        prompt logprobs; a bool counts as 0 or 1). Logits rows come out in the order of the arguments,
-        a sequence's rows in position order."""
+        ``starts[i]`` (the tokens before are already in its pages); ``logits_rows[i]`` asks for the logits of
+        its last ``logits_rows[i]`` new tokens (0, 1 for a sampling chunk, or all of them for prompt logprobs;
+        a bool counts as 0 or 1), in the order of the arguments, a sequence's rows in position order.
+        ``exit_layers[i]``: DoLa's candidate layers for sequence ``i``'s last logits row (empty: none)."""
         order = decode_first_order(token_ids, starts)
         last_row: dict[int, int] = {}
         input_ids: list[int] = []
@@ -83,10 +89,7 @@ class BatchInputs:
         logits_indices = _logits_indices(last_row, logits_rows)
         max_blocks = max((len(t) for t in block_tables), default=0)
         tables = [block_tables[i] + [0] * (max_blocks - len(block_tables[i])) for i in order]
-
-        def t(x: list[int] | list[list[int]]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.int64, device=device)
-
+        t = functools.partial(torch.tensor, dtype=torch.int64, device=device)
         return cls(
             input_ids=t(input_ids),
             positions=t(positions),
@@ -102,7 +105,20 @@ class BatchInputs:
             decode_seq_lens=tuple(seq_lens[:num_decode]),
             prefill_query_lens=tuple(qsl[j + 1] - qsl[j] for j in range(num_decode, len(seq_lens))),
             prefill_seq_lens=tuple(seq_lens[num_decode:]),
+            early_exits=_early_exits(logits_rows, exit_layers),
         )
+
+
+def _early_exits(
+    logits_rows: Sequence[int], exit_layers: Sequence[tuple[int, ...]] | None
+) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """(logits row, layers) of each sequence with DoLa layers: its last logits row."""
+    if exit_layers is None:
+        return ()
+    ends = list(itertools.accumulate(int(r) for r in logits_rows))
+    return tuple(
+        (ends[i] - 1, tuple(layers)) for i, layers in enumerate(exit_layers) if layers and logits_rows[i]
+    )
 
 
 def _logits_indices(last_row: dict[int, int], logits_rows: Sequence[int]) -> list[int]:

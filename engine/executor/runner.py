@@ -41,6 +41,7 @@ class ModelRunner:
             logits_rows=[s.num_logits_rows for s in batch.requests],
             block_size=self.block_size,
             device=self.device,
+            exit_layers=[s.request.exit_layers if s.needs_sample else () for s in batch.requests],
         )
 
     @torch.inference_mode()
@@ -49,14 +50,21 @@ class ModelRunner:
         chunk's ``num_logits_rows`` last rows in batch order (the last one samples when ``needs_sample``)."""
         if batch.blocks_to_copy:
             self.kv_cache.copy_blocks(batch.blocks_to_copy)
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
+        dola = any(
+            s.request.exit_layers for s in batch.requests
+        )  # layer by layer: the layers' outputs are read
+        if self.cuda_graphs is not None and not dola and self.cuda_graphs.can_run(batch):
             logits = self.cuda_graphs.run(batch)  # [len(batch), vocab], one row per sequence
             if all(s.num_logits_rows for s in batch.requests):
                 return logits
             rows = [i for i, s in enumerate(batch.requests) if s.num_logits_rows]
             return logits[torch.tensor(rows, device=logits.device)]
         inputs = self.prepare(batch)
-        if self.decode_stack is not None and self.decode_stack.can_run(inputs, self.decode_kernel):
+        if (
+            self.decode_stack is not None
+            and not dola
+            and self.decode_stack.can_run(inputs, self.decode_kernel)
+        ):
             return self.decode_stack.run(inputs, self.kv_cache)  # [num_sampled, vocab]
         logits = self.model(inputs, self.kv_cache, self.decode_kernel)  # [num_sampled, vocab]
         return logits.float()

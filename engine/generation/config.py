@@ -105,6 +105,8 @@ class GenerationConfig:
     # The arguments of the server's logits processors for this request (engine/generation/user_processors.py):
     # None leaves the request out of them.
     logits_processor_args: dict[str, Any] | None = None
+    # DoLa (engine/executor/dola.py): contrast the last layer with "low" or "high" layers or a list of them.
+    dola_layers: str | list[int] | None = None
 
     def __post_init__(self) -> None:
         # NOTE: JSON gives ints for floats, string keys for logit_bias and lists for sequence_bias keys;
@@ -130,6 +132,8 @@ class GenerationConfig:
             set_(self, "eos_token_id", list(self.eos_token_id))
         if isinstance(self.stop_strings, tuple):
             set_(self, "stop_strings", list(self.stop_strings))
+        if isinstance(self.dola_layers, tuple):
+            set_(self, "dola_layers", list(self.dola_layers))
         # NOTE: validates as it converts (a GenerationConfigError naming watermarking_config.<field>).
         set_(self, "watermarking_config", watermarking_config_from(self.watermarking_config))
         self.validate()
@@ -197,6 +201,7 @@ class GenerationConfig:
         self._validate_stop_strings()
         self._validate_structured_output()
         self._validate_logits_processor_args()
+        self._validate_dola_layers()
         if vocab_size is not None:
             self._validate_vocab(vocab_size)
 
@@ -219,6 +224,17 @@ class GenerationConfig:
                 raise GenerationConfigError(name, f"must be a number, got {value!r}")
             if not math.isfinite(value):
                 raise GenerationConfigError(name, f"must be finite, got {value!r}")
+
+    def _validate_dola_layers(self) -> None:
+        layers = self.dola_layers
+        if layers is None or layers in ("low", "high"):
+            return
+        valid = isinstance(layers, list) and bool(layers)
+        if not valid or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
+            raise GenerationConfigError(
+                "dola_layers",
+                f"must be 'low', 'high' or a non-empty list of layer indices >= 0, got {layers!r}",
+            )
 
     def _validate_ranges(self) -> None:
         """Every number is in the range where it means something."""

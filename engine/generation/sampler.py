@@ -95,9 +95,12 @@ class Sampler:
         # NOTE: the model may pad its vocabulary past the tokenizer's; those columns can never be chosen.
         logits = logits[:, : self.vocab_size].float().clone()  # [R, V]
         errors: list[str | None] = [None] * len(rows)
-        # NOTE: one reduction instead of an elementwise pass: a NaN or inf anywhere makes the row's sum
-        # non-finite, and finite logits (|x| < 1e30) cannot overflow a float32 sum over a vocabulary.
-        bad = (~torch.isfinite(logits.sum(dim=1))).tolist()
+        # NOTE: one reduction instead of an elementwise pass: a NaN or +inf anywhere makes the row's sum NaN
+        # or +inf, and finite logits (|x| < 1e30) cannot overflow a float32 sum over a vocabulary. -inf is a
+        # token the model rules out (DoLa's contrast does: engine/executor/dola.py); a row of them only is
+        # caught below with the other rows that leave no token.
+        sums = logits.sum(dim=1)
+        bad = (torch.isnan(sums) | (sums == float("inf"))).tolist()
         if any(bad):
             for i, is_bad in enumerate(bad):
                 if is_bad:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import ModelLoadError
+from engine.executor import dola
 from engine.executor.attention.decode_kernel import DecodeKernel
 from engine.executor.attention.paged import PagedAttentionMetadata, paged_attention
 from engine.executor.inputs import BatchInputs
@@ -209,6 +210,7 @@ class LlamaForCausalLM(nn.Module):
         fp32 logits ``[len(inputs.logits_indices), vocab_size]`` for the ``logits_indices`` rows only.
         ``decode_kernel``: the decode-attention kernel (engine/executor/attention/backend.py), or None for SDPA."""
         rows = inputs.logits_indices
+        exits = ExitTaps(inputs.early_exits, rows)
         meta = PagedAttentionMetadata.build(
             inputs, self.config.num_queries_per_kv, self.dtype, self.config.sliding_window, decode_kernel
         )
@@ -220,6 +222,7 @@ class LlamaForCausalLM(nn.Module):
         pruned = rows.shape[0] < inputs.input_ids.shape[0] and len(self.model.layers) > 0
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
+            exits.tap(i, x, residual)  # DoLa: the stream entering layer i, for the rows that contrast it
             layer_rows = rows if pruned and i == last else None
             x, residual = layer(
                 x,
@@ -237,7 +240,11 @@ class LlamaForCausalLM(nn.Module):
             h = self.model.norm(x)
         else:
             h, _ = self.model.norm.add_and_norm(x, residual)  # [num_logits, hidden]
-        return self.compute_logits(h)  # [num_logits, vocab]
+        logits = self.compute_logits(h)  # [num_logits, vocab]
+        return exits.contrast(logits, self.lm_head) if exits else logits
+
+    # DoLa: ``forward`` gives the contrast of the layers ``BatchInputs.early_exits`` names (engine/executor/dola.py)
+    supports_early_exits = True
 
     def decoder_table(self) -> DecoderTable:
         """The decoder's modules, flat (see ``DecoderTable``)."""
@@ -351,6 +358,37 @@ class LlamaForCausalLM(nn.Module):
                 proj.weight.mul_(multiplier)
                 if proj.bias is not None:
                     proj.bias.mul_(multiplier)
+
+
+class ExitTaps:
+    """The hidden states DoLa reads in one forward: for each row of ``early_exits`` (a logits row and its
+    candidate layers), the residual stream entering each of those layers at the row's token (transformers'
+    ``hidden_states[l]``: the embedding for l = 0), then ``contrast`` replaces the row's logits."""
+
+    def __init__(self, early_exits: tuple[tuple[int, tuple[int, ...]], ...], rows: torch.Tensor) -> None:
+        self.early_exits = early_exits
+        self.tokens = (
+            rows[torch.tensor([r for r, _ in early_exits], dtype=torch.long, device=rows.device)]
+            if early_exits
+            else rows
+        )
+        self.wanted = {layer for _, layers in early_exits for layer in layers}
+        self.states: dict[int, torch.Tensor] = {}  # layer -> [len(early_exits), hidden]
+
+    def __bool__(self) -> bool:
+        return bool(self.early_exits)
+
+    def tap(self, layer: int, x: torch.Tensor, residual: torch.Tensor | None) -> None:
+        if layer in self.wanted:
+            stream = x[self.tokens] if residual is None else x[self.tokens] + residual[self.tokens]
+            self.states[layer] = stream
+
+    def contrast(self, logits: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        out = logits.clone()
+        for k, (row, layers) in enumerate(self.early_exits):
+            premature = torch.stack([self.states[layer][k] for layer in layers])  # [layers, hidden]
+            out[row] = dola.contrast(logits[row], lm_head(premature).float())
+        return out
 
 
 def _dense(module: nn.Module) -> Linear:
