@@ -5,8 +5,8 @@
 # (--seed), so no run is served from a prefix cache that an earlier run filled.
 #
 #   bench/compare_servers.sh OUTDIR [SYSTEM ...]
-#       SYSTEM: cbserve cbserve-bf16 cbserve-bi cbserve-bf16-bi transformers transformers-bf16 llamacpp
-#       (-bi: cbserve with --batch-invariant)
+#       SYSTEM: cbserve cbserve-bf16 cbserve-bi cbserve-bf16-bi transformers transformers-bf16 llamacpp vllm
+#       (-bi: cbserve with --batch-invariant; vllm: vLLM's CPU build in bfloat16, bench/peers.sh vllm)
 #
 # Environment: CONCURRENCIES (default "1 8 16 32"), INPUT_LEN (128), OUTPUT_LEN (64), LLAMACPP_PYTHON
 # (the python that has llama-cpp-python[server]; default .venv/bin/python), TIMEOUT per run (900 s).
@@ -43,6 +43,7 @@ start() {  # start SYSTEM in the background on $PORT; sets PID and EXTRA
             DTYPE="$DTYPE" bench/peers.sh transformers "$PORT" &
             # transformers serve rejects ignore_eos; min_new_tokens gives the same fixed output length
             EXTRA=(--extra-body "{\"generation_config\": \"{\\\"min_new_tokens\\\": $OUTPUT_LEN, \\\"do_sample\\\": false}\"}") ;;
+        vllm) DTYPE=bfloat16 bench/peers.sh vllm "$PORT" & ;;
         llamacpp)
             PYTHON="${LLAMACPP_PYTHON:-$PY}" bench/peers.sh llamacpp "$PORT" &
             EXTRA=(--extra-body '{"logit_bias": {"0": -100, "2": -100}}') ;;  # EOS ids never sampled
@@ -64,7 +65,7 @@ trap 'if [[ -n "$PID" ]]; then pkill -TERM -P "$PID" 2>/dev/null || true; kill -
 for system in "${SYSTEMS[@]}"; do
     start "$system"
     model=()
-    if [[ "$system" == transformers* ]]; then
+    if [[ "$system" == transformers* || "$system" == vllm ]]; then
         model=(--model "${HF_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/cbserve/SmolLM2-135M-Instruct-from-gguf}")
     fi
     for c in $CONCURRENCIES; do
