@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from grammar_bombs import all_of_choices, nested_schema
 
 from engine.generation.config import GenerationConfig, GenerationConfigError
 from engine.generation.errors import GrammarTooComplexError
@@ -157,23 +158,6 @@ def test_a_literal_the_vocabulary_cannot_write_is_refused(compiler: GrammarCompi
 def test_writable_non_ascii_literals_compile(tokenizer: Tokenizer, compiler: GrammarCompiler) -> None:
     compiled = compiler.compile(GrammarSpec.choice(["中文", "😀", "é"]))
     assert greedy_text(tokenizer, compiled.matcher(), "😀") == "😀"
-
-
-def nested_schema(depth: int) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "string"}
-    for _ in range(depth):
-        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
-    return schema
-
-
-def all_of_choices(count: int) -> dict[str, Any]:
-    """Every one of ``count`` two-way choices at once: the grammar multiplies them out."""
-    one_of_two = [
-        [{"type": "object", "properties": {f"{key}{i}": {"type": t}}, "required": [f"{key}{i}"]}]
-        for i in range(count)
-        for key, t in (("k", "integer"), ("j", "string"))
-    ]
-    return {"allOf": [{"anyOf": one_of_two[2 * i] + one_of_two[2 * i + 1]} for i in range(count)]}
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+from grammar_bombs import all_of_choices, nested_schema
 from server_fixtures import LiveServer, start_live_server
 
 from engine.generation.grammar import CompiledGrammar, GrammarCompiler
@@ -38,28 +39,6 @@ def server() -> Iterator[LiveServer]:
     config = ServerConfig(served_model_name="grammar", grammar_compile_timeout=COMPILE_TIMEOUT_S)
     with start_live_server(config, num_blocks=128, max_model_len=1024, max_num_seqs=4) as server:
         yield server
-
-
-def nested_schema(depth: int) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "string"}
-    for _ in range(depth):
-        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
-    return schema
-
-
-def all_of_choices(count: int) -> dict[str, Any]:
-    """Every one of ``count`` two-way choices at once: the grammar multiplies them out."""
-    return {
-        "allOf": [
-            {
-                "anyOf": [
-                    {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]},
-                    {"type": "object", "properties": {f"j{i}": {"type": "string"}}, "required": [f"j{i}"]},
-                ]
-            }
-            for i in range(count)
-        ]
-    }
 
 
 def patterns_all_at_once(count: int) -> dict[str, Any]:
