@@ -219,11 +219,13 @@ class Engine:
         self,
         max_queue: int = 1024,
         grammar_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+        speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
         **overrides: Any,
     ) -> ContinuousBatchingManager:
         """A manager over this engine's model and cache (not started). ``overrides`` may change the
         scheduler's options (``scheduler``, ``max_batch_tokens``, ``max_num_seqs``, ...);
-        ``grammar_timeout_s`` bounds the wait for a structured output's grammar (engine/grammar_workers.py)."""
+        ``grammar_timeout_s`` bounds the wait for a structured output's grammar (engine/grammar_workers.py);
+        ``speculative_config`` replaces the engine's for this manager."""
         o = self.options
         opts = {**o.__dict__, **{k: v for k, v in overrides.items() if v is not None}}
         sched_config = SchedulerConfig(
@@ -261,7 +263,7 @@ class Engine:
             max_queue=max_queue,
             grammar_timeout_s=grammar_timeout_s,
             layer_contrast=self._layer_contrast(),
-            speculative_config=self.speculative_config,
+            speculative_config=_speculative_config(speculative_config) or self.speculative_config,
         )
         return self._manager
 

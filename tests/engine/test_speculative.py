@@ -66,11 +66,7 @@ def plain_and_speculative(
     engine: Engine, prompts: list[list[int]], server: SpeculativeConfig | None = None, **kw: Any
 ) -> tuple[list[GenerationOutput], list[GenerationOutput], ContinuousBatchingManager]:
     plain = run(engine.init_continuous_batching(), prompts, **kw)
-    engine.speculative_config = server
-    try:
-        manager = engine.init_continuous_batching()
-    finally:
-        engine.speculative_config = None
+    manager = engine.init_continuous_batching(speculative_config=server)
     spec_kw = kw if server is not None else {**kw, "prompt_lookup_num_tokens": 4}
     return plain, run(manager, prompts, **spec_kw), manager
 
@@ -110,11 +106,7 @@ def test_server_wide_ngram_with_sixteen_concurrent_requests(engine: Engine) -> N
 def test_speculation_turns_off_above_its_batch_size(engine: Engine) -> None:
     server = SpeculativeConfig.from_dict({"method": "ngram", "disable_by_batch_size": 2})
     prompts = [chat(engine, PASSAGE)] * 4
-    engine.speculative_config = server
-    try:
-        manager = engine.init_continuous_batching()
-    finally:
-        engine.speculative_config = None
+    manager = engine.init_continuous_batching(speculative_config=server)
     run(manager, prompts, max_new_tokens=12, min_new_tokens=12)
     stats = manager.stats()
     # four requests run together until they all end on the same step: none ever drafted
