@@ -24,6 +24,7 @@ from engine.generation.config import GenerationConfig, GenerationConfigError
 from engine.generation.grammar import CompiledGrammar, GrammarCompiler
 from engine.generation.grammar_spec import GrammarSpec
 from engine.generation.sampler import Sampler
+from engine.generation.speculation import Speculation
 from engine.generation.user_processors import RequestHooks, TransformersCriterion, TransformersProcessor
 from engine.grammar_workers import DEFAULT_COMPILE_TIMEOUT_S, GrammarWorkers
 from engine.inbox import AddRequest, CancelRequest, EvictRequest
@@ -32,6 +33,7 @@ from engine.outputs import GenerationOutput
 from engine.request_handle import AsyncSink, RequestHandle, Sink, SyncSink
 from engine.sequence_group import SequenceGroup
 from engine.speculative.config import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig, speculation_for
+from engine.speculative.early_exit import Drafter, EarlyExitProposer
 from engine.speculative.speculator import Speculator
 from engine.stats import EngineStats
 from engine.streamer_sink import StreamerSink
@@ -66,7 +68,15 @@ class ContinuousBatchingManager:
         disable_by = (
             speculative_config.disable_by_batch_size if speculative_config else DEFAULT_DISABLE_BY_BATCH_SIZE
         )
-        self.loop = EngineLoop(scheduler, executor, sampler, Speculator(disable_by))
+        # NOTE: a model that gives its layers' logits (layer_contrast) can draft with its first layers.
+        early_exit = None
+        if layer_contrast is not None and isinstance(executor, Drafter):
+            early_exit = EarlyExitProposer(executor, scheduler.kv_manager)
+        self.loop = EngineLoop(scheduler, executor, sampler, Speculator(disable_by, early_exit))
+        if speculative_config is not None:
+            self._check_speculation(
+                speculation_for(generation_defaults, speculative_config), "speculative_config"
+            )
         self._thread: threading.Thread | None = None
         self._admission_lock = threading.Lock()  # NOTE: the queue-full check and the put are one step.
         self._ready: queue.Queue[str] = queue.Queue()
@@ -278,6 +288,7 @@ class ContinuousBatchingManager:
         grammar = self._grammar_of(config, grammar)
         exit_layers = self._dola_layers(config)
         speculation = speculation_for(config, self.speculative_config)
+        self._check_speculation(speculation, "assistant_early_exit")
         return SequenceGroup(
             rid,
             prompt_ids,
@@ -293,6 +304,21 @@ class ContinuousBatchingManager:
             exit_layers=exit_layers,
             speculation=speculation,
         )
+
+    def _check_speculation(self, speculation: Speculation | None, field: str) -> None:
+        """Early exit needs a model that gives its layers' logits, through fewer layers than it has."""
+        if speculation is None or speculation.method != "early_exit":
+            return
+        if self.layer_contrast is None:
+            raise GenerationConfigError(
+                field, "this model's implementation cannot draft with its first layers"
+            )
+        num_layers = speculation.num_layers or 0
+        if not 1 <= num_layers < self.layer_contrast.num_layers:
+            raise GenerationConfigError(
+                field,
+                f"the drafting layers must be 1 to {self.layer_contrast.num_layers - 1}, got {num_layers}",
+            )
 
     def _dola_layers(self, config: GenerationConfig) -> tuple[int, ...]:
         """DoLa's candidate layers of this model for the request (none without ``dola_layers``)."""

@@ -141,6 +141,8 @@ def build_generation_config(
         "max_matching_ngram_size": req.max_matching_ngram_size,
         "num_assistant_tokens": req.num_assistant_tokens,
         "num_assistant_tokens_schedule": req.num_assistant_tokens_schedule,
+        "assistant_early_exit": req.assistant_early_exit,
+        "assistant_confidence_threshold": req.assistant_confidence_threshold,
         "logit_bias": _logit_bias(req.logit_bias),
         "stop_strings": _stop_strings(req.stop),
         "stop_token_ids": list(req.stop_token_ids) if req.stop_token_ids else None,

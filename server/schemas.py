@@ -185,6 +185,12 @@ class SamplingRequest(RequestBody):
     num_assistant_tokens: StrictInt | None = Field(
         None, description="Drafts a step at most, over the server's --speculative-config."
     )
+    assistant_early_exit: StrictInt | None = Field(
+        None, description="Self-speculative decoding: the model's first layers draft (how many)."
+    )
+    assistant_confidence_threshold: float | None = Field(
+        None, description="Early exit: stop drafting when the draft's probability falls below this."
+    )
     num_assistant_tokens_schedule: Literal["heuristic", "constant"] | None = Field(
         None, description="Adapt the drafts a step to their acceptance (heuristic) or not (constant)."
     )

@@ -196,10 +196,11 @@ class CpuDecodeStack:
         )
 
     @torch.inference_mode()
-    def run(self, inputs: BatchInputs, kv_cache: KVCache) -> torch.Tensor:
-        """The model's forward for a step that ``can_run``: fp32 logits ``[num_logits, vocab]``."""
+    def run(self, inputs: BatchInputs, kv_cache: KVCache, num_layers: int | None = None) -> torch.Tensor:
+        """The model's forward for a step that ``can_run``: fp32 logits ``[num_logits, vocab]``
+        (``num_layers``: the first layers only, as ``LlamaForCausalLM.forward`` takes it)."""
         x = self.model.embed(inputs.input_ids)  # [num_seqs, hidden]
-        h = self(x, inputs, kv_cache)  # [num_seqs, hidden], after the final norm
+        h = self(x, inputs, kv_cache, num_layers)  # [num_seqs, hidden], after the final norm
         h = h.index_select(0, inputs.logits_indices)  # [num_logits, hidden] in the caller's order
         return self.model.compute_logits(h)  # [num_logits, vocab]
 
@@ -234,10 +235,16 @@ class CpuDecodeStack:
         self._tables = (kv_cache, desc, layers)
         return desc, layers
 
-    def __call__(self, x: torch.Tensor, inputs: BatchInputs, kv_cache: KVCache) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, inputs: BatchInputs, kv_cache: KVCache, num_layers: int | None = None
+    ) -> torch.Tensor:
         """The final norm's output ``[num_seqs, hidden]`` for ``x``, the embeddings of a batch where every
-        sequence computes one token (``inputs.num_decode_seqs == inputs.num_seqs``), writing their K/V."""
+        sequence computes one token (``inputs.num_decode_seqs == inputs.num_seqs``), writing their K/V
+        (``num_layers``: through the first layers only)."""
         desc, layers = self._describe(kv_cache)
+        if num_layers is not None:
+            desc = _Model.from_buffer_copy(desc)
+            desc.num_layers = min(num_layers, len(self.layers))
         num_seqs, hidden = x.shape
         if inputs.num_decode_seqs != num_seqs or inputs.num_seqs != num_seqs:
             raise ValueError("the decode stack takes batches of one new token per sequence")

@@ -67,6 +67,25 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
+    def draft(
+        self, token_ids: list[int], positions: list[int], block_tables: list[list[int]], num_layers: int
+    ) -> torch.Tensor:
+        """Self-speculative drafting: one token per sequence at its position through the model's first
+        ``num_layers`` layers, then the final norm and the head (their K/V written to those layers' pages).
+        Logits ``[len(token_ids), vocab]`` (float32)."""
+        inputs = BatchInputs.build(
+            token_ids=[[t] for t in token_ids],
+            starts=positions,
+            block_tables=block_tables,
+            logits_rows=[1] * len(token_ids),
+            block_size=self.block_size,
+            device=self.device,
+        )
+        if self.decode_stack is not None and self.decode_stack.can_run(inputs, self.decode_kernel):
+            return self.decode_stack.run(inputs, self.kv_cache, num_layers)
+        return self.model(inputs, self.kv_cache, self.decode_kernel, num_layers=num_layers).float()
+
+    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run one batch through the model: logits ``[sum of num_logits_rows, vocab]`` (float32), each
         chunk's ``num_logits_rows`` last rows in batch order (the last one samples when ``needs_sample``)."""

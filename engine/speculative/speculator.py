@@ -2,7 +2,8 @@
 
 After each step the engine asks ``propose`` for the drafts of the running sequences that speculate: each
 decoding sequence gets up to its draft length (``DraftLength``: the seeds' ``num_assistant_tokens_schedule``)
-from its method, and the scheduler verifies them in the next step. With more than ``disable_by_batch_size``
+from its method (prompt lookup: ngram.py; the model's first layers: early_exit.py), and the scheduler
+verifies them in the next step. With more than ``disable_by_batch_size``
 running requests nobody drafts: the step is compute-bound and verifying would cost more than it saves.
 """
 
@@ -11,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.generation.speculation import MAX_SPECULATIVE_TOKENS, DraftLength
+from engine.generation.speculation import MAX_SPECULATIVE_TOKENS, DraftLength, Speculation
 from engine.speculative.config import DEFAULT_DISABLE_BY_BATCH_SIZE
+from engine.speculative.early_exit import EarlyExitProposer
 from engine.speculative.ngram import propose_ngram
 from scheduler.request import Request
 
@@ -42,27 +44,49 @@ class SpecDecodeStats:
 class Speculator:
     """The drafts of each step's speculating sequences; ``stats`` counts their fate."""
 
-    def __init__(self, disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE) -> None:
+    def __init__(
+        self,
+        disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE,
+        early_exit: EarlyExitProposer | None = None,
+    ) -> None:
         self.disable_by_batch_size = disable_by_batch_size
+        self.early_exit = early_exit  # None: the model cannot draft with its first layers
         self.stats = SpecDecodeStats()
 
     def propose(self, running: Sequence[Request]) -> None:
         """Set ``draft_ids`` on the running requests that decode and speculate."""
         if len(running) > self.disable_by_batch_size:
             return
+        by_layers: list[tuple[Request, int, Speculation]] = []
         for req in running:
-            speculation = req.payload.group.speculation
+            speculation: Speculation | None = req.payload.group.speculation
             if speculation is None or req.num_uncomputed_tokens != 1 or req.wants_prompt_logits:
                 continue
-            seq = req.payload
-            if seq.draft_length is None:
-                seq.draft_length = DraftLength(speculation)
-            num_tokens = min(seq.draft_length.value, req.max_new_tokens - len(req.output_ids) - 1)
+            num_tokens = min(
+                self._draft_length(req, speculation), req.max_new_tokens - len(req.output_ids) - 1
+            )
             if num_tokens < 1:
                 continue
-            req.draft_ids = propose_ngram(
-                req.all_token_ids, speculation.prompt_lookup_min, speculation.prompt_lookup_max, num_tokens
-            )
+            if speculation.method == "ngram":
+                req.draft_ids = propose_ngram(
+                    req.all_token_ids,
+                    speculation.prompt_lookup_min,
+                    speculation.prompt_lookup_max,
+                    num_tokens,
+                )
+            else:
+                by_layers.append((req, num_tokens, speculation))
+        if by_layers and self.early_exit is not None:
+            drafts = self.early_exit.propose(by_layers)
+            for req, _, _ in by_layers:
+                req.draft_ids = drafts.get(req.request_id, [])
+
+    @staticmethod
+    def _draft_length(req: Request, speculation: Speculation) -> int:
+        seq = req.payload
+        if seq.draft_length is None:
+            seq.draft_length = DraftLength(speculation)
+        return int(seq.draft_length.value)
 
     def record(self, draft_length: DraftLength | None, num_drafts: int, num_accepted: int) -> None:
         """A verify chunk's outcome: counted, and its sequence's draft length adapted."""

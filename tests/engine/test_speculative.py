@@ -103,6 +103,30 @@ def test_server_wide_ngram_with_sixteen_concurrent_requests(engine: Engine) -> N
     assert manager.stats().spec_num_accepted_tokens > 0
 
 
+def test_early_exit_drafts_with_the_first_layers_and_changes_nothing(engine: Engine) -> None:
+    prompts = [chat(engine, PASSAGE), engine.tokenizer.encode("The capital of France is")]
+    plain = run(engine.init_continuous_batching(), prompts, max_new_tokens=24)
+    manager = engine.init_continuous_batching()
+    same(plain, run(manager, prompts, max_new_tokens=24, assistant_early_exit=24))
+    stats = manager.stats()
+    assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0
+    server = SpeculativeConfig.from_dict(
+        {"method": "early_exit", "num_layers": 20, "num_speculative_tokens": 2}
+    )
+    seeded = {"max_new_tokens": 16, "do_sample": True, "seed": 11}
+    plain = run(engine.init_continuous_batching(), prompts, **seeded)
+    manager = engine.init_continuous_batching(speculative_config=server)
+    same(plain, run(manager, prompts, **seeded))
+    assert manager.stats().spec_num_drafts > 0
+    manager = engine.init_continuous_batching()
+    manager.start()
+    try:
+        with pytest.raises(GenerationConfigError, match="drafting layers must be 1 to 29"):
+            manager.add_request(prompts[1], assistant_early_exit=30)
+    finally:
+        manager.stop(timeout=30)
+
+
 def test_speculation_turns_off_above_its_batch_size(engine: Engine) -> None:
     server = SpeculativeConfig.from_dict({"method": "ngram", "disable_by_batch_size": 2})
     prompts = [chat(engine, PASSAGE)] * 4
@@ -212,6 +236,8 @@ def test_bad_speculation_options_are_refused(engine: Engine) -> None:
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_max"),
         ({"method": "ngram", "typo": 1}, "unknown speculative config field 'typo'"),
+        ({"method": "early_exit"}, "needs num_layers"),
+        ({"method": "ngram", "num_layers": 3}, "num_layers applies to the early_exit method"),
     ):
         with pytest.raises(SpeculativeConfigError, match=match):
             SpeculativeConfig.from_dict(bad)

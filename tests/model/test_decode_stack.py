@@ -137,6 +137,26 @@ def test_the_same_bits_as_layer_by_layer(
     assert stacked.shape == (len(lengths), cfg.vocab_size)
 
 
+def test_an_early_exit_through_the_first_layers_is_the_same_as_layer_by_layer(
+    kernel: PagedDecodeKernel,
+) -> None:
+    """Self-speculative drafting: the first layers, the final norm and the head, and those layers' K/V only."""
+    stack = _model(SMOL)
+    state = _prefilled(stack.model, kernel, [5, 30, 17], seed=3)
+    stacked_cache, layered_cache = state["caches"]
+    before = stacked_cache.kv.clone()
+    stacked = stack.run(state["decode"], stacked_cache, num_layers=1)
+    layered = stack.model(state["decode"], layered_cache, kernel, num_layers=1)
+    assert torch.equal(stacked, layered)
+    assert torch.equal(stacked_cache.kv, layered_cache.kv)
+    full = stack.model(
+        state["decode"], _prefilled(stack.model, kernel, [5, 30, 17], seed=3)["caches"][0], kernel
+    )
+    assert not torch.equal(stacked, full)  # the early exit is not the whole model
+    changed = [not torch.equal(stacked_cache.kv[i], before[i]) for i in range(SMOL.num_hidden_layers)]
+    assert changed == [True, False]  # the first layer's pages only
+
+
 def test_bad_slots_and_positions_are_refused_before_anything_is_written(kernel: PagedDecodeKernel) -> None:
     stack = _model(SMOL)
     state = _prefilled(stack.model, kernel, [5, 9], seed=1)

@@ -204,11 +204,18 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, inputs: BatchInputs, kv_cache: KVCache, decode_kernel: DecodeKernel | None = None
+        self,
+        inputs: BatchInputs,
+        kv_cache: KVCache,
+        decode_kernel: DecodeKernel | None = None,
+        num_layers: int | None = None,
     ) -> torch.Tensor:
         """Compute the batch's new tokens, writing their K/V into ``inputs.slot_mapping`` slots, and return
         fp32 logits ``[len(inputs.logits_indices), vocab_size]`` for the ``logits_indices`` rows only.
-        ``decode_kernel``: the decode-attention kernel (engine/executor/attention/backend.py), or None for SDPA."""
+        ``decode_kernel``: the decode-attention kernel (engine/executor/attention/backend.py), or None for SDPA.
+        ``num_layers``: only the first layers, then the final norm and the head (self-speculative drafting,
+        LayerSkip's early exit; their K/V only is written)."""
+        layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
         rows = inputs.logits_indices
         exits = ExitTaps(inputs.early_exits, rows)
         meta = PagedAttentionMetadata.build(
@@ -219,9 +226,9 @@ class LlamaForCausalLM(nn.Module):
         residual: torch.Tensor | None = None
         # Past the last layer's attention only the rows that need logits matter (llama.cpp's "skip unused
         # tokens"): a prefill chunk's other rows skip its o_proj and MLP.
-        pruned = rows.shape[0] < inputs.input_ids.shape[0] and len(self.model.layers) > 0
-        last = len(self.model.layers) - 1
-        for i, layer in enumerate(self.model.layers):
+        pruned = rows.shape[0] < inputs.input_ids.shape[0] and len(layers) > 0
+        last = len(layers) - 1
+        for i, layer in enumerate(layers):
             exits.tap(i, x, residual)  # DoLa: the stream entering layer i, for the rows that contrast it
             layer_rows = rows if pruned and i == last else None
             x, residual = layer(
