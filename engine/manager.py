@@ -20,6 +20,7 @@ from typing import Any
 from engine.admission import RequestLimits, check_prompt
 from engine.errors import EngineDeadError, QueueFullError
 from engine.executor.dola import LayerContrast
+from engine.executor.draft_model import DraftModel
 from engine.generation.config import GenerationConfig, GenerationConfigError
 from engine.generation.grammar import CompiledGrammar, GrammarCompiler
 from engine.generation.grammar_spec import GrammarSpec
@@ -72,7 +73,14 @@ class ContinuousBatchingManager:
         early_exit = None
         if layer_contrast is not None and isinstance(executor, Drafter):
             early_exit = EarlyExitProposer(executor, scheduler.kv_manager)
-        self.loop = EngineLoop(scheduler, executor, sampler, Speculator(disable_by, early_exit))
+        draft_model = getattr(executor, "draft_model", None)
+        if isinstance(draft_model, DraftModel):
+            draft_proposer: EarlyExitProposer | None = EarlyExitProposer(draft_model, scheduler.kv_manager)
+        else:
+            draft_proposer = None
+        self.loop = EngineLoop(
+            scheduler, executor, sampler, Speculator(disable_by, early_exit, draft_proposer)
+        )
         if speculative_config is not None:
             self._check_speculation(
                 speculation_for(generation_defaults, speculative_config), "speculative_config"
@@ -306,7 +314,16 @@ class ContinuousBatchingManager:
         )
 
     def _check_speculation(self, speculation: Speculation | None, field: str) -> None:
-        """Early exit needs a model that gives its layers' logits, through fewer layers than it has."""
+        """Early exit needs a model that gives its layers' logits, through fewer layers than it has; a draft
+        model must be loaded."""
+        if (
+            speculation is not None
+            and speculation.method == "draft_model"
+            and self.loop.speculator.draft_model is None
+        ):
+            raise GenerationConfigError(
+                field, "no draft model is loaded (Engine.from_pretrained's speculative_config)"
+            )
         if speculation is None or speculation.method != "early_exit":
             return
         if self.layer_contrast is None:

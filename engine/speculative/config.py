@@ -1,7 +1,8 @@
 """How a server speculates (``--speculative-config``, vLLM's spelling) and how one request does.
 
-Server-wide: ``{"method": "ngram" | "early_exit", "num_speculative_tokens": K, "prompt_lookup_min": ..,
-"prompt_lookup_max": .., "num_layers": .. (early_exit), "num_assistant_tokens_schedule": "heuristic" |
+Server-wide: ``{"method": "ngram" | "early_exit" | "draft_model", "num_speculative_tokens": K,
+"prompt_lookup_min": .., "prompt_lookup_max": .., "num_layers": .. (early_exit), "model": .. (draft_model:
+what ``--model`` takes, with the target's vocabulary), "num_assistant_tokens_schedule": "heuristic" |
 "constant", "disable_by_batch_size": ..}``. Per request, transformers' names: ``prompt_lookup_num_tokens`` (prompt
 lookup for this request, server config or not; 0 turns speculation off for it), ``max_matching_ngram_size``,
 ``assistant_early_exit`` (self-speculation through that many layers, server config or not),
@@ -24,7 +25,7 @@ from engine.generation.speculation import (
     Speculation,
 )
 
-METHODS = ("ngram", "early_exit")
+METHODS = ("ngram", "early_exit", "draft_model")
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 # More running requests than this and nobody drafts: the step is compute-bound, verifying costs more than
 # it saves (measured in docs/BENCHMARKS.md, "Speculative decoding").
@@ -44,6 +45,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     num_layers: int | None = None  # early_exit: the layers that draft
+    model: str | None = None  # draft_model: the model that drafts (a path or a name --model takes)
+    load_format: str = "auto"  # draft_model: how to read it ("dummy": random weights of a preset)
     num_assistant_tokens_schedule: str = "heuristic"
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
 
@@ -80,6 +83,10 @@ class SpeculativeConfig:
             _check_int("num_layers", self.num_layers, 1, 1 << 10)
         elif self.num_layers is not None:
             raise SpeculativeConfigError(f"num_layers applies to the early_exit method, not {self.method!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise SpeculativeConfigError(
+                "the draft_model method, and it alone, needs model: the model that drafts"
+            )
         if self.num_assistant_tokens_schedule not in SCHEDULES:
             raise SpeculativeConfigError(
                 f"num_assistant_tokens_schedule must be one of {', '.join(SCHEDULES)}, "

@@ -2,8 +2,8 @@
 
 After each step the engine asks ``propose`` for the drafts of the running sequences that speculate: each
 decoding sequence gets up to its draft length (``DraftLength``: the seeds' ``num_assistant_tokens_schedule``)
-from its method (prompt lookup: ngram.py; the model's first layers: early_exit.py), and the scheduler
-verifies them in the next step. With more than ``disable_by_batch_size``
+from its method (prompt lookup: ngram.py; the model's first layers or a draft model, one decode row per
+position: early_exit.py), and the scheduler verifies them in the next step. With more than ``disable_by_batch_size``
 running requests nobody drafts: the step is compute-bound and verifying would cost more than it saves.
 """
 
@@ -48,16 +48,18 @@ class Speculator:
         self,
         disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE,
         early_exit: EarlyExitProposer | None = None,
+        draft_model: EarlyExitProposer | None = None,
     ) -> None:
         self.disable_by_batch_size = disable_by_batch_size
         self.early_exit = early_exit  # None: the model cannot draft with its first layers
+        self.draft_model = draft_model  # None: no draft model is loaded
         self.stats = SpecDecodeStats()
 
     def propose(self, running: Sequence[Request]) -> None:
         """Set ``draft_ids`` on the running requests that decode and speculate."""
         if len(running) > self.disable_by_batch_size:
             return
-        by_layers: list[tuple[Request, int, Speculation]] = []
+        wanted: dict[str, list[tuple[Request, int, Speculation]]] = {"early_exit": [], "draft_model": []}
         for req in running:
             speculation: Speculation | None = req.payload.group.speculation
             if speculation is None or req.num_uncomputed_tokens != 1 or req.wants_prompt_logits:
@@ -75,11 +77,12 @@ class Speculator:
                     num_tokens,
                 )
             else:
-                by_layers.append((req, num_tokens, speculation))
-        if by_layers and self.early_exit is not None:
-            drafts = self.early_exit.propose(by_layers)
-            for req, _, _ in by_layers:
-                req.draft_ids = drafts.get(req.request_id, [])
+                wanted[speculation.method].append((req, num_tokens, speculation))
+        for method, proposer in (("early_exit", self.early_exit), ("draft_model", self.draft_model)):
+            if wanted[method] and proposer is not None:
+                drafts = proposer.propose(wanted[method])
+                for req, _, _ in wanted[method]:
+                    req.draft_ids = drafts.get(req.request_id, [])
 
     @staticmethod
     def _draft_length(req: Request, speculation: Speculation) -> int:

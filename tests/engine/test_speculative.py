@@ -127,6 +127,22 @@ def test_early_exit_drafts_with_the_first_layers_and_changes_nothing(engine: Eng
         manager.stop(timeout=30)
 
 
+def test_a_draft_model_follows_every_batch_and_drafts(engine: Engine) -> None:
+    prompts = [chat(engine, PASSAGE), engine.tokenizer.encode("The capital of France is")]
+    plain = run(engine.init_continuous_batching(), prompts, max_new_tokens=24)
+    itself = {"method": "draft_model", "model": "default", "num_speculative_tokens": 4}
+    manager = engine.init_continuous_batching(speculative_config=itself)
+    same(plain, run(manager, prompts, max_new_tokens=24))
+    stats = manager.stats()  # the target drafting for itself: every greedy draft is accepted
+    assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+    random_draft = {"method": "draft_model", "model": "smollm2-135m", "load_format": "dummy"}
+    seeded = {"max_new_tokens": 16, "do_sample": True, "seed": 5}
+    plain = run(engine.init_continuous_batching(), prompts, **seeded)
+    manager = engine.init_continuous_batching(speculative_config=random_draft)
+    same(plain, run(manager, prompts, **seeded))
+    assert manager.stats().spec_num_drafts > 0
+
+
 def test_speculation_turns_off_above_its_batch_size(engine: Engine) -> None:
     server = SpeculativeConfig.from_dict({"method": "ngram", "disable_by_batch_size": 2})
     prompts = [chat(engine, PASSAGE)] * 4
@@ -238,6 +254,8 @@ def test_bad_speculation_options_are_refused(engine: Engine) -> None:
         ({"method": "ngram", "typo": 1}, "unknown speculative config field 'typo'"),
         ({"method": "early_exit"}, "needs num_layers"),
         ({"method": "ngram", "num_layers": 3}, "num_layers applies to the early_exit method"),
+        ({"method": "draft_model"}, "needs model"),
+        ({"method": "ngram", "model": "default"}, "needs model"),
     ):
         with pytest.raises(SpeculativeConfigError, match=match):
             SpeculativeConfig.from_dict(bad)
