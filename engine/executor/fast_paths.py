@@ -42,7 +42,7 @@ from engine.executor.kernels.modules import (
 )
 from engine.executor.kernels.small_gemm import SmallGemm
 from engine.executor.models.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
-from engine.executor.models.llama import LlamaForCausalLM
+from engine.executor.models.registry import NativeModel
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class CpuFastPaths:
 
 
 def apply_cpu_fast_paths(
-    model: LlamaForCausalLM, blocks: Mapping[str, BlockCodes] | None = None, batch_invariant: bool = False
+    model: NativeModel, blocks: Mapping[str, BlockCodes] | None = None, batch_invariant: bool = False
 ) -> CpuFastPaths:
     """Swap the CPU kernels' modules into ``model`` after ``load_weights`` (which cannot run afterwards: the
     dense projections are freed; the embedding stays dense). ``blocks``: the checkpoint's block-quantized
@@ -74,7 +74,7 @@ def apply_cpu_fast_paths(
 
 
 def swap_linears(
-    model: LlamaForCausalLM, blocks: Mapping[str, BlockCodes], batch_invariant: bool = False
+    model: NativeModel, blocks: Mapping[str, BlockCodes], batch_invariant: bool = False
 ) -> tuple[SmallGemm | None, bool]:
     """Every ``Linear`` replaced where oneDNN can prepack this dtype (else none is); returns the small
     kernel where it serves them, and whether every row takes one kernel whatever its batch."""
@@ -114,7 +114,7 @@ def swap_linears(
     return small, not onednn
 
 
-def _amx(model: LlamaForCausalLM) -> AmxGemm | None:
+def _amx(model: NativeModel) -> AmxGemm | None:
     """The AMX kernel for a bfloat16 CPU model, where the CPU has AMX-BF16 and it could be built."""
     if not amx_gemm.supports(model.device, model.dtype):
         return None
@@ -162,7 +162,7 @@ def _arena(
 
 
 def _block_codes(
-    model: LlamaForCausalLM, linears: list[Linear], blocks: Mapping[str, BlockCodes]
+    model: NativeModel, linears: list[Linear], blocks: Mapping[str, BlockCodes]
 ) -> list[BlockCodes | None]:
     """Per Linear: its weight as ``blocks`` hold it (the fused ones' parts in row order), or None where a
     part is missing, parts mix kinds, or the blocks do not give the loaded weight bit for bit."""
@@ -185,7 +185,7 @@ def _block_codes(
     return result
 
 
-def swap_fused_ops(model: LlamaForCausalLM) -> CpuOps | None:
+def swap_fused_ops(model: NativeModel) -> CpuOps | None:
     """RMSNorm (with its residual add), the rotary embedding and SwiGLU's activation in the fused CPU ops:
     only on the CPU, in float32 or bfloat16, where the ops could be built (else the reason is logged)."""
     if not CpuOps.supports(model.device, model.dtype):

@@ -134,7 +134,8 @@ int cbserve_decode_stack(const cbserve_model *m, const cbserve_layer *layers,
 #pragma omp for schedule(dynamic, 1)
             for (int64_t item = 0; item < S * nkv; item++)
                 attend_item(attn, qkv, qkv_size, w->k_cache, w->v_cache, 0, block_tables, table_stride, seq_lens,
-                            nh, nkv, hd, bs, m->scale, m->sliding_window, item / nkv, item % nkv, my_scores);
+                            nh, nkv, hd, bs, m->scale, m->sliding_window, 0.0f /* no soft cap: no Gemma here */,
+                            item / nkv, item % nkv, my_scores);
             gemm_shared(y, H, attn, q_size, w->o, w->o_q, w->o_q_offsets, w->o_bias, S, H, q_size);
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < S; r++)
