@@ -280,11 +280,12 @@ class ModelConfig:
         if self.architecture == "phi3":
             d.update(sliding_window=self.sliding_window, partial_rotary_factor=1.0)
         if self.architecture in GEMMA_ARCHITECTURES:
+            scalar = round(self.attention_scale**-2, 6)  # transformers 5.x wants an int where it is one
             d.update(
                 hidden_act="gelu_pytorch_tanh",
                 hidden_activation="gelu_pytorch_tanh",
                 attention_bias=self.attention_bias,
-                query_pre_attn_scalar=round(self.attention_scale**-2, 6),
+                query_pre_attn_scalar=int(scalar) if scalar.is_integer() else scalar,
                 attn_logit_softcapping=self.attn_logit_softcapping,
                 final_logit_softcapping=self.final_logit_softcapping,
                 sliding_window=self.sliding_window,

@@ -328,6 +328,23 @@ def test_llama3_rope_scaling_changes_low_frequencies_only() -> None:
     assert torch.equal(rope_inv_freq(16, 10000.0, {"rope_type": "linear", "factor": 4.0}), plain / 4)
 
 
+@pytest.mark.parametrize("kind", ["gemma2_softcap_window", "gemma3_local_rope"])
+def test_gemma_in_bfloat16_stays_close_to_transformers(kind: str) -> None:
+    """bfloat16 weights and caches with the CPU fast paths and kernels (the norms' ``1 + weight`` rounded
+    once at load) against transformers in float32: close, not equal."""
+    hf_model = _tiny_hf_model(kind)
+    config = ModelConfig.from_hf_dict(hf_model.config.to_dict())
+    model = build_model(config, torch.bfloat16, "cpu")
+    model.load_weights(hf_model.state_dict().items())
+    apply_cpu_fast_paths(model)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+    cache = KVCache(2, 32, 16, config.num_key_value_heads, config.head_dim, torch.bfloat16, "cpu")
+    logits = prompt_logits(model, cache, prompts, "chunked", decode_kernel=cpu_kernel_or_skip())
+    ref = _hf_last_logits(hf_model, prompts)
+    assert (logits - ref).abs().max().item() <= 0.05 * ref.abs().max().item() + 0.02
+
+
 # ---------------------------------------------------------------------- load_weights errors
 @pytest.fixture(scope="module")
 def llama_pair() -> tuple[Any, LlamaForCausalLM]:
