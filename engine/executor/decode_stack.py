@@ -158,8 +158,9 @@ class CpuDecodeStack:
 
     @staticmethod
     def for_model(model: nn.Module) -> CpuDecodeStack | None:
-        """The stack for ``model``, or None where it does not apply (not a float32 Llama with the CPU fast
-        paths in, or per-head q/k norms) or cannot be built (the reason is logged)."""
+        """The stack for ``model``, or None where it does not apply (not a float32 Llama-family model with the
+        CPU fast paths in: Gemma's layers are not the C code's; or per-head q/k norms) or cannot be built
+        (the reason is logged)."""
         if not isinstance(model, LlamaForCausalLM) or model.dtype != torch.float32:
             return None
         if model.config.qk_norm:  # per-head norms: layers the C code does not run

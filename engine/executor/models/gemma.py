@@ -171,6 +171,9 @@ class GemmaForCausalLM(nn.Module):
             h, _ = self.model.norm.add_and_norm(x, residual)  # [num_logits, hidden]
         return self.compute_logits(h)  # [num_logits, vocab]
 
+    # DoLa's layer taps are the Llama code's only (``dola_layers`` is a 400 here)
+    supports_early_exits = False
+
     # ------------------------------------------------------------------ weights
     def weight_slots(self) -> dict[str, tuple[torch.Tensor, int, int]]:
         """HF tensor name -> (our parameter, first row, end row) it fills (see ``LlamaForCausalLM``)."""
