@@ -312,19 +312,9 @@ def paged_attention(
     ]
     if meta.prefill_part is not None:
         part = meta.prefill_part
-        parts.append(
-            part.kernel.prefill(
-                q[part.start : part.end],
-                k_cache,
-                v_cache,
-                part.block_tables,
-                part.query_starts,
-                part.seq_lens,
-                scale,
-                window,
-                softcap,
-            )  # fmt: skip
-        )
+        queries = q[part.start : part.end]
+        args = (part.block_tables, part.query_starts, part.seq_lens, scale, window, softcap)
+        parts.append(part.kernel.prefill(queries, k_cache, v_cache, *args))
     for p in meta.prefill:
         rows = slice(p.start, p.end)
         parts.append(_prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, p, scale, softcap))
