@@ -325,24 +325,34 @@ def test_dummy_weights_for_any_architecture(name: str, tmp_path: Path) -> None:
     assert all(len(o.generated_ids) == MAX_NEW for o in out)
 
 
-def test_a_non_llama_model_over_http(folders: dict[str, Path], oracle: dict[str, list[list[int]]]) -> None:
+@pytest.mark.parametrize(
+    ("arch", "model_impl"), [("gemma3_text", "transformers"), ("gemma2_softcap", "native")]
+)
+def test_a_non_llama_model_over_http(
+    arch: str, model_impl: str, folders: dict[str, Path], oracle: dict[str, list[list[int]]]
+) -> None:
+    """Gemma 3 through the backend, Gemma 2 (soft caps, windows) on the native code: the official client's
+    greedy completion is transformers' ``generate()``."""
     import openai
     from server_fixtures import serve_in_thread
 
     from server.app import build_app
     from server.config import ServerConfig
 
-    engine = serve(folders["gemma3_text"])
-    app = build_app(engine, ServerConfig(served_model_name="tiny-gemma3"))
-    with serve_in_thread(app, "tiny-gemma3") as base_url:
+    engine = Engine.from_pretrained(
+        str(folders[arch]), device="cpu", dtype="float32", model_impl=model_impl, num_blocks=64
+    )
+    assert isinstance(engine.model, TransformersForCausalLM) == (model_impl == "transformers")
+    app = build_app(engine, ServerConfig(served_model_name="tiny-gemma"))
+    with serve_in_thread(app, "tiny-gemma") as base_url:
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=60)
-        assert [m.id for m in client.models.list().data] == ["tiny-gemma3"]
+        assert [m.id for m in client.models.list().data] == ["tiny-gemma"]
         reply = client.completions.create(
-            model="tiny-gemma3", prompt=PROMPTS[0], max_tokens=MAX_NEW, temperature=0.0,
+            model="tiny-gemma", prompt=PROMPTS[0], max_tokens=MAX_NEW, temperature=0.0,
             extra_body={"ignore_eos": True},
         )  # fmt: skip
     assert reply.usage is not None and reply.usage.completion_tokens == MAX_NEW
-    assert reply.choices[0].text == engine.tokenizer.decode(oracle["gemma3_text"][0])
+    assert reply.choices[0].text == engine.tokenizer.decode(oracle[arch][0])
 
 
 # ---------------------------------------------------------------------- refused at start
