@@ -8,7 +8,8 @@ as gpt-fast's ``replace_linear_int4`` does: the model's code stays the architect
                                               QuantPanelLinear where the checkpoint's blocks give W exactly
             bfloat16, batch_invariant, AMX:   AmxLinear (every K a multiple of 32; else PackedLinear)
             otherwise, where oneDNN packs:    PackedLinear
-        RMSNorm -> FusedRMSNorm, RotaryEmbedding -> FusedRotaryEmbedding, SiluAndMul -> FusedSiLUMul
+        RMSNorm -> FusedRMSNorm, RotaryEmbedding -> FusedRotaryEmbedding, SiluAndMul -> FusedSiLUMul,
+        GeluTanhAndMul -> FusedGeluTanhMul
             (float32 or bfloat16 on the CPU, where the ops could be built)
 
 Nothing is swapped where the CPU, the dtype or the torch build does not allow it, and a kernel that cannot
@@ -33,6 +34,7 @@ from engine.executor.kernels.block_codes import BlockCodes
 from engine.executor.kernels.cpu_ops import CpuOps
 from engine.executor.kernels.modules import (
     AmxLinear,
+    FusedGeluTanhMul,
     FusedRMSNorm,
     FusedRotaryEmbedding,
     FusedSiLUMul,
@@ -41,7 +43,7 @@ from engine.executor.kernels.modules import (
     SmallGemmLinear,
 )
 from engine.executor.kernels.small_gemm import SmallGemm
-from engine.executor.models.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
+from engine.executor.models.layers import GeluTanhAndMul, Linear, RMSNorm, RotaryEmbedding, SiluAndMul
 from engine.executor.models.registry import NativeModel
 
 logger = logging.getLogger(__name__)
@@ -186,7 +188,7 @@ def _block_codes(
 
 
 def swap_fused_ops(model: NativeModel) -> CpuOps | None:
-    """RMSNorm (with its residual add), the rotary embedding and SwiGLU's activation in the fused CPU ops:
+    """RMSNorm (with its residual add), the rotary embedding and SwiGLU's (GeGLU's) activation in the fused CPU ops:
     only on the CPU, in float32 or bfloat16, where the ops could be built (else the reason is logged)."""
     if not CpuOps.supports(model.device, model.dtype):
         return None
@@ -210,6 +212,8 @@ def _fused(module: nn.Module, ops: CpuOps) -> nn.Module | None:
         return FusedRotaryEmbedding(module, ops)
     if type(module) is SiluAndMul:
         return FusedSiLUMul(ops)
+    if type(module) is GeluTanhAndMul:
+        return FusedGeluTanhMul(ops)
     return None
 
 

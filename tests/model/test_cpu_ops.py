@@ -37,7 +37,7 @@ def _close(ours: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
     if dtype == torch.float32:
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
     else:  # a one-ulp flip where libm's expf and torch's exp round differently
-        torch.testing.assert_close(ours.float(), ref.float(), rtol=2 ** -7, atol=1e-3)
+        torch.testing.assert_close(ours.float(), ref.float(), rtol=2**-7, atol=1e-3)
 
 
 def _norm(dim: int, dtype: torch.dtype, gen: torch.Generator) -> RMSNorm:
@@ -89,6 +89,16 @@ def test_silu_and_mul_matches_pytorch(ops: CpuOps, dtype: torch.dtype, inter: in
     gate_up = (torch.randn(5, 2 * inter, generator=gen) * 6).to(dtype)
     gate, up = gate_up.split(inter, dim=-1)
     _close(ops.silu_and_mul(gate_up), F.silu(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [96, 21])
+def test_gelu_tanh_and_mul_matches_pytorch(ops: CpuOps, dtype: torch.dtype, inter: int) -> None:
+    """Gemma's gate: ``gelu(gate, approximate="tanh") * up``."""
+    gen = torch.Generator().manual_seed(inter)
+    gate_up = (torch.randn(5, 2 * inter, generator=gen) * 6).to(dtype)
+    gate, up = gate_up.split(inter, dim=-1)
+    _close(ops.gelu_tanh_and_mul(gate_up), F.gelu(gate, approximate="tanh") * up, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

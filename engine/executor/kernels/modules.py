@@ -9,6 +9,7 @@
     FusedRMSNorm          RMSNorm with its residual add in one C call (cpu_ops.py)
     FusedRotaryEmbedding  q and k rotated in place in one C call
     FusedSiLUMul          SwiGLU's ``silu(gate) * up`` in one C call
+    FusedGeluTanhMul      Gemma's ``gelu_tanh(gate) * up`` in one C call
 """
 
 from __future__ import annotations
@@ -162,3 +163,14 @@ class FusedSiLUMul(nn.Module):
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.ops.silu_and_mul(gate_up)  # [rows, inter]
+
+
+class FusedGeluTanhMul(nn.Module):
+    """``GeluTanhAndMul`` (Gemma) in one C call: ``gate_up`` ``[rows, 2 * inter]`` -> ``[rows, inter]``."""
+
+    def __init__(self, ops: CpuOps) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.ops.gelu_tanh_and_mul(gate_up)  # [rows, inter]

@@ -15,8 +15,9 @@ CPU kernels compute it, and the PyTorch path where SDPA would run).
 The attention, the projections, the MLP and the paged KV cache are the Llama code's
 (engine/executor/models/llama.py); the batch is the same flattened ragged ``BatchInputs``. Each layer reads
 the attention metadata of its window, built once per forward for each window the model has. The CPU fast
-paths swap the same modules (engine/executor/fast_paths.py; the GELU gate stays PyTorch's); the decode
-stack (engine/executor/decode_stack.py) runs Llama's layer only, so Gemma's decode steps run layer by layer.
+paths swap the same modules (engine/executor/fast_paths.py, the GELU gate too); the float32 decode stack
+(engine/executor/decode_stack.py) runs Gemma 2's layers from ``decoder_table`` (Gemma 3's q/k norms and
+second rotary table keep its decode steps layer by layer).
 
 NOTE: the ``(1 + weight)`` of the norms is added to the loaded weights once (``_fold_norm_offsets``), so the
 norms are the Llama code's ``RMSNorm`` and take the fused CPU op. In float32 that is the same arithmetic as
@@ -46,7 +47,14 @@ from engine.executor.models.layers import (
     RotaryInputs,
     empty_param,
 )
-from engine.executor.models.llama import Attention, attention_slots, copy_weights, mlp_slots
+from engine.executor.models.llama import (
+    Attention,
+    DecoderTable,
+    LayerModules,
+    attention_slots,
+    copy_weights,
+    mlp_slots,
+)
 from engine.model_config import ModelConfig
 
 
@@ -170,6 +178,22 @@ class GemmaForCausalLM(nn.Module):
         else:
             h, _ = self.model.norm.add_and_norm(x, residual)  # [num_logits, hidden]
         return self.compute_logits(h)  # [num_logits, vocab]
+
+    def decoder_table(self) -> DecoderTable:
+        """The decoder's modules, flat (see ``llama.DecoderTable``): the pre-feedforward norm as the norm
+        before the MLP, the norms of the attention's and the MLP's outputs beside."""
+        layers = []
+        for module in self.model.layers:
+            layer = cast(GemmaDecoderLayer, module)
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append(
+                LayerModules(
+                    layer.input_layernorm, attn.qkv_proj, attn.o_proj, layer.pre_feedforward_layernorm,
+                    mlp.gate_up_proj, mlp.act_fn, mlp.down_proj, attn.rotates, layer.window,
+                    layer.post_attention_layernorm, layer.post_feedforward_layernorm,
+                )
+            )  # fmt: skip
+        return DecoderTable(tuple(layers), self.model.norm, self.rotary)
 
     # DoLa's layer taps are the Llama code's only (``dola_layers`` is a 400 here)
     supports_early_exits = False

@@ -150,7 +150,8 @@ class LlamaModel(nn.Module):
 @dataclass(frozen=True)
 class LayerModules:
     """One decoder layer's modules in the order they run, as loaded or as swapped (without Qwen3's
-    per-head norms)."""
+    per-head norms). ``post_norm`` is the norm before the MLP (Gemma's pre-feedforward norm); Gemma also
+    norms the attention's and the MLP's outputs (``post_attn_norm``, ``post_ff_norm``)."""
 
     input_norm: nn.Module
     qkv_proj: nn.Module
@@ -160,6 +161,9 @@ class LayerModules:
     act_fn: nn.Module
     down_proj: nn.Module
     rotates: bool = True  # False: attention without rotary embeddings (SmolLM3's NoPE layers)
+    sliding_window: int | None = None  # the layer's window (None: the whole context)
+    post_attn_norm: nn.Module | None = None
+    post_ff_norm: nn.Module | None = None
 
 
 @dataclass(frozen=True)
@@ -258,7 +262,7 @@ class LlamaForCausalLM(nn.Module):
             layers.append(
                 LayerModules(
                     layer.input_layernorm, attn.qkv_proj, attn.o_proj, layer.post_attention_layernorm,
-                    mlp.gate_up_proj, mlp.act_fn, mlp.down_proj, attn.rotates,
+                    mlp.gate_up_proj, mlp.act_fn, mlp.down_proj, attn.rotates, self.config.sliding_window,
                 )
             )  # fmt: skip
         return DecoderTable(tuple(layers), self.model.norm, self.rotary)
