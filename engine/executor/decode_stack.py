@@ -9,7 +9,7 @@ layer in one parallel region: the result is that of the layer-by-layer path (tes
 
 It reads its weights from the model's flat table (``decoder_table`` of the Llama or Gemma model) once the
 CPU fast paths are in (engine/executor/fast_paths.py): float32, every projection in the small kernel's
-panels, the fused ops, no per-head q/k norms (Qwen3, Gemma 3), one rotary table. It runs steps where every sequence computes one token with the CPU
+panels, the fused ops (per-head q/k norms and each layer's rotary table included: Qwen3, Gemma 3). It runs steps where every sequence computes one token with the CPU
 decode kernel (``CpuDecodeStack.can_run``); everything else runs layer by layer.
 """
 
@@ -64,6 +64,7 @@ class _Layer(ctypes.Structure):
         ("post_attn_norm", _ptr),
         ("post_ff_norm", _ptr),
         ("gelu", _i64),
+        *((name, _ptr) for name in ("q_norm", "k_norm", "cos", "sin_signed")),
     ]  # fmt: skip
 
 
@@ -75,8 +76,6 @@ class _Model(ctypes.Structure):
         ("eps", _f32),
         ("scale", _f32),
         ("softcap", _f32),
-        ("cos", _ptr),
-        ("sin_signed", _ptr),
         ("final_norm", _ptr),
     ]
 
@@ -109,16 +108,23 @@ class StackLayer:
     post_attn_norm: torch.Tensor | None  # Gemma's norms of the attention's and the MLP's outputs
     post_ff_norm: torch.Tensor | None
     gelu: bool  # the MLP's gate: GELU-tanh (Gemma) or SiLU
+    q_norm: torch.Tensor | None  # per-head norms of q and k (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None
+    rotary: FusedRotaryEmbedding  # the layer's tables (Gemma 3's local layers have their own)
 
     @staticmethod
-    def of(layer: LayerModules) -> StackLayer | None:
-        """``layer``'s weights, or None where a module is not the fast path the stack reproduces."""
+    def of(layer: LayerModules, rotary: nn.Module) -> StackLayer | None:
+        """``layer``'s weights (``rotary``: the model's, where the layer has none of its own), or None where
+        a module is not the fast path the stack reproduces."""
         projections = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-        output_norms = [m for m in (layer.post_attn_norm, layer.post_ff_norm) if m is not None]
+        optional_norms = (layer.post_attn_norm, layer.post_ff_norm, layer.q_norm, layer.k_norm)
+        norms = [layer.input_norm, layer.post_norm, *(m for m in optional_norms if m is not None)]
+        layer_rotary = layer.rotary or rotary
         if not (
             all(isinstance(m, Panels) for m in projections)
-            and all(isinstance(m, FusedRMSNorm) for m in (layer.input_norm, layer.post_norm, *output_norms))
+            and all(isinstance(m, FusedRMSNorm) for m in norms)
             and isinstance(layer.act_fn, FusedSiLUMul | FusedGeluTanhMul)
+            and isinstance(layer_rotary, FusedRotaryEmbedding)
         ):
             return None
         qkv, o, gate_up, down = (m for m in projections if isinstance(m, Panels))
@@ -126,6 +132,7 @@ class StackLayer:
         return StackLayer(
             input_norm.weight, qkv, o, post_norm.weight, gate_up, down, layer.rotates, layer.sliding_window,
             _weight(layer.post_attn_norm), _weight(layer.post_ff_norm), isinstance(layer.act_fn, FusedGeluTanhMul),
+            _weight(layer.q_norm), _weight(layer.k_norm), layer_rotary,
         )  # fmt: skip
 
     def struct(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> _Layer:
@@ -138,7 +145,8 @@ class StackLayer:
             k_cache.data_ptr(), v_cache.data_ptr(),
             *(_ptr_of(q) for q in quantized), *(int(q is not None and has_offsets(q)) for q in quantized),
             int(self.rotate), self.sliding_window or 0, _ptr_of(self.post_attn_norm), _ptr_of(self.post_ff_norm),
-            int(self.gelu),
+            int(self.gelu), _ptr_of(self.q_norm), _ptr_of(self.k_norm), self.rotary.cos.data_ptr(),
+            self.rotary.sin_signed.data_ptr(),
         )  # fmt: skip
 
 
@@ -180,16 +188,11 @@ class CpuDecodeStack:
     @staticmethod
     def for_model(model: nn.Module) -> CpuDecodeStack | None:
         """The stack for ``model``, or None where it does not apply (not a float32 Llama-family or Gemma model
-        with the CPU fast paths in, per-head q/k norms, Gemma 3's second rotary table) or cannot be built
-        (the reason is logged)."""
+        with the CPU fast paths in) or cannot be built (the reason is logged)."""
         if not isinstance(model, LlamaForCausalLM | GemmaForCausalLM) or model.dtype != torch.float32:
             return None
-        if model.config.qk_norm:  # per-head norms: layers the C code does not run
-            return None
-        if isinstance(model, GemmaForCausalLM) and model.local_rotary is not None:  # one table in the C code
-            return None
         table = model.decoder_table()
-        layers = [StackLayer.of(layer) for layer in table.layers]
+        layers = [StackLayer.of(layer, table.rotary) for layer in table.layers]
         norm, rotary, head = table.final_norm, table.rotary, model.lm_head
         if not (
             isinstance(norm, FusedRMSNorm)
@@ -253,7 +256,7 @@ class CpuDecodeStack:
             len(self.layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.head_dim, cfg.intermediate_size, kv_cache.num_blocks, kv_cache.block_size,
             self.rotary.cos.shape[0], cfg.rms_norm_eps, cfg.attention_scale, cfg.attn_logit_softcapping or 0.0,
-            self.rotary.cos.data_ptr(), self.rotary.sin_signed.data_ptr(), self.final_norm.weight.data_ptr(),
+            self.final_norm.weight.data_ptr(),
         )  # fmt: skip
         self._tables = (kv_cache, desc, layers)
         return desc, layers

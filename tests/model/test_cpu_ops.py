@@ -156,12 +156,16 @@ def test_positions_past_the_rotary_table_raise_before_the_ops_read_it(ops: CpuOp
 
 
 def test_modules_use_the_ops_only_where_they_apply(ops: CpuOps) -> None:
-    """Per-head (3-D) norms of Qwen3 fall back to PyTorch; 2-D ones take the op."""
+    """Per-head (3-D) norms of Qwen3 and Gemma 3, on a strided view of the fused projection as the attention
+    passes them, take the op one head a row, as the decode stack does (the same bits)."""
     gen = torch.Generator().manual_seed(0)
     norm = _norm(16, torch.float32, gen)
-    x = torch.randn(3, 4, 16, generator=gen)
+    qkv = torch.randn(3, 8 * 16, generator=gen)
+    x = qkv.view(3, 8, 16)[:, 2:6]  # [tokens, heads, head_dim], tokens strided
     ref = norm(x)
-    torch.testing.assert_close(FusedRMSNorm(norm, ops)(x), ref)
+    fused = FusedRMSNorm(norm, ops)(x)
+    torch.testing.assert_close(fused, ref)
+    assert torch.equal(fused, ops.rms_norm(x.reshape(12, 16), norm.weight, norm.eps).view(3, 4, 16))
     mlp = GatedMLP(16, 24, torch.float32, CPU)
     assert type(mlp.act_fn) is SiluAndMul  # a module is plain PyTorch until the fast paths swap it
 

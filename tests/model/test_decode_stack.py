@@ -1,8 +1,9 @@
 """The decode stack (engine/executor/decode_stack.py): every decoder layer of a float32 CPU decode step in one C
 call gives the bits of the layer-by-layer path (the same kernels in the same order), writes the same K/V,
 keeps the caller's logits order, refuses bad slots and positions before writing anything, and runs
-exactly the steps it can: pure decode batches with the CPU decode kernel, float32 with the CPU fast paths in,
-no per-head q/k norms. Gemma 2's layers (four norms, GELU-tanh, soft caps, per-layer windows) included.
+exactly the steps it can: pure decode batches with the CPU decode kernel, float32 with the CPU fast paths in.
+Gemma 2's layers (four norms, GELU-tanh, soft caps, per-layer windows), Gemma 3's and Qwen3's per-head q/k
+norms and Gemma 3's second rotary table included.
 Its agreement with transformers is checked by tests/model/test_model_correctness.py (the "cpu" path)."""
 
 from __future__ import annotations
@@ -67,6 +68,14 @@ GEMMA2 = dataclasses.replace(SMOL, architecture="gemma2", sliding_window=24, ful
                              attn_logit_softcapping=0.5, final_logit_softcapping=3.0, attention_multiplier=0.1)  # fmt: skip
 
 
+# Gemma 3: q/k norms per head, the local layer rotated by its own table (base 1e4), the global one by a
+# linearly scaled one; Qwen3: q/k norms
+GEMMA3 = dataclasses.replace(SMOL, architecture="gemma3_text", qk_norm=True, sliding_window=24,
+                             full_attention_layers=(1,), local_rope_theta=1e4, rope_theta=1e6,
+                             rope_scaling={"rope_type": "linear", "factor": 4.0}, attention_multiplier=0.1)  # fmt: skip
+QWEN3 = dataclasses.replace(SMOL, architecture="qwen3", qk_norm=True)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _two_threads() -> Iterator[None]:
     before = torch.get_num_threads()
@@ -126,7 +135,15 @@ def _count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    "cfg", [SMOL, ODD, GEMMA2], ids=["smollm2-shapes", "bias-window-head32", "gemma2-softcap-windows"]
+    "cfg",
+    [SMOL, ODD, GEMMA2, GEMMA3, QWEN3],
+    ids=[
+        "smollm2-shapes",
+        "bias-window-head32",
+        "gemma2-softcap-windows",
+        "gemma3-qk-norms-local-rope",
+        "qwen3",
+    ],
 )
 @pytest.mark.parametrize("lengths", [[7], [1, 15, 16, 17, 40, 33, 90, 2]], ids=["one", "eight"])
 def test_the_same_bits_as_layer_by_layer(
@@ -178,14 +195,6 @@ def test_only_pure_float32_decode_steps_with_the_cpu_kernel_take_it(
     assert calls == []
     stack.forward(state["decode"], cache, kernel)
     assert calls == [2]
-    qwen3 = dataclasses.replace(SMOL, architecture="qwen3", qk_norm=True)
-    with_norms = build_model(qwen3, torch.float32, CPU)
-    apply_cpu_fast_paths(with_norms)
-    assert CpuDecodeStack.for_model(with_norms) is None
-    gemma3 = dataclasses.replace(SMOL, architecture="gemma3_text", qk_norm=True, local_rope_theta=1e4)
-    with_local_rope = build_model(gemma3, torch.float32, CPU)
-    apply_cpu_fast_paths(with_local_rope)
-    assert CpuDecodeStack.for_model(with_local_rope) is None
     bf16 = build_model(SMOL, torch.bfloat16, CPU)
     apply_cpu_fast_paths(bf16)
     assert CpuDecodeStack.for_model(bf16) is None

@@ -147,8 +147,6 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         ),
     ),  # fmt: skip
 }
-# the families whose decode steps run layer by layer (the decode stack takes no per-head q/k norms)
-LAYER_BY_LAYER = {"qwen3_qk_norm", "gemma3_local_rope"}
 
 
 def _tiny_hf_model(kind: str) -> Any:
@@ -263,14 +261,13 @@ def test_tiny_greedy_tokens_with_the_cpu_decode_kernel_and_ops(tiny: dict[str, A
 @pytest.mark.parametrize("mode", MODES)
 def test_tiny_greedy_tokens_through_the_decode_stack(tiny: dict[str, Any], mode: Mode) -> None:
     """Prepacked weights, the fused ops and decode steps' layers in one C call (engine/executor/decode_stack.py):
-    Llama's scaled RoPE, Mistral's window, Qwen2's biases and Gemma 2's norms, GELU, soft caps and per-layer
-    windows inside the stack; Qwen3's and Gemma 3's q/k norms keep it layer by layer."""
+    Llama's scaled RoPE, Mistral's window, Qwen2's biases, Qwen3's and Gemma 3's q/k norms, Gemma 2's norms,
+    GELU, soft caps and per-layer windows and Gemma 3's local rotary table inside the stack."""
     ours: CpuDecodeStack | NativeModel = tiny["stacked"]
-    if not isinstance(ours, CpuDecodeStack) and tiny["kind"] not in LAYER_BY_LAYER:
+    if not isinstance(ours, CpuDecodeStack):
         pytest.skip("the decode stack cannot be used here (no oneDNN or no C compiler)")
     kernel = cpu_kernel_or_skip()
-    model = ours.model if isinstance(ours, CpuDecodeStack) else ours
-    tokens = run_greedy(ours, _cache_for(model, tiny["prompts"], 16), tiny["prompts"], NEW_TOKENS, mode,
+    tokens = run_greedy(ours, _cache_for(ours.model, tiny["prompts"], 16), tiny["prompts"], NEW_TOKENS, mode,
                         decode_kernel=kernel)  # fmt: skip
     assert tokens == tiny["ref_tokens"]
 

@@ -113,7 +113,8 @@ class AmxLinear(nn.Module):
 
 class FusedRMSNorm(RMSNorm):
     """``RMSNorm`` of rows in one C call, and ``add_and_norm`` with the residual updated in place. Per-head
-    norms (Qwen3's q/k: 3-D) stay on the PyTorch path."""
+    norms (Qwen3's and Gemma 3's q/k: 3-D) norm each head as a row (the decode stack's C layer does the
+    same, so both give the same bits)."""
 
     def __init__(self, norm: RMSNorm, ops: CpuOps) -> None:
         super().__init__(0, norm.eps, norm.weight.dtype, norm.weight.device)
@@ -123,6 +124,9 @@ class FusedRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.stride(1) == 1:
             return self.ops.rms_norm(x, self.weight, self.eps)  # [rows, hidden]
+        if x.dim() == 3 and x.shape[-1] == self.weight.shape[0]:  # [tokens, heads, head_dim]
+            heads = x.reshape(-1, x.shape[-1])  # [tokens * heads, head_dim]; a copy of a strided view
+            return self.ops.rms_norm(heads, self.weight, self.eps).view(x.shape)
         return super().forward(x)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,8 +16,7 @@ The attention, the projections, the MLP and the paged KV cache are the Llama cod
 (engine/executor/models/llama.py); the batch is the same flattened ragged ``BatchInputs``. Each layer reads
 the attention metadata of its window, built once per forward for each window the model has. The CPU fast
 paths swap the same modules (engine/executor/fast_paths.py, the GELU gate too); the float32 decode stack
-(engine/executor/decode_stack.py) runs Gemma 2's layers from ``decoder_table`` (Gemma 3's q/k norms and
-second rotary table keep its decode steps layer by layer).
+(engine/executor/decode_stack.py) runs the layers from ``decoder_table``.
 
 NOTE: the ``(1 + weight)`` of the norms is added to the loaded weights once (``_fold_norm_offsets``), so the
 norms are the Llama code's ``RMSNorm`` and take the fused CPU op. In float32 that is the same arithmetic as
@@ -181,7 +180,8 @@ class GemmaForCausalLM(nn.Module):
 
     def decoder_table(self) -> DecoderTable:
         """The decoder's modules, flat (see ``llama.DecoderTable``): the pre-feedforward norm as the norm
-        before the MLP, the norms of the attention's and the MLP's outputs beside."""
+        before the MLP, the norms of the attention's and the MLP's outputs beside, the local layers' rotary
+        embedding (Gemma 3's)."""
         layers = []
         for module in self.model.layers:
             layer = cast(GemmaDecoderLayer, module)
@@ -190,7 +190,8 @@ class GemmaForCausalLM(nn.Module):
                 LayerModules(
                     layer.input_layernorm, attn.qkv_proj, attn.o_proj, layer.pre_feedforward_layernorm,
                     mlp.gate_up_proj, mlp.act_fn, mlp.down_proj, attn.rotates, layer.window,
-                    layer.post_attention_layernorm, layer.post_feedforward_layernorm,
+                    layer.post_attention_layernorm, layer.post_feedforward_layernorm, attn.q_norm, attn.k_norm,
+                    self.local_rotary if layer.window is not None else None,
                 )
             )  # fmt: skip
         return DecoderTable(tuple(layers), self.model.norm, self.rotary)

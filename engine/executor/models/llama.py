@@ -149,9 +149,11 @@ class LlamaModel(nn.Module):
 
 @dataclass(frozen=True)
 class LayerModules:
-    """One decoder layer's modules in the order they run, as loaded or as swapped (without Qwen3's
-    per-head norms). ``post_norm`` is the norm before the MLP (Gemma's pre-feedforward norm); Gemma also
-    norms the attention's and the MLP's outputs (``post_attn_norm``, ``post_ff_norm``)."""
+    """One decoder layer's modules in the order they run, as loaded or as swapped.
+    ``post_norm`` is the norm before the MLP (Gemma's pre-feedforward norm); Gemma also norms the
+    attention's and the MLP's outputs (``post_attn_norm``, ``post_ff_norm``); Qwen3 and Gemma 3 norm q and k
+    per head (``q_norm``, ``k_norm``); ``rotary``: the layer's own rotary embedding (Gemma 3's local
+    layers), None for the model's."""
 
     input_norm: nn.Module
     qkv_proj: nn.Module
@@ -164,6 +166,9 @@ class LayerModules:
     sliding_window: int | None = None  # the layer's window (None: the whole context)
     post_attn_norm: nn.Module | None = None
     post_ff_norm: nn.Module | None = None
+    q_norm: nn.Module | None = None
+    k_norm: nn.Module | None = None
+    rotary: nn.Module | None = None
 
 
 @dataclass(frozen=True)
@@ -263,6 +268,7 @@ class LlamaForCausalLM(nn.Module):
                 LayerModules(
                     layer.input_layernorm, attn.qkv_proj, attn.o_proj, layer.post_attention_layernorm,
                     mlp.gate_up_proj, mlp.act_fn, mlp.down_proj, attn.rotates, self.config.sliding_window,
+                    q_norm=attn.q_norm, k_norm=attn.k_norm,
                 )
             )  # fmt: skip
         return DecoderTable(tuple(layers), self.model.norm, self.rotary)

@@ -10,7 +10,8 @@
  *
  *   residual += y;  n = input_norm(residual)           (layer 0: residual = x, the embeddings)
  *   qkv = n Wqkv^T (+ b)                                small_gemm.c's panels
- *   rotate q and k; store k and v in their cache slots  cpu_ops.c, paged_decode.c
+ *   [Qwen3, Gemma 3: q and k normed per head]
+ *   rotate q and k (the layer's table); store k and v   cpu_ops.c, paged_decode.c
  *   a = attention(q, pages)                             paged_decode.c, one item per (sequence, KV head),
  *                                                       in the layer's window, scores soft-capped (Gemma 2)
  *   y = a Wo^T (+ b)                                    [Gemma: y = post_attention_norm(y)]
@@ -45,13 +46,14 @@ typedef struct {
     int64_t sliding_window;     /* this layer's window, <= 0: none */
     const float *post_attn_norm, *post_ff_norm; /* [hidden]: Gemma's norms of each block's output, or NULL */
     int64_t gelu;               /* 1: m = gelu_tanh(gate) * up (Gemma); 0: silu */
+    const float *q_norm, *k_norm; /* [head_dim]: per-head norms of q and k before the rotation, or NULL */
+    const float *cos, *sin_signed; /* [max_positions, head_dim]: the layer's rotary tables of cpu_ops.c */
 } cbserve_layer;
 
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
     int64_t num_blocks, block_size, max_positions;
     float eps, scale, softcap /* <= 0: none */;
-    const float *cos, *sin_signed; /* [max_positions, head_dim]: the rotary tables of cpu_ops.c */
     const float *final_norm;       /* [hidden] */
 } cbserve_model;
 
@@ -129,7 +131,12 @@ int cbserve_decode_stack(const cbserve_model *m, const cbserve_layer *layers,
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < S; t++) {
                 float *row = qkv + t * qkv_size;
-                const float *c = m->cos + positions[t] * hd, *sn = m->sin_signed + positions[t] * hd;
+                if (w->q_norm != NULL)
+                    for (int64_t h = 0; h < nh; h++) rms_norm_f32(row + h * hd, NULL, row + h * hd, w->q_norm, hd, m->eps);
+                if (w->k_norm != NULL)
+                    for (int64_t h = nh; h < nh + nkv; h++)
+                        rms_norm_f32(row + h * hd, NULL, row + h * hd, w->k_norm, hd, m->eps);
+                const float *c = w->cos + positions[t] * hd, *sn = w->sin_signed + positions[t] * hd;
                 if (w->rotate)
                     for (int64_t h = 0; h < nh + nkv; h++) rotary_f32(row + h * hd, c, sn, hd / 2);
                 write_token_kv(w->k_cache, w->v_cache, row + q_size, row + q_size + kv_size, slots[t], nkv, hd,
