@@ -28,9 +28,7 @@ from engine.executor.kernels.block_codes import BLOCK, BlockCodes
 
 SOURCE = Path(__file__).with_name("csrc") / "small_gemm.c"
 PANEL = 16
-MAX_ROWS = (
-    64  # calls of at most this many rows use the kernel (faster than oneDNN up to here: docs/BENCHMARKS.md)
-)
+MAX_ROWS = 64  # calls of at most this many rows use the kernel (faster than oneDNN up to here: docs/BENCHMARKS.md)
 # calls of at most this many rows use a weight's quantized panels where it has them: one register block of
 # rows, each weight expanded in registers; more rows pay more for expanding than the bytes save (docs/MODEL.md)
 QUANTIZED_MAX_ROWS = 6
@@ -74,16 +72,11 @@ class SmallGemm:
         self._qgemm.restype = ctypes.c_int
         if int(lib.cbserve_small_gemm_panel()) != PANEL:
             raise RuntimeError("small_gemm.c and small_gemm.py disagree on the panel width")
-        if (
-            int(lib.cbserve_small_gemm_rows()) != QUANTIZED_MAX_ROWS
-        ):  # the rows whose weights stay in registers
+        if int(lib.cbserve_small_gemm_rows()) != QUANTIZED_MAX_ROWS:  # the rows whose weights stay in registers
             raise RuntimeError("small_gemm.c's register block and QUANTIZED_MAX_ROWS disagree")
         lib.cbserve_small_gemm_qblock_bytes.argtypes = [ctypes.c_int]
         lib.cbserve_small_gemm_qblock_bytes.restype = i64
-        if [lib.cbserve_small_gemm_qblock_bytes(o) for o in (0, 1)] != [
-            qblock_bytes(False),
-            qblock_bytes(True),
-        ]:
+        if [lib.cbserve_small_gemm_qblock_bytes(o) for o in (0, 1)] != [qblock_bytes(False), qblock_bytes(True)]:
             raise RuntimeError("small_gemm.c and small_gemm.py disagree on the quantized block layout")
 
     @staticmethod
@@ -130,9 +123,7 @@ class SmallGemm:
         def panel_major(t: torch.Tensor, width: int) -> torch.Tensor:
             """[N, blocks * width] -> [panels, blocks, width * 16]: per block, width k-rows of 16 outputs"""
             t = torch.nn.functional.pad(t, (0, 0, 0, pad)) if pad else t
-            return (
-                t.view(panels, PANEL, blocks, width).permute(0, 2, 3, 1).contiguous().view(panels, blocks, -1)
-            )
+            return t.view(panels, PANEL, blocks, width).permute(0, 2, 3, 1).contiguous().view(panels, blocks, -1)
 
         code_bytes = BLOCK * PANEL
         out[..., :code_bytes].copy_(panel_major(codes.codes, BLOCK).view(torch.uint8))
@@ -141,9 +132,7 @@ class SmallGemm:
             out[..., code_bytes + 4 * PANEL :].copy_(panel_major(codes.offsets, 1).view(torch.uint8))
         return out
 
-    def matmul(
-        self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
-    ) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
         """``linear`` for ``x`` of any shape ``[..., K]`` and any strides (copied to contiguous rows first if
         need be): ``[..., out_features]``."""
         rows = x.reshape(-1, x.shape[-1])
@@ -151,9 +140,7 @@ class SmallGemm:
             rows = rows.contiguous()
         return self.linear(rows, packed, out_features, bias).view(*x.shape[:-1], out_features)
 
-    def linear(
-        self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
-    ) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T + b`` for ``x`` ``[M, K]`` float32 (rows contiguous) and ``packed`` from ``pack`` or
         ``pack_blocks``."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or x.device.type != "cpu":
@@ -170,17 +157,7 @@ class SmallGemm:
         out = torch.empty(m, out_features, dtype=torch.float32)
         b = None if bias is None else bias.data_ptr()
         if not quantized:
-            self._gemm(
-                out.data_ptr(),
-                out_features,
-                x.data_ptr(),
-                x.stride(0),
-                packed.data_ptr(),
-                b,
-                m,
-                out_features,
-                k,
-            )
+            self._gemm(out.data_ptr(), out_features, x.data_ptr(), x.stride(0), packed.data_ptr(), b, m, out_features, k)
         elif self._qgemm(
             out.data_ptr(), out_features, x.data_ptr(), x.stride(0), packed.data_ptr(), int(offsets), b, m,
             out_features, k,
