@@ -105,8 +105,9 @@ class Engine:
         )
         cfg = loaded.config
         self.decode_kernel = select_decode_kernel(
-            attention_backend, self.device, self.dtype, cfg.head_dim, self.block_size, cfg.num_queries_per_kv
-        )
+            attention_backend, self.device, self.dtype, cfg.head_dim, self.block_size, cfg.num_queries_per_kv,
+            cfg.attn_logit_softcapping,
+        )  # fmt: skip
         self.attention_backend = self.decode_kernel.name if self.decode_kernel is not None else "sdpa"
         # a row's logits are the same bits whatever else shares its step: matmul kernels with one path per
         # row (LoadedModel.batch_invariant) and the C attention kernels, whose reductions run per query
