@@ -252,6 +252,12 @@ class ModelConfig:
             else self.eos_token_ids[0],
             "torch_dtype": "float32",
         }
+        d.update(self._family_hf_fields())
+        return d
+
+    def _family_hf_fields(self) -> dict[str, Any]:
+        """``to_hf_dict``'s fields of the architecture's own."""
+        d: dict[str, Any] = {}
         if self.architecture == "llama":
             d["attention_bias"] = self.attention_bias
             d["mlp_bias"] = False
