@@ -83,6 +83,10 @@ class Speculator:
                 drafts = proposer.propose(wanted[method])
                 for req, _, _ in wanted[method]:
                     req.draft_ids = drafts.get(req.request_id, [])
+        for req in running:
+            grammar = req.payload.gen.grammar
+            if req.draft_ids and grammar is not None:  # a constrained output: drafts the grammar allows only
+                del req.draft_ids[grammar.valid_prefix(req.draft_ids) :]
 
     @staticmethod
     def _draft_length(req: Request, speculation: Speculation) -> int:
