@@ -149,7 +149,8 @@ class EngineLoop:
             self._fork(parent, children, step.now)
         for seq in step.accepted:
             self.outputs.publish(seq)
-        self.speculator.propose(self.scheduler.running_requests)
+        for req, error in self.speculator.propose(self.scheduler.running_requests):
+            self._fail(req.payload, error)
         self._end_step(batch)
 
     def death_reason(self) -> str:

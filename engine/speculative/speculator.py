@@ -9,6 +9,7 @@ running requests nobody drafts: the step is compute-bound and verifying would co
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -17,6 +18,8 @@ from engine.speculative.config import DEFAULT_DISABLE_BY_BATCH_SIZE
 from engine.speculative.early_exit import EarlyExitProposer
 from engine.speculative.ngram import propose_ngram
 from scheduler.request import Request
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -55,10 +58,11 @@ class Speculator:
         self.draft_model = draft_model  # None: no draft model is loaded
         self.stats = SpecDecodeStats()
 
-    def propose(self, running: Sequence[Request]) -> None:
-        """Set ``draft_ids`` on the running requests that decode and speculate."""
+    def propose(self, running: Sequence[Request]) -> list[tuple[Request, str]]:
+        """Set ``draft_ids`` on the running requests that decode and speculate. Returns the requests whose
+        proposer failed, and why: the engine fails them, and only them."""
         if len(running) > self.disable_by_batch_size:
-            return
+            return []
         wanted: dict[str, list[tuple[Request, int, Speculation]]] = {"early_exit": [], "draft_model": []}
         for req in running:
             speculation: Speculation | None = req.payload.group.speculation
@@ -78,15 +82,25 @@ class Speculator:
                 )
             else:
                 wanted[speculation.method].append((req, num_tokens, speculation))
+        failed: list[tuple[Request, str]] = []
         for method, proposer in (("early_exit", self.early_exit), ("draft_model", self.draft_model)):
-            if wanted[method] and proposer is not None:
+            if not wanted[method] or proposer is None:
+                continue
+            try:
                 drafts = proposer.propose(wanted[method])
-                for req, _, _ in wanted[method]:
-                    req.draft_ids = drafts.get(req.request_id, [])
+            except Exception as exc:  # NOTE: a failing draft forward fails the requests it drafted for.
+                logger.exception("the %s proposer failed", method)
+                failed.extend(
+                    (req, f"speculative decoding ({method}) failed: {exc!r}") for req, _, _ in wanted[method]
+                )
+                continue
+            for req, _, _ in wanted[method]:
+                req.draft_ids = drafts.get(req.request_id, [])
         for req in running:
             grammar = req.payload.gen.grammar
             if req.draft_ids and grammar is not None:  # a constrained output: drafts the grammar allows only
                 del req.draft_ids[grammar.valid_prefix(req.draft_ids) :]
+        return failed
 
     @staticmethod
     def _draft_length(req: Request, speculation: Speculation) -> int:

@@ -233,6 +233,34 @@ def test_cancelling_speculating_streams_leaves_nothing(engine: Engine) -> None:
     assert manager.scheduler.kv_manager.request_ids == set()
 
 
+class BrokenDrafter:
+    def draft(self, *args: object) -> None:
+        raise RuntimeError("the draft forward broke")
+
+
+def test_a_failing_proposer_fails_only_the_requests_it_drafts_for(engine: Engine) -> None:
+    manager = engine.init_continuous_batching()
+    assert manager.loop.speculator.early_exit is not None
+    manager.loop.speculator.early_exit.runner = BrokenDrafter()
+    manager.start()
+    try:
+        drafting = manager.add_request(chat(engine, PASSAGE), max_new_tokens=12, assistant_early_exit=20)
+        plain = manager.add_request(chat(engine, PASSAGE), max_new_tokens=12)
+        finals: dict[str, GenerationOutput] = {}
+        deadline = time.monotonic() + 120
+        while len(finals) < 2 and time.monotonic() < deadline:
+            out = manager.get_result(timeout=1.0)
+            if out is not None and out.is_finished:
+                finals[out.request_id] = out
+    finally:
+        manager.stop(timeout=30)
+    assert finals[drafting].status is RequestStatus.FAILED
+    assert "speculative decoding (early_exit) failed" in (finals[drafting].error or "")
+    assert finals[plain].status is RequestStatus.FINISHED and len(finals[plain].generated_ids) == 12
+    manager.check_integrity()
+    assert manager.scheduler.kv_manager.request_ids == set()
+
+
 def test_bad_speculation_options_are_refused(engine: Engine) -> None:
     manager = engine.init_continuous_batching()
     manager.start()
