@@ -6,9 +6,11 @@ Two workloads: ``grounded`` (the answer repeats text of the prompt: fixing the t
 adding type hints to code, quoting a passage; chat-templated, greedy) and ``random`` (bench.datasets'
 random prompts, as bench/compare_servers.sh draws them, EOS ignored). At ``--num-seqs 1`` the prompts run one
 after another (a single stream); at N, all N at once (the prompts repeated to N). Systems: ``plain`` and
-``ngram`` (``--speculative-config`` {"method": "ngram", "num_speculative_tokens": K}); both run inside every
+``ngram`` (``--speculative-config`` {"method": "ngram", "num_speculative_tokens": K}); all run inside every
 round, in turn, on one loaded engine. Prints each system's median output tokens/s, its ratio to plain, and
-ngram's mean acceptance length.
+the speculating systems' mean acceptance length. ``--systems`` adds ``early_exit`` (the first
+``--exit-layers`` layers draft) and ``draft_self`` (the default model as its own draft model: every greedy
+draft accepted, each at the cost of the whole model: the ceiling of acceptance, not a speed-up).
 """
 
 from __future__ import annotations
@@ -106,26 +108,36 @@ def main(argv: list[str] | None = None) -> int:
         "--workloads", nargs="+", default=["grounded", "random"], choices=["grounded", "random"]
     )
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument(
+        "--systems", nargs="+", default=["ngram"], choices=["ngram", "early_exit", "draft_self"],
+        help="what to run beside plain decoding",
+    )  # fmt: skip
+    parser.add_argument("--exit-layers", type=int, default=24, help="early_exit: the layers that draft")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     engine = Engine.from_pretrained("default", dtype=args.dtype)
-    systems: dict[str, dict[str, Any] | None] = {
+    k = args.num_speculative_tokens
+    known: dict[str, dict[str, Any] | None] = {
         "plain": None,
-        "ngram": {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens},
+        "ngram": {"method": "ngram", "num_speculative_tokens": k},
+        "early_exit": {"method": "early_exit", "num_layers": args.exit_layers, "num_speculative_tokens": k},
+        # the target drafting for itself: every greedy draft accepted, at a draft's cost of a whole model
+        "draft_self": {"method": "draft_model", "model": "default", "num_speculative_tokens": k},
     }
+    systems = {name: known[name] for name in ["plain", *[s for s in args.systems if s != "plain"]]}
     results = []
     for name in args.workloads:
         for num_seqs in args.num_seqs:
             prompts, kw = workload(engine, name, num_seqs, args.new_tokens)
             speeds: dict[str, list[float]] = {s: [] for s in systems}
-            lengths: list[float] = []
+            lengths: dict[str, list[float]] = {s: [] for s in systems}
             for _ in range(args.rounds):
                 for system, config in systems.items():
                     speed, length = run(engine, prompts, num_seqs, config, kw)
                     speeds[system].append(speed)
                     if config is not None:
-                        lengths.append(length)
+                        lengths[system].append(length)
             plain = statistics.median(speeds["plain"])
             for system in systems:
                 median = statistics.median(speeds[system])
@@ -138,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                     "runs": [round(v, 1) for v in speeds[system]],
                 }
                 if systems[system] is not None:
-                    row["mean_acceptance_length"] = round(statistics.median(lengths), 2)
+                    row["mean_acceptance_length"] = round(statistics.median(lengths[system]), 2)
                 results.append(row)
                 print(json.dumps(row), flush=True)
     if args.json:
