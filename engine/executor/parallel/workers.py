@@ -1,0 +1,109 @@
+"""Rank 0's handle on ranks 1..N-1 of a tensor-parallel model: their processes, the messages sent to them,
+and whether they all live.
+
+A rank whose process exits (killed, crashed) is seen at once by a watchdog thread; a message that cannot
+be sent, or a step whose collectives fail or time out (engine/executor/parallel/runner.py), marks the
+group failed too. From then on ``check_alive`` raises ``ExecutorFailedError``: the ranks are out of step,
+and no step can run again in this process. While rank 0 sends nothing, a heartbeat goes out every
+``HEARTBEAT_S`` so that the other ranks, which wait for a message at most ``IDLE_TIMEOUT_S``, know it lives.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
+
+from engine.errors import ExecutorFailedError
+from engine.executor.parallel.group import ShardGroup
+from engine.executor.parallel.messages import AllocateCache, Heartbeat, Message, Stop
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 10.0
+IDLE_TIMEOUT_S = 30 * HEARTBEAT_S
+STOP_TIMEOUT_S = 10.0
+
+
+class ShardWorkers:
+    """Ranks 1..N-1 (``processes[i]`` is rank ``i + 1``), started and connected by the loader."""
+
+    def __init__(self, group: ShardGroup, processes: list[BaseProcess]) -> None:
+        self.group = group
+        self.processes = processes
+        self.failure: str | None = None
+        self.cache_shape: AllocateCache | None = None  # what the ranks' KV caches are now
+        self._lock = threading.Lock()  # NOTE: one message at a time: the engine thread's and the heartbeat's
+        self._last_send = time.monotonic()
+        self._closing = threading.Event()
+        for target, name in ((self._watch, "watchdog"), (self._beat, "heartbeat")):
+            threading.Thread(target=target, name=f"cbserve-tp-{name}", daemon=True).start()
+
+    def send(self, message: Message) -> None:
+        """Broadcast ``message`` to the other ranks; ``ExecutorFailedError`` once they cannot hear it."""
+        with self._lock:
+            self.check_alive()
+            try:
+                self.group.send(message)
+            except RuntimeError as exc:
+                raise self.fail(f"rank 0 could not reach the other ranks: {exc}") from exc
+            self._last_send = time.monotonic()
+
+    def allocate_cache(self, shape: AllocateCache) -> None:
+        """Size the other ranks' KV caches as rank 0's (once per shape)."""
+        if shape != self.cache_shape:
+            self.send(shape)
+            self.cache_shape = shape
+
+    def check_alive(self) -> None:
+        if self.failure is not None:
+            raise ExecutorFailedError(self.failure)
+
+    def fail(self, reason: str) -> ExecutorFailedError:
+        """Mark the group failed (the first reason stays) and return the error to raise."""
+        if self.failure is None:
+            self.failure = f"tensor parallelism failed: {reason}"
+            logger.error("%s", self.failure)
+        return ExecutorFailedError(self.failure)
+
+    def close(self) -> None:
+        """Stop the other ranks (a ``Stop`` message, then SIGTERM to any still running)."""
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        if self.failure is None:
+            try:
+                self.send(Stop())
+            except ExecutorFailedError:
+                pass
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.terminate()
+                process.join(STOP_TIMEOUT_S)
+
+    # ------------------------------------------------------------------ threads
+    def _watch(self) -> None:
+        sentinels = {process.sentinel: rank for rank, process in enumerate(self.processes, start=1)}
+        while not self._closing.is_set():
+            ended = wait(list(sentinels), timeout=1.0)
+            if ended and not self._closing.is_set():
+                rank = sentinels[ended[0]]  # type: ignore[index]
+                process = self.processes[rank - 1]
+                process.join(1.0)  # NOTE: its exit code is set once joined
+                code = process.exitcode
+                self.fail(f"rank {rank}'s process exited (exit code {code})")
+                return
+
+    def _beat(self) -> None:
+        while not self._closing.wait(HEARTBEAT_S / 4):
+            if self.failure is not None:
+                return
+            if time.monotonic() - self._last_send >= HEARTBEAT_S:
+                try:
+                    self.send(Heartbeat())
+                except ExecutorFailedError:
+                    return
