@@ -6,7 +6,7 @@ messages (engine/executor/parallel/rank_loop.py) until it stops them or dies; ra
 the handle on the others (``ShardedLlamaForCausalLM.workers``).
 
 A rank that fails to start or to load makes ``load_sharded`` raise ``ModelLoadError`` (its own traceback
-is in its log, on the inherited stderr); nothing waits longer than ``timeout_s``.
+is in its log, on the inherited stderr): at once when its process exited, else after ``START_TIMEOUT_S``.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 from typing import Protocol
 
 import torch
@@ -38,7 +39,8 @@ from engine.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT_S = 60.0  # a collective, a rank's start-up or its loading waits no longer
+DEFAULT_TIMEOUT_S = 60.0  # a collective waits no longer for a rank
+START_TIMEOUT_S = 600.0  # nor the ranks' start-up (spawn, imports, rendezvous) and loading, each
 
 
 class OpenedWeights(Protocol):
@@ -87,9 +89,8 @@ def load_sharded(
             f"tensor parallelism shards the Llama family's model code; {config.architecture!r} has its own"
         )
     check_shardable(config, world_size)
-    store = dist.TCPStore(
-        STORE_HOST, 0, world_size, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
-    )
+    start = datetime.timedelta(seconds=START_TIMEOUT_S)
+    store = dist.TCPStore(STORE_HOST, 0, world_size, True, timeout=start, wait_for_workers=False)
     spec = ShardSpec(model, load_format, dtype, device, world_size, store.port, timeout_s, opener)
     context = mp.get_context("spawn")
     processes = [
@@ -99,9 +100,10 @@ def load_sharded(
     for process in processes:
         process.start()
     try:
-        group = ShardGroup.connect(0, world_size, spec.port, device, timeout_s, IDLE_TIMEOUT_S, store=store)
+        _wait_for(store, "started", processes)  # NOTE: then the groups' own rendezvous is quick
+        group = ShardGroup.connect(0, world_size, store, device, timeout_s, IDLE_TIMEOUT_S)
         net = _load_shard(spec, group)
-        group.all_reduce(torch.ones(1, device=device))  # every rank has loaded
+        _wait_for(store, "loaded", processes)
     except Exception as exc:
         for process in processes:
             process.terminate()
@@ -124,6 +126,20 @@ def _load_shard(spec: ShardSpec, group: ShardGroup) -> ShardedLlamaForCausalLM:
     return net
 
 
+def _wait_for(store: dist.Store, stage: str, processes: Sequence[BaseProcess], poll_s: float = 0.1) -> None:
+    """Until every other rank has reached ``stage`` (``started``, ``loaded``); ``RuntimeError`` when one
+    exited first, or after ``START_TIMEOUT_S``."""
+    keys = [f"{stage}/{rank}" for rank in range(1, len(processes) + 1)]
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not store.check(keys):
+        for rank, process in enumerate(processes, start=1):
+            if not process.is_alive():
+                raise RuntimeError(f"rank {rank}'s process exited (exit code {process.exitcode})")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the ranks were not {stage} after {START_TIMEOUT_S:.0f} s")
+        time.sleep(poll_s)
+
+
 def _rank_main(rank: int, spec: ShardSpec) -> None:
     """A spawned rank's process: connect, load, serve rank 0 until told to stop; exit non-zero on any
     failure (and when rank 0's process is gone)."""
@@ -134,9 +150,12 @@ def _rank_main(rank: int, spec: ShardSpec) -> None:
         device = spec.device_of(rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        group = ShardGroup.connect(rank, spec.world_size, spec.port, device, spec.timeout_s, IDLE_TIMEOUT_S)
+        start = datetime.timedelta(seconds=START_TIMEOUT_S)
+        store = dist.TCPStore(STORE_HOST, spec.port, spec.world_size, False, timeout=start)
+        store.set(f"started/{rank}", "1")
+        group = ShardGroup.connect(rank, spec.world_size, store, device, spec.timeout_s, IDLE_TIMEOUT_S)
         net = _load_shard(spec, group)
-        group.all_reduce(torch.ones(1, device=device))
+        store.set(f"loaded/{rank}", "1")
         RankLoop(net).run()
     except BaseException:
         logger.exception("tensor-parallel rank %d failed", rank)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-STORE_HOST = "127.0.0.1"
+STORE_HOST = "127.0.0.1"  # the store of the ranks' rendezvous (one machine)
 
 
 @dataclass
@@ -41,18 +41,13 @@ class ShardGroup:
         cls,
         rank: int,
         world_size: int,
-        port: int,
+        store: dist.Store,
         device: torch.device,
         timeout_s: float,
         idle_timeout_s: float,
-        store: dist.Store | None = None,
     ) -> ShardGroup:
-        """Join the ranks' rendezvous on ``port`` (rank 0 passes the ``store`` it already hosts there).
-        Blocks until every rank joined, or raises after the store's timeout."""
-        if store is None:
-            store = dist.TCPStore(
-                STORE_HOST, port, world_size, False, timeout=datetime.timedelta(seconds=timeout_s)
-            )
+        """Build the two groups over the ranks' ``store`` (rank 0 hosts it); every rank must call this.
+        Raises ``RuntimeError`` when a rank does not join within ``timeout_s``."""
         # NOTE: rank 0 never waits on the control group for long (it only sends); the workers wait there
         # for the next step, idle_timeout_s at most (rank 0's heartbeat comes well before).
         control_timeout = datetime.timedelta(seconds=timeout_s if rank == 0 else idle_timeout_s)
