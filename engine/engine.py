@@ -95,8 +95,7 @@ class Engine:
         limit = loaded.config.max_position_embeddings
         self.max_model_len = min(limit, options.max_model_len) if options.max_model_len else limit
         self.block_size = options.block_size
-        # NOTE: the KV heads this process's model computes: a shard's under tensor parallelism, whose other
-        # ranks hold the other heads' pages, as many blocks each (engine/executor/parallel/).
+        # NOTE: the KV heads this process computes: one shard's under tensor parallelism (executor/parallel/)
         self.num_kv_heads = int(getattr(self.model, "config", loaded.config).num_key_value_heads)
         self.num_blocks = self._num_blocks()
         self.kv_cache = KVCache(
