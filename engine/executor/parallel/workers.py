@@ -10,6 +10,7 @@ and no step can run again in this process. While rank 0 sends nothing, a heartbe
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -40,6 +41,8 @@ class ShardWorkers:
         self._closing = threading.Event()
         for target, name in ((self._watch, "watchdog"), (self._beat, "heartbeat")):
             threading.Thread(target=target, name=f"cbserve-tp-{name}", daemon=True).start()
+        # NOTE: before multiprocessing's own exit handler (registered earlier, run later) kills the ranks
+        atexit.register(self.close)
 
     def send(self, message: Message) -> None:
         """Broadcast ``message`` to the other ranks; ``ExecutorFailedError`` once they cannot hear it."""
