@@ -79,16 +79,17 @@ def load_sharded(
     device: torch.device,
     world_size: int,
     opener: Opener,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float | None = None,
 ) -> ShardedLlamaForCausalLM:
     """Rank 0's shard of ``model`` (whose config is ``config``), the other ranks started and loaded.
     Raises ``ShardingError`` (a ``ValueError``) before starting anything when ``world_size`` does not
-    divide the model."""
+    divide the model. ``timeout_s``: how long a collective waits for a rank (``DEFAULT_TIMEOUT_S``)."""
     if MODEL_CLASSES.get(config.architecture) is not LlamaForCausalLM:
         raise ShardingError(
             f"tensor parallelism shards the Llama family's model code; {config.architecture!r} has its own"
         )
     check_shardable(config, world_size)
+    timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
     start = datetime.timedelta(seconds=START_TIMEOUT_S)
     store = dist.TCPStore(STORE_HOST, 0, world_size, True, timeout=start, wait_for_workers=False)
     spec = ShardSpec(model, load_format, dtype, device, world_size, store.port, timeout_s, opener)

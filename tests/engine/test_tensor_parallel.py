@@ -157,3 +157,30 @@ def test_the_default_model_in_three_ranks_gives_one_process_tokens() -> None:
         _assert_same(_greedy(one, texts, 12), _greedy(three, texts, 12))
     finally:
         three.close()
+
+
+def test_a_hung_rank_fails_the_step_after_the_collectives_timeout(
+    tiny_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine.loader import shards
+
+    monkeypatch.setattr(shards, "DEFAULT_TIMEOUT_S", 3.0)
+    engine = _engine(tiny_folder, 2)
+    manager = engine.init_continuous_batching()
+    manager.start()
+    rank1 = engine.model.workers.processes[0]  # type: ignore[union-attr]
+    try:
+        rid = manager.add_request(
+            engine.tokenizer.encode(PREFIX), max_new_tokens=150, ignore_eos=True, streaming=True
+        )
+        outputs = manager.request_id_iter(rid, timeout=60)
+        assert not next(outputs).is_finished
+        os.kill(rank1.pid, signal.SIGSTOP)  # alive, but never joins another collective
+        final = [out for out in outputs if out.is_finished][-1]
+        assert final.status == RequestStatus.FAILED and "Timed out waiting 3000ms" in (final.error or "")
+        assert wait_until(lambda: not manager.is_running(), 10)
+        assert isinstance(manager.executor_failure, ExecutorFailedError)
+    finally:
+        os.kill(rank1.pid, signal.SIGKILL)
+        manager.stop(block=True, timeout=30)
+        engine.close()
