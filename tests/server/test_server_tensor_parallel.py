@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,12 @@ from server.config import ServerConfig
 
 pytestmark = pytest.mark.slow  # spawns processes; the default model's tokenizer
 
-PROMPT = "The tide comes in, the tide goes out, and the gulls"
-CACHE = {"num_blocks": 32, "max_model_len": 256}
+PROMPT = (  # over two KV blocks of 16 tokens: a prompt sent again finds them cached
+    "The tide comes in, the tide goes out, and on the long grey pier above the fishing boats, where the "
+    "nets dry in the wind and the old harbour master counts the days, the gulls"
+)
+CACHE = {"num_blocks": 12, "max_model_len": 256}  # the four concurrent requests need 20: preemption
+ENDINGS = (" cry", " sleep", " circle the harbour", " quarrel over bread")
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +50,29 @@ def _engine(folder: Path, tensor_parallel_size: int) -> Engine:
 
 
 def _greedy_completion(base: str, ids: list[int]) -> dict[str, Any]:
-    body = {"prompt": ids, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "logprobs": 1}
-    resp = httpx.post(base + "/v1/completions", json=body, timeout=60)
+    body = {"prompt": ids, "max_tokens": 48, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    resp = httpx.post(base + "/v1/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
-    return resp.json()["choices"][0]
+    choice: dict[str, Any] = resp.json()["choices"][0]
+    return choice
+
+
+def _workload(base: str, prompts: list[list[int]]) -> list[dict[str, Any]]:
+    """The prompts at once (more than the cache holds), then each again one after another (prefix hits)."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(lambda ids: _greedy_completion(base, ids), prompts))
+    return together + [_greedy_completion(base, ids) for ids in prompts]
+
+
+def _assert_same(expected: list[dict[str, Any]], got: list[dict[str, Any]]) -> None:
+    for a, b in zip(expected, got, strict=True):
+        assert b["text"] == a["text"]
+        want, have = a["logprobs"]["token_logprobs"], b["logprobs"]["token_logprobs"]
+        assert max(abs(x - y) for x, y in zip(want, have, strict=True)) < 1e-4
 
 
 def _stream_events(base: str, ids: list[int], events: list[Any], first: threading.Event) -> None:
-    body = {"prompt": ids, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {"prompt": ids, "max_tokens": 100, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as resp:
         for line in resp.iter_lines():
             if line.startswith("data: "):
@@ -73,16 +93,16 @@ def _kill_a_rank(pid: int) -> None:
 
 def test_http_through_two_ranks(tiny_folder: Path) -> None:
     one, two = _engine(tiny_folder, 1), _engine(tiny_folder, 2)
-    ids = one.tokenizer.encode(PROMPT)
+    prompts = [one.tokenizer.encode(PROMPT + ending) for ending in ENDINGS]
+    ids = prompts[0]
     try:
         with serve_in_thread(build_app(one, ServerConfig(served_model_name="tiny")), "tp1") as base:
-            expected = _greedy_completion(base, ids)
+            expected = _workload(base, prompts)
         app = build_app(two, ServerConfig(served_model_name="tiny"))
         with serve_in_thread(app, "tp2") as base:
-            got = _greedy_completion(base, ids)
-            assert got["text"] == expected["text"]
-            want, have = expected["logprobs"]["token_logprobs"], got["logprobs"]["token_logprobs"]
-            assert max(abs(a - b) for a, b in zip(want, have, strict=True)) < 1e-4
+            _assert_same(expected, _workload(base, prompts))
+            stats = app.state.server.manager.stats()
+            assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
 
             events: list[Any] = []
             first = threading.Event()
