@@ -7,9 +7,10 @@
 The default model is a random one shaped like SmolLM2-135M but with 8 heads over 4 KV heads (SmolLM2's
 9 over 3 do not split in two). For each side: the best of ``--runs`` ``generate_batch`` runs, as
 milliseconds per engine step (a prefill step, then decode steps of ``--prompts`` rows). One process runs
-without the CPU fast paths too, as the ranks do (prepacked matmuls and the C decode stack do not shard),
-so that ``sharded - one / N`` bounds what the step's collectives and its broadcast cost: the estimate of
-the gain on a machine with one socket per rank is ``one / sharded`` with that overhead (docs/BENCHMARKS.md).
+without the C decode stack too, as the ranks do (it has no collectives between its layers; the prepacked
+matmuls and fused ops run on every rank), so that ``sharded - one / N`` bounds what the step's collectives
+and its broadcast cost (on a machine whose ranks each have a socket, and its memory bandwidth, a step
+costs about ``one / N`` plus that).
 """
 
 from __future__ import annotations
@@ -62,12 +63,14 @@ def main(argv: list[str] | None = None) -> int:
         common = {"load_format": args.load_format, "device": "cpu", "dtype": "float32"}
         sides = {
             "one process": {},
-            "one process, no fast paths": {"prepack_weights": False},
+            "one process, no decode stack": {},
             f"{args.tensor_parallel_size} ranks": {"tensor_parallel_size": args.tensor_parallel_size},
         }
         results: dict[str, float] = {}
         for name, options in sides.items():
             engine = Engine.from_pretrained(model, **common, **options)  # type: ignore[arg-type]
+            if name.endswith("no decode stack"):
+                engine.decode_stack = None  # read by the managers it makes
             try:
                 rng = random.Random(0)  # the same prompts on every side
                 vocab = engine.vocab_size
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 engine.close()
             print(f"{name:>28}: {results[name]:8.2f} ms/step")
-    plain, sharded = results["one process, no fast paths"], results[f"{args.tensor_parallel_size} ranks"]
+    plain, sharded = results["one process, no decode stack"], results[f"{args.tensor_parallel_size} ranks"]
     overhead = sharded - plain / args.tensor_parallel_size
     print(
         f"collectives + broadcast, at most: {overhead:.2f} ms/step ({overhead / sharded:.0%} of a sharded step)"

@@ -119,7 +119,8 @@ def load_model(
     ``batch_invariant``: insist on kernels whose result for a row does not depend on its batch (the native
     model's CPU kernels; float32 anywhere, bfloat16 with AMX-BF16), ``ValueError`` where they cannot run.
     ``tensor_parallel_size`` > 1: the native model in that many shards, one process per rank, this one
-    rank 0 (engine/loader/shards.py); the CPU fast paths do not apply to shards."""
+    rank 0 (engine/loader/shards.py), each rank's matmuls and element-wise ops on the CPU fast paths too
+    (``prepack``), not the decode stack."""
     # NOTE: imported here: models import engine.model_config
     from engine.executor.models.registry import choose_model_impl
 
@@ -132,7 +133,9 @@ def load_model(
             raise ValueError(
                 "tensor_parallel_size > 1 shards the native model only, without batch_invariant's kernels"
             )
-        return _load_sharded(model, load_format, source, torch_dtype, torch_device, tensor_parallel_size)
+        return _load_sharded(
+            model, load_format, source, torch_dtype, torch_device, prepack, tensor_parallel_size
+        )
     if impl == "transformers":
         if batch_invariant:
             raise ValueError(
@@ -189,6 +192,7 @@ def _load_sharded(
     source: ModelSource,
     dtype: torch.dtype,
     device: torch.device,
+    prepack: bool,
     world_size: int,
 ) -> LoadedModel:
     """The native model in ``world_size`` shards (engine/loader/shards.py): this process holds rank 0's."""
@@ -197,7 +201,7 @@ def _load_sharded(
     opened = open_source(source, dtype, device)  # its config, tokenizer and defaults: no weight is read
     if opened.tokenizer is not None and opened.tokenizer.vocab_size > opened.config.vocab_size:
         raise TokenizerMismatchError(opened.tokenizer.vocab_size, opened.config.vocab_size, source.name)
-    net = load_sharded(model, load_format, opened.config, dtype, device, world_size, open_source)
+    net = load_sharded(model, load_format, opened.config, dtype, device, world_size, open_source, prepack)
     return LoadedModel(
         config=_with_all_eos(opened.config, opened.generation_defaults, opened.tokenizer),
         model=net,

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.errors import ModelLoadError
+from engine.executor.fast_paths import apply_cpu_fast_paths
 from engine.executor.parallel.cores import bind_to_rank_cores
 from engine.executor.parallel.group import STORE_HOST, ShardGroup
 from engine.executor.parallel.rank_loop import RankLoop
@@ -66,6 +67,7 @@ class ShardSpec:
     port: int
     timeout_s: float
     opener: Opener
+    prepack: bool  # the CPU fast paths (engine/executor/fast_paths.py)
 
     def device_of(self, rank: int) -> torch.device:
         return torch.device("cuda", rank) if self.device.type == "cuda" else self.device
@@ -79,6 +81,7 @@ def load_sharded(
     device: torch.device,
     world_size: int,
     opener: Opener,
+    prepack: bool = True,
     timeout_s: float | None = None,
 ) -> ShardedLlamaForCausalLM:
     """Rank 0's shard of ``model`` (whose config is ``config``), the other ranks started and loaded.
@@ -92,7 +95,7 @@ def load_sharded(
     timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
     start = datetime.timedelta(seconds=START_TIMEOUT_S)
     store = dist.TCPStore(STORE_HOST, 0, world_size, True, timeout=start, wait_for_workers=False)
-    spec = ShardSpec(model, load_format, dtype, device, world_size, store.port, timeout_s, opener)
+    spec = ShardSpec(model, load_format, dtype, device, world_size, store.port, timeout_s, opener, prepack)
     context = mp.get_context("spawn")
     processes = [
         context.Process(target=_rank_main, args=(rank, spec), name=f"cbserve-tp-rank{rank}", daemon=True)
@@ -123,6 +126,8 @@ def _load_shard(spec: ShardSpec, group: ShardGroup) -> ShardedLlamaForCausalLM:
     with torch.no_grad():
         net.load_weights(shard_weights(opened.weights, opened.config, group.rank, group.world_size))
     net.shard()
+    if spec.prepack:
+        apply_cpu_fast_paths(net)
     net.eval()
     return net
 

@@ -1,4 +1,4 @@
-"""bench/tensor_parallel.py runs its three sides (one process, with and without the fast paths, two ranks)
+"""bench/tensor_parallel.py runs its three sides (one process with and without the decode stack, two ranks)
 and prints one line each, then the bound on the collectives' cost."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ def test_prints_every_side(capsys: pytest.CaptureFixture[str]) -> None:
     lines = capsys.readouterr().out.strip().splitlines()
     assert [line.split(":")[0].strip() for line in lines] == [
         "one process",
-        "one process, no fast paths",
+        "one process, no decode stack",
         "2 ranks",
         "collectives + broadcast, at most",
     ]

@@ -61,7 +61,7 @@ class TensorParallelRunner(ModelRunner):
                 self.kv_cache.copy_blocks(batch.blocks_to_copy)
             logits = self.model(inputs, self.kv_cache, self.decode_kernel)  # [num_logits, vocab]
         except Exception as exc:
-            raise self.workers.fail(f"a step failed on rank 0: {exc!r}") from exc
+            raise self.workers.step_failed(exc) from exc
         if self.draft_model is not None:  # NOTE: a whole model of its own, on rank 0 only
             self.draft_model.follow(inputs, list(batch.blocks_to_copy))
         return logits.float()
@@ -77,5 +77,5 @@ class TensorParallelRunner(ModelRunner):
             self.workers.send(RunStep(inputs_on(inputs, HOST), [], num_layers))
             logits = self.model(inputs, self.kv_cache, self.decode_kernel, num_layers=num_layers)
         except Exception as exc:
-            raise self.workers.fail(f"a draft failed on rank 0: {exc!r}") from exc
+            raise self.workers.step_failed(exc) from exc
         return logits.float()

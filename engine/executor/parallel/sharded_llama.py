@@ -9,7 +9,9 @@ whole model's:
     logits = all_gather(lm_head_rows(norm(h)))[:, :vocab]
 
 Every rank runs this same forward over its own heads' KV pages; each ends with the whole logits.
-The layers' code is Llama's: the collectives arrive as module swaps after loading (``shard``).
+The layers' code is Llama's: the collectives arrive as module swaps after loading (``shard``), around
+plain ``Linear`` modules that the CPU fast paths then swap as in one process (engine/executor/fast_paths.py;
+the C decode stack does not run: it has no collectives between its layers).
 """
 
 from __future__ import annotations
@@ -32,28 +34,30 @@ if TYPE_CHECKING:
 
 class RowParallelLinear(nn.Module):
     """``y = all_reduce(x W_r^T) + b``: the rank holds the columns of ``W`` its input shard meets; the
-    bias is added once, after the sum."""
+    bias is added once, after the sum. ``local`` is a bias-free ``Linear`` (the CPU fast paths swap it
+    like any other)."""
 
     def __init__(self, inner: Linear, group: ShardGroup) -> None:
         super().__init__()
-        self.weight, self.bias, self.group = inner.weight, inner.bias, group
-        self.in_features, self.out_features = inner.in_features, inner.out_features
+        weight = inner.weight
+        self.local = Linear(inner.in_features, inner.out_features, False, weight.dtype, weight.device, weight)
+        self.bias, self.group = inner.bias, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.group.all_reduce(F.linear(x, self.weight))  # [num_tokens, out_features]
+        y = self.group.all_reduce(self.local(x))  # [num_tokens, out_features]
         return y if self.bias is None else y + self.bias
 
 
 class VocabParallelHead(nn.Module):
-    """The output head over the rank's vocabulary rows, the ranks' logits gathered side by side and cut
-    back to the model's vocabulary."""
+    """The output head over the rank's vocabulary rows (``local``), the ranks' logits gathered side by
+    side and cut back to the model's vocabulary."""
 
     def __init__(self, inner: Linear, group: ShardGroup, vocab_size: int) -> None:
         super().__init__()
-        self.weight, self.group, self.vocab_size = inner.weight, group, vocab_size
+        self.local, self.group, self.vocab_size = inner, group, vocab_size
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        local = F.linear(h, self.weight)  # [rows, vocab / world_size]
+        local = self.local(h)  # [rows, vocab / world_size]
         return self.group.all_gather_columns(local)[:, : self.vocab_size]  # [rows, vocab]
 
 

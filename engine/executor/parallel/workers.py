@@ -71,6 +71,14 @@ class ShardWorkers:
             logger.error("%s", self.failure)
         return ExecutorFailedError(self.failure)
 
+    def step_failed(self, exc: BaseException) -> ExecutorFailedError:
+        """Mark the group failed by a step that raised ``exc``, naming the rank whose process exited where
+        one did (a collective often sees the closed connection before the watchdog sees the exit)."""
+        exited = self._exited(timeout=0.5)
+        if exited is not None:
+            return self.fail(f"{exited}: {exc!r}")
+        return self.fail(f"a step failed: {exc!r}")
+
     def close(self) -> None:
         """Stop the other ranks (a ``Stop`` message, then SIGTERM to any still running)."""
         if self._closing.is_set():
@@ -89,16 +97,21 @@ class ShardWorkers:
                 process.join(STOP_TIMEOUT_S)
 
     # ------------------------------------------------------------------ threads
-    def _watch(self) -> None:
+    def _exited(self, timeout: float) -> str | None:
+        """Which rank's process has exited (waiting up to ``timeout``), or None.
+        NOTE: by its sentinel, never by reaping it: two threads reaping race, and the loser sees it alive."""
         sentinels = {process.sentinel: rank for rank, process in enumerate(self.processes, start=1)}
+        ended = wait(list(sentinels), timeout=timeout)
+        if not ended:
+            return None
+        rank = sentinels[ended[0]]  # type: ignore[index]
+        return f"rank {rank}'s process exited"
+
+    def _watch(self) -> None:
         while not self._closing.is_set():
-            ended = wait(list(sentinels), timeout=1.0)
-            if ended and not self._closing.is_set():
-                rank = sentinels[ended[0]]  # type: ignore[index]
-                process = self.processes[rank - 1]
-                process.join(1.0)  # NOTE: its exit code is set once joined
-                code = process.exitcode
-                self.fail(f"rank {rank}'s process exited (exit code {code})")
+            exited = self._exited(timeout=1.0)
+            if exited is not None and not self._closing.is_set():
+                self.fail(exited)
                 return
 
     def _beat(self) -> None:
