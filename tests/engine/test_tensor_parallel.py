@@ -1,6 +1,7 @@
 """Tensor parallelism through the Python API (CPU, gloo, spawned ranks): greedy tokens with N ranks equal
-one process's, logprobs within float rounding, under preemption and prefix caching; a model N does not
-divide is refused naming its numbers; a killed rank stops the engine and fails its requests."""
+one process's, logprobs within float rounding, under preemption, prefix caching and prompt-lookup drafts;
+a model N does not divide is refused naming its numbers; a killed rank, or a hung one past the collectives'
+timeout, stops the engine and fails its requests."""
 
 from __future__ import annotations
 
