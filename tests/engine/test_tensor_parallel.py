@@ -206,3 +206,22 @@ def test_two_ranks_verify_prompt_lookup_drafts_as_one_process_decodes(
     finally:
         manager.stop(block=True, timeout=30)
     assert final.generated_ids == plain["batch_req_0"].generated_ids
+
+
+@pytest.mark.parametrize("options", [{"dola_layers": [0, 1]}, {"prompt_logprobs": 2}])
+def test_two_ranks_give_one_process_dola_and_prompt_logprobs(
+    tiny_pair: tuple[Engine, Engine], options: dict[str, Any]
+) -> None:
+    """DoLa's early exits and every prompt row's logits go through the vocabulary-parallel head too."""
+    one, two = tiny_pair
+    ids = one.tokenizer.encode(PREFIX)
+    kw = {"progress_bar": False, "max_new_tokens": 8, "ignore_eos": True, "do_sample": False, **options}
+    a, b = one.generate_batch([ids], **kw)["batch_req_0"], two.generate_batch([ids], **kw)["batch_req_0"]
+    assert a.status == b.status == RequestStatus.FINISHED, (a.error, b.error)
+    assert b.generated_ids == a.generated_ids
+    if "prompt_logprobs" in options:
+        assert a.prompt_logprobs is not None and b.prompt_logprobs is not None
+        rows = zip(a.prompt_logprobs, b.prompt_logprobs, strict=True)
+        pairs = [(x.logprob, y.logprob) for x, y in rows if x and y]
+        assert len(pairs) == len(ids) - 1
+        assert max(abs(x - y) for x, y in pairs) < LOGPROB_TOLERANCE
