@@ -27,12 +27,12 @@ import torch.multiprocessing as mp
 
 from engine.errors import ModelLoadError
 from engine.executor.fast_paths import apply_cpu_fast_paths
+from engine.executor.models.llama import LlamaForCausalLM
+from engine.executor.models.registry import MODEL_CLASSES
 from engine.executor.parallel.cores import bind_to_rank_cores
 from engine.executor.parallel.group import STORE_HOST, ShardGroup
 from engine.executor.parallel.rank_loop import RankLoop
 from engine.executor.parallel.sharded_llama import ShardedLlamaForCausalLM
-from engine.executor.models.llama import LlamaForCausalLM
-from engine.executor.models.registry import MODEL_CLASSES
 from engine.executor.parallel.sharding import ShardingError, check_shardable, shard_weights
 from engine.executor.parallel.workers import IDLE_TIMEOUT_S, ShardWorkers
 from engine.loader.source import ModelSource, resolve_model
