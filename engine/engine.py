@@ -95,8 +95,6 @@ class Engine:
         limit = loaded.config.max_position_embeddings
         self.max_model_len = min(limit, options.max_model_len) if options.max_model_len else limit
         self.block_size = options.block_size
-        # NOTE: the KV heads this process computes: one shard's under tensor parallelism (executor/parallel/)
-        self.num_kv_heads = int(getattr(self.model, "config", loaded.config).num_key_value_heads)
         self.num_blocks = self._num_blocks()
         self.kv_cache = KVCache(
             num_layers=loaded.config.num_hidden_layers,
@@ -213,6 +211,11 @@ class Engine:
         # NOTE: more blocks than every sequence at full context can use is memory for nothing.
         cap = o.max_num_seqs * -(-self.max_model_len // o.block_size)
         return min(num, cap)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """The KV heads this process computes: one shard's under tensor parallelism (executor/parallel/)."""
+        return int(getattr(self.model, "config", self.loaded.config).num_key_value_heads)
 
     @property
     def kv_capacity_tokens(self) -> int:
