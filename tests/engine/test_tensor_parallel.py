@@ -187,20 +187,20 @@ def test_a_hung_rank_fails_the_step_after_the_collectives_timeout(
         engine.close()
 
 
-def test_two_ranks_verify_prompt_lookup_drafts_as_one_process_decodes(
-    tiny_pair: tuple[Engine, Engine],
+@pytest.mark.parametrize("drafts", [{"prompt_lookup_num_tokens": 4}, {"assistant_early_exit": 1}])
+def test_two_ranks_verify_drafts_as_one_process_decodes(
+    tiny_pair: tuple[Engine, Engine], drafts: dict[str, int]
 ) -> None:
-    """A verify chunk (a token and its drafts as decode rows) is broadcast like any batch: the greedy tokens
-    with drafts on two ranks are one process's plain ones."""
+    """A verify chunk (a token and its drafts as decode rows) is broadcast like any batch, and so is an
+    early-exit draft (the first layers only): the greedy tokens with drafts on two ranks are one process's
+    plain ones."""
     one, two = tiny_pair
     ids = one.tokenizer.encode("one two three four five, one two three four five, one two three four five,")
     plain = one.generate_batch([ids], progress_bar=False, max_new_tokens=48, ignore_eos=True, do_sample=False)
     manager = two.init_continuous_batching()
     manager.start()
     try:
-        rid = manager.add_request(
-            ids, max_new_tokens=48, ignore_eos=True, do_sample=False, prompt_lookup_num_tokens=4
-        )
+        rid = manager.add_request(ids, max_new_tokens=48, ignore_eos=True, do_sample=False, **drafts)
         final = [out for out in manager.request_id_iter(rid, timeout=120) if out.is_finished][-1]
         assert manager.stats().spec_num_drafts > 0
     finally:
