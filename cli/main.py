@@ -141,6 +141,14 @@ def _add_model_flags(serve: argparse.ArgumentParser) -> None:
         "matmuls of every size on cbserve's kernel; bfloat16 needs AMX); refuses to start where it cannot",
     )
     a(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="shard the model over this many processes (one rank each, started by cbserve; gloo on CPU, "
+        "NCCL on CUDA); it must divide the model's attention and KV heads",
+    )
+    a(
         "--attention-backend",
         choices=["auto", "cpu", "triton", "sdpa"],
         default="auto",
@@ -333,8 +341,11 @@ def _serve(args: argparse.Namespace) -> int:
     app = build_app(engine, config)
     _log_serving(engine, config.served_model_name, args.host, args.port)
     server = DrainingServer(uvicorn_config(app, args.host, args.port, args.log_level), app.state.server)
-    server.run()
-    return 0 if server.started else 1
+    try:
+        server.run()
+    finally:
+        engine.close()
+    return 0 if server.started and not app.state.server.failed else 1
 
 
 def _load_engine(args: argparse.Namespace) -> Any:
@@ -350,6 +361,7 @@ def _load_engine(args: argparse.Namespace) -> Any:
             model_impl=args.model_impl,
             batch_invariant=args.batch_invariant,
             speculative_config=args.speculative_config,
+            tensor_parallel_size=args.tensor_parallel_size,
             attention_backend=args.attention_backend,
             scheduler=args.scheduler,
             max_batch_tokens=args.max_batch_tokens,

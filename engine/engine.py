@@ -20,6 +20,8 @@ from engine.executor.decode_stack import CpuDecodeStack
 from engine.executor.dola import LayerContrast
 from engine.executor.draft_model import DraftModel
 from engine.executor.kv_cache import KVCache
+from engine.executor.parallel.runner import TensorParallelRunner
+from engine.executor.parallel.sharded_llama import ShardedLlamaForCausalLM
 from engine.executor.runner import ModelRunner
 from engine.generation.config import GenerationConfig, GenerationConfigError
 from engine.generation.processor_plugins import load_logits_processors
@@ -98,7 +100,7 @@ class Engine:
             num_layers=loaded.config.num_hidden_layers,
             num_blocks=self.num_blocks,
             block_size=self.block_size,
-            num_kv_heads=loaded.config.num_key_value_heads,
+            num_kv_heads=self.num_kv_heads,
             head_dim=loaded.config.head_dim,
             dtype=self.dtype,
             device=self.device,
@@ -143,6 +145,7 @@ class Engine:
         model_impl: str = "auto",
         batch_invariant: bool = False,
         speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
+        tensor_parallel_size: int = 1,
         **cache_and_scheduler_options: Any,
     ) -> Engine:
         """Load ``model`` ("default", a HF folder, a .gguf file, or a dummy preset with
@@ -153,7 +156,8 @@ class Engine:
         do not depend on its batch (``ValueError`` where the kernels cannot promise it; ``Engine.batch_invariant``
         says whether the chosen kernels promise it anyway: docs/GENERATION.md); ``speculative_config``: how
         every request speculates (vLLM's dict: engine/speculative/config.py; ``SpeculativeConfigError``, a
-        ``ValueError``, when it cannot be used)."""
+        ``ValueError``, when it cannot be used); ``tensor_parallel_size``: the model in that many shards, one
+        process per rank started here (engine/loader/shards.py; ``close`` stops them)."""
         speculation = _speculative_config(speculative_config)
         options = CacheOptions(**{k: v for k, v in cache_and_scheduler_options.items() if v is not None})
         keep_freed_memory()
@@ -167,6 +171,7 @@ class Engine:
                 prepack=prepack_weights,
                 model_impl=model_impl,
                 batch_invariant=batch_invariant,
+                tensor_parallel_size=tensor_parallel_size,
             )
             name = served_model_name or _default_model_name(model, loaded)
             engine = cls(loaded, options, name, attention_backend)
@@ -198,7 +203,7 @@ class Engine:
         num = num_blocks_for_budget(
             budget,
             cfg.num_hidden_layers,
-            cfg.num_key_value_heads,
+            self.num_kv_heads,
             cfg.head_dim,
             o.block_size,
             self.dtype.itemsize,
@@ -208,8 +213,19 @@ class Engine:
         return min(num, cap)
 
     @property
+    def num_kv_heads(self) -> int:
+        """The KV heads this process computes: one shard's under tensor parallelism (executor/parallel/)."""
+        return int(getattr(self.model, "config", self.loaded.config).num_key_value_heads)
+
+    @property
     def kv_capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
+
+    def close(self) -> None:
+        """Release what outlives the engine's managers: a sharded model's other ranks (their processes)."""
+        close = getattr(self.model, "close", None)
+        if close is not None:
+            close()
 
     # ------------------------------------------------------------------ user processors
     def load_logits_processors(self, specs: Sequence[str]) -> None:
@@ -244,16 +260,23 @@ class Engine:
         )
         scheduler = make_scheduler(opts["scheduler"], sched_config)
         speculation = _speculative_config(speculative_config) or self.speculative_config
-        executor = ModelRunner(
-            self.model,
-            self.kv_cache,
-            self.block_size,
-            self.device,
-            self.decode_kernel,
-            self.cuda_graphs,
-            self.decode_stack,
-            self._draft_model(speculation),
-        )
+        draft_model = self._draft_model(speculation)
+        executor: ModelRunner
+        if isinstance(self.model, ShardedLlamaForCausalLM):
+            executor = TensorParallelRunner(
+                self.model, self.kv_cache, self.block_size, self.device, self.decode_kernel, draft_model
+            )
+        else:
+            executor = ModelRunner(
+                self.model,
+                self.kv_cache,
+                self.block_size,
+                self.device,
+                self.decode_kernel,
+                self.cuda_graphs,
+                self.decode_stack,
+                draft_model,
+            )
         eos = tuple(self.tokenizer.eos_token_ids) or tuple(self.model_config.eos_token_ids)
         sampler = Sampler(
             self.vocab_size, self.device, eos_token_ids=eos, logits_processors=self.logits_processors

@@ -13,6 +13,11 @@ class EngineDeadError(EngineError):
     """The engine loop is not running (stopped, or died): nothing can be admitted. HTTP 503."""
 
 
+class ExecutorFailedError(EngineError):
+    """The executor can run no more steps (a tensor-parallel rank died, hung or fell out of step): the
+    engine loop stops and fails every request, and the server exits non-zero so that it is restarted."""
+
+
 class QueueFullError(EngineError):
     """The waiting queue holds ``max_queue`` requests already. HTTP 429."""
 

@@ -22,6 +22,7 @@ from typing import Protocol
 
 import torch
 
+from engine.errors import ExecutorFailedError
 from engine.generation.mask_prefetch import PendingMasks
 from engine.generation.sampler import SampledToken, Sampler, SamplingRow
 from engine.inbox import AddRequest, CancelRequest, EvictRequest, Inbox, InboxMessage
@@ -41,7 +42,9 @@ STALLED_WAIT_S = 0.01  # requests wait but none can be scheduled (blocks in use)
 
 
 class Executor(Protocol):
-    """Runs one batch through the model (engine/executor/runner.py's ``ModelRunner``)."""
+    """Runs one batch through the model (engine/executor/runner.py's ``ModelRunner``). An executor that can
+    fail for good (a sharded model's, engine/executor/parallel/runner.py) also has ``check_alive()``,
+    called at every iteration; ``ExecutorFailedError`` from it or from ``execute`` stops the loop."""
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits ``[sum of num_logits_rows, vocab]`` (float32): each chunk's ``num_logits_rows`` last rows,
@@ -105,6 +108,7 @@ class EngineLoop:
     def run(self) -> None:
         try:
             while not self.stopping.is_set():
+                self._check_executor()
                 self._drain_inbox()
                 self.outputs.flush()
                 if not self.scheduler.has_unfinished_requests():
@@ -134,6 +138,8 @@ class EngineLoop:
                 logits = self.executor.execute(batch)
                 logits, runs = self._take_draft_logits(batch, self._take_prompt_logits(batch, logits))
                 sampled = plan.sample(self.sampler, logits, masks)
+            except ExecutorFailedError:
+                raise  # NOTE: no step can run any more: the loop dies (run() fails every request).
             except Exception as exc:  # NOTE: a failed forward fails its step's requests, not the engine.
                 self._fail_step(batch, exc)
                 return
@@ -152,6 +158,13 @@ class EngineLoop:
         for req, error in self.speculator.propose(self.scheduler.running_requests):
             self._fail(req.payload, error)
         self._end_step(batch)
+
+    def _check_executor(self) -> None:
+        """Raise ``ExecutorFailedError`` where the executor says it can run no more steps (a sharded
+        model's rank died while the loop was idle); executors without ``check_alive`` always can."""
+        check = getattr(self.executor, "check_alive", None)
+        if check is not None:
+            check()
 
     def death_reason(self) -> str:
         return f": {self.dead!r}" if self.dead is not None else ""

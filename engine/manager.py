@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from engine.admission import RequestLimits, check_prompt
-from engine.errors import EngineDeadError, QueueFullError
+from engine.errors import EngineDeadError, ExecutorFailedError, QueueFullError
 from engine.executor.dola import LayerContrast
 from engine.executor.draft_model import DraftModel
 from engine.generation.config import GenerationConfig, GenerationConfigError
@@ -123,6 +123,13 @@ class ContinuousBatchingManager:
         self.loop.inbox.wake()
         if block:
             self.join(timeout)
+
+    @property
+    def executor_failure(self) -> ExecutorFailedError | None:
+        """What stopped the loop for good when its executor can run no more steps (a rank of a sharded
+        model died), else None: the process should exit and be restarted."""
+        dead = self.loop.dead
+        return dead if isinstance(dead, ExecutorFailedError) else None
 
     def join(self, timeout: float | None = None) -> None:
         if self._thread is not None:

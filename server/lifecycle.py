@@ -1,5 +1,10 @@
 """The server's lifecycle: start the engine loop, admit requests, drain on SIGTERM, stop.
 
+When the engine's executor fails for good (a rank of a sharded model died or hung:
+``ContinuousBatchingManager.executor_failure``), the loop has already failed every request and /health
+answers 503; the server shuts down at once and ``ServerState.failed`` tells the CLI to exit non-zero, so
+that Kubernetes restarts the pod.
+
 Draining (first SIGTERM/SIGINT, or ``ServerState.begin_drain()``): new generation requests get 503 and
 /health turns 503, while requests already admitted run to completion. When none is left, or
 ``shutdown_timeout`` seconds have passed, uvicorn's own shutdown starts (close sockets, cancel what is
@@ -48,6 +53,7 @@ class ServerState:
         self.draining = False
         self.drain_deadline: float | None = None
         self.num_active = 0  # admitted generation requests whose response is not finished
+        self.failed = False  # the executor failed for good: the process must exit non-zero
 
     @property
     def tokenizer(self) -> Any:
@@ -166,6 +172,12 @@ class DrainingServer(uvicorn.Server):
         self.state.begin_drain()
 
     async def on_tick(self, counter: int) -> bool:
+        manager = self.state.manager
+        failure = manager.executor_failure if manager is not None else None
+        if failure is not None and not self.state.failed:
+            logger.error("shutting down: %s", failure)
+            self.state.failed = True
+            self.should_exit = True
         if self.state.draining and not self.should_exit and self.state.drain_done():
             if self.state.num_active > 0:
                 logger.warning("shutdown timeout reached with %d request(s) in flight", self.state.num_active)

@@ -105,7 +105,7 @@ def swap_linears(
     codes: list[BlockCodes | None] = [None] * len(places)
     qpanels: list[torch.Tensor | None] = [None] * len(places)
     if small is not None:  # all panels in one allocation on huge pages (engine/cpu/huge_pages.py)
-        codes = _block_codes(model, linears, blocks)
+        codes = _block_codes(model, linears, blocks) if blocks else [None] * len(linears)
         panels, qpanels = _arena(linears, codes)
     del (
         linears

@@ -69,14 +69,11 @@ class ModelRunner:
             exit_layers=exits,
         )
 
-    @torch.inference_mode()
-    def draft(
-        self, token_ids: list[int], positions: list[int], block_tables: list[list[int]], num_layers: int
-    ) -> torch.Tensor:
-        """Self-speculative drafting: one token per sequence at its position through the model's first
-        ``num_layers`` layers, then the final norm and the head (their K/V written to those layers' pages).
-        Logits ``[len(token_ids), vocab]`` (float32)."""
-        inputs = BatchInputs.build(
+    def draft_inputs(
+        self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]
+    ) -> BatchInputs:
+        """A drafting step's inputs: one decode row per sequence."""
+        return BatchInputs.build(
             token_ids=[[t] for t in token_ids],
             starts=positions,
             block_tables=block_tables,
@@ -84,6 +81,15 @@ class ModelRunner:
             block_size=self.block_size,
             device=self.device,
         )
+
+    @torch.inference_mode()
+    def draft(
+        self, token_ids: list[int], positions: list[int], block_tables: list[list[int]], num_layers: int
+    ) -> torch.Tensor:
+        """Self-speculative drafting: one token per sequence at its position through the model's first
+        ``num_layers`` layers, then the final norm and the head (their K/V written to those layers' pages).
+        Logits ``[len(token_ids), vocab]`` (float32)."""
+        inputs = self.draft_inputs(token_ids, positions, block_tables)
         if self.decode_stack is not None and self.decode_stack.can_run(inputs, self.decode_kernel):
             return self.decode_stack.run(inputs, self.kv_cache, num_layers)
         return self.model(inputs, self.kv_cache, self.decode_kernel, num_layers=num_layers).float()

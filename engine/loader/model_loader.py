@@ -107,6 +107,7 @@ def load_model(
     prepack: bool = True,
     model_impl: str = "auto",
     batch_invariant: bool = False,
+    tensor_parallel_size: int = 1,
 ) -> LoadedModel:
     """Load ``model`` (see ``resolve_model``) and its tokenizer. Raises ``ModelLoadError`` subclasses naming
     the file at fault, ``TokenizerMismatchError`` when the tokenizer has more ids than the embedding.
@@ -116,14 +117,26 @@ def load_model(
     native model (engine/executor/fast_paths.py): matmuls over prepacked weights, the fused element-wise
     ops; in float32 the engine then runs decode steps' layers in one C call (engine/executor/decode_stack.py).
     ``batch_invariant``: insist on kernels whose result for a row does not depend on its batch (the native
-    model's CPU kernels; float32 anywhere, bfloat16 with AMX-BF16), ``ValueError`` where they cannot run."""
+    model's CPU kernels; float32 anywhere, bfloat16 with AMX-BF16), ``ValueError`` where they cannot run.
+    ``tensor_parallel_size`` > 1: the native model in that many shards, one process per rank, this one
+    rank 0 (engine/loader/shards.py), each rank's matmuls and element-wise ops on the CPU fast paths too
+    (``prepack``), not the decode stack."""
     # NOTE: imported here: models import engine.model_config
     from engine.executor.models.registry import choose_model_impl
 
     source = resolve_model(model, load_format)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
-    if choose_model_impl(_raw_config(source), model_impl) == "transformers":
+    impl = choose_model_impl(_raw_config(source), model_impl)
+    if tensor_parallel_size != 1:
+        if impl == "transformers" or batch_invariant:
+            raise ValueError(
+                "tensor_parallel_size > 1 shards the native model only, without batch_invariant's kernels"
+            )
+        return _load_sharded(
+            model, load_format, source, torch_dtype, torch_device, prepack, tensor_parallel_size
+        )
+    if impl == "transformers":
         if batch_invariant:
             raise ValueError(
                 "batch_invariant needs the native model's CPU kernels, not the transformers backend"
@@ -170,6 +183,34 @@ def _load_native(
         dtype=dtype,
         device=device,
         batch_invariant=invariant,
+    )
+
+
+def _load_sharded(
+    model: str,
+    load_format: str,
+    source: ModelSource,
+    dtype: torch.dtype,
+    device: torch.device,
+    prepack: bool,
+    world_size: int,
+) -> LoadedModel:
+    """The native model in ``world_size`` shards (engine/loader/shards.py): this process holds rank 0's."""
+    from engine.loader.shards import load_sharded
+
+    opened = open_source(source, dtype, device)  # its config, tokenizer and defaults: no weight is read
+    if opened.tokenizer is not None and opened.tokenizer.vocab_size > opened.config.vocab_size:
+        raise TokenizerMismatchError(opened.tokenizer.vocab_size, opened.config.vocab_size, source.name)
+    net = load_sharded(model, load_format, opened.config, dtype, device, world_size, open_source, prepack)
+    return LoadedModel(
+        config=_with_all_eos(opened.config, opened.generation_defaults, opened.tokenizer),
+        model=net,
+        tokenizer=opened.tokenizer,
+        generation_defaults=opened.generation_defaults,
+        chat_template=opened.tokenizer.chat_template if opened.tokenizer is not None else None,
+        source=source,
+        dtype=dtype,
+        device=device,
     )
 
 

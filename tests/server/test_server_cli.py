@@ -67,6 +67,7 @@ def test_every_flag_reads_the_environment() -> None:
         "CBSERVE_LOAD_FORMAT": "gguf",
         "CBSERVE_MODEL_IMPL": "transformers",
         "CBSERVE_BATCH_INVARIANT": "true",
+        "CBSERVE_TENSOR_PARALLEL_SIZE": "2",
         "CBSERVE_ATTENTION_BACKEND": "sdpa",
         "CBSERVE_SCHEDULER": "prefill_first",
         "CBSERVE_MAX_BATCH_TOKENS": "4096",
@@ -100,7 +101,7 @@ def test_every_flag_reads_the_environment() -> None:
         "prefill_first",
     )
     assert args.attention_backend == "sdpa" and args.model_impl == "transformers"
-    assert args.batch_invariant is True
+    assert args.batch_invariant is True and args.tensor_parallel_size == 2
     assert (args.max_batch_tokens, args.max_num_seqs, args.block_size) == (4096, 8, 32)
     assert args.kv_cache_memory == 2 << 30 and args.num_blocks == 100
     assert args.enable_prefix_caching is False

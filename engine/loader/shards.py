@@ -1,0 +1,181 @@
+"""Loading a model as ``tensor_parallel_size`` shards, one process per rank (torch.multiprocessing,
+spawned): rank 0 is the calling process (the server); it hosts the ranks' rendezvous, starts ranks
+1..N-1, and each rank connects, binds its threads to its cores and loads only its shards from the same
+source (engine/executor/parallel/sharding.py). Once every rank has loaded, ranks 1..N-1 serve rank 0's
+messages (engine/executor/parallel/rank_loop.py) until it stops them or dies; rank 0 gets its shard with
+the handle on the others (``ShardedLlamaForCausalLM.workers``).
+
+A rank that fails to start or to load makes ``load_sharded`` raise ``ModelLoadError`` (its own traceback
+is in its log, on the inherited stderr): at once when its process exited, else after ``START_TIMEOUT_S``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine.errors import ModelLoadError
+from engine.executor.fast_paths import apply_cpu_fast_paths
+from engine.executor.models.llama import LlamaForCausalLM
+from engine.executor.models.registry import MODEL_CLASSES
+from engine.executor.parallel.cores import bind_to_rank_cores
+from engine.executor.parallel.group import STORE_HOST, ShardGroup
+from engine.executor.parallel.rank_loop import RankLoop
+from engine.executor.parallel.sharded_llama import ShardedLlamaForCausalLM
+from engine.executor.parallel.sharding import ShardingError, check_shardable, shard_weights
+from engine.executor.parallel.workers import IDLE_TIMEOUT_S, ShardWorkers
+from engine.loader.source import ModelSource, resolve_model
+from engine.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 60.0  # a collective waits no longer for a rank
+START_TIMEOUT_S = 600.0  # nor the ranks' start-up (spawn, imports, rendezvous) and loading, each
+
+
+class OpenedWeights(Protocol):
+    """What ``open_source`` gives (engine/loader/model_loader.py): the config and the lazy weights."""
+
+    config: ModelConfig
+    weights: Iterator[tuple[str, torch.Tensor]]
+
+
+# NOTE: model_loader's open_source, passed in (it crosses into the ranks' processes by its name).
+Opener = Callable[[ModelSource, torch.dtype, torch.device], OpenedWeights]
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """What every rank needs to load its shard (picklable: it crosses into the spawned processes)."""
+
+    model: str
+    load_format: str
+    dtype: torch.dtype
+    device: torch.device  # rank 0's; rank r of a CUDA model uses device index r
+    world_size: int
+    port: int
+    timeout_s: float
+    opener: Opener
+    prepack: bool  # the CPU fast paths (engine/executor/fast_paths.py)
+
+    def device_of(self, rank: int) -> torch.device:
+        return torch.device("cuda", rank) if self.device.type == "cuda" else self.device
+
+
+def load_sharded(
+    model: str,
+    load_format: str,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    world_size: int,
+    opener: Opener,
+    prepack: bool = True,
+    timeout_s: float | None = None,
+) -> ShardedLlamaForCausalLM:
+    """Rank 0's shard of ``model`` (whose config is ``config``), the other ranks started and loaded.
+    Raises ``ShardingError`` (a ``ValueError``) before starting anything when ``world_size`` does not
+    divide the model. ``timeout_s``: how long a collective waits for a rank (``DEFAULT_TIMEOUT_S``)."""
+    if MODEL_CLASSES.get(config.architecture) is not LlamaForCausalLM:
+        raise ShardingError(
+            f"tensor parallelism shards the Llama family's model code; {config.architecture!r} has its own"
+        )
+    check_shardable(config, world_size)
+    timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+    start = datetime.timedelta(seconds=START_TIMEOUT_S)
+    store = dist.TCPStore(STORE_HOST, 0, world_size, True, timeout=start, wait_for_workers=False)
+    spec = ShardSpec(model, load_format, dtype, device, world_size, store.port, timeout_s, opener, prepack)
+    context = mp.get_context("spawn")
+    processes = [
+        context.Process(target=_rank_main, args=(rank, spec), name=f"cbserve-tp-rank{rank}", daemon=True)
+        for rank in range(1, world_size)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        _wait_for(store, "started", processes)  # NOTE: then the groups' own rendezvous is quick
+        group = ShardGroup.connect(0, world_size, store, device, timeout_s, IDLE_TIMEOUT_S)
+        net = _load_shard(spec, group)
+        _wait_for(store, "loaded", processes)
+    except Exception as exc:
+        for process in processes:
+            process.terminate()
+        raise ModelLoadError(
+            f"tensor parallelism: the {world_size} ranks could not start and load {model!r} ({exc}); "
+            "see the other ranks' log lines above"
+        ) from exc
+    net.workers = ShardWorkers(group, list(processes))
+    return net
+
+
+def _load_shard(spec: ShardSpec, group: ShardGroup) -> ShardedLlamaForCausalLM:
+    device = group.device
+    opened = spec.opener(resolve_model(spec.model, spec.load_format), spec.dtype, device)
+    net = ShardedLlamaForCausalLM(opened.config, group, spec.dtype, device)
+    with torch.no_grad():
+        net.load_weights(shard_weights(opened.weights, opened.config, group.rank, group.world_size))
+    net.shard()
+    if spec.prepack:
+        apply_cpu_fast_paths(net)
+    net.eval()
+    return net
+
+
+def _wait_for(store: dist.Store, stage: str, processes: Sequence[BaseProcess], poll_s: float = 0.1) -> None:
+    """Until every other rank has reached ``stage`` (``started``, ``loaded``); ``RuntimeError`` when one
+    exited first, or after ``START_TIMEOUT_S``."""
+    keys = [f"{stage}/{rank}" for rank in range(1, len(processes) + 1)]
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not store.check(keys):
+        for rank, process in enumerate(processes, start=1):
+            if not process.is_alive():
+                raise RuntimeError(f"rank {rank}'s process exited (exit code {process.exitcode})")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the ranks were not {stage} after {START_TIMEOUT_S:.0f} s")
+        time.sleep(poll_s)
+
+
+def _rank_main(rank: int, spec: ShardSpec) -> None:
+    """A spawned rank's process: connect, load, serve rank 0 until told to stop; exit non-zero on any
+    failure (and when rank 0's process is gone)."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank} %(levelname)s %(message)s")
+    _exit_with_parent()
+    try:
+        bind_to_rank_cores(rank, spec.world_size)
+        device = spec.device_of(rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        start = datetime.timedelta(seconds=START_TIMEOUT_S)
+        store = dist.TCPStore(STORE_HOST, spec.port, spec.world_size, False, timeout=start)
+        store.set(f"started/{rank}", "1")
+        group = ShardGroup.connect(rank, spec.world_size, store, device, spec.timeout_s, IDLE_TIMEOUT_S)
+        net = _load_shard(spec, group)
+        store.set(f"loaded/{rank}", "1")
+        RankLoop(net).run()
+    except BaseException:
+        logger.exception("tensor-parallel rank %d failed", rank)
+        os._exit(1)
+    os._exit(0)
+
+
+def _exit_with_parent(interval_s: float = 1.0) -> None:
+    """Exit this process (code 1) once its parent, rank 0, is gone: a rank alone has nothing to do."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="cbserve-tp-parent", daemon=True).start()
