@@ -62,6 +62,18 @@ TINY_LLAMA = ModelConfig(
 
 
 # NOTE: tryfirst, so the mark is there before ``-m "not slow"`` deselects.
+@pytest.fixture(autouse=True)
+def _torch_threads_restored() -> Iterator[None]:
+    """A tensor-parallel engine binds its engine thread to rank 0's cores and sizes torch's (process-wide)
+    intra-op pool to them: give the tests after it the pool they had."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test that uses the real model through a fixture is ``slow``, wherever it sits."""
