@@ -211,11 +211,13 @@ class Engine:
         self,
         max_queue: int = 1024,
         grammar_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+        enable_kv_cache_events: bool = False,
         **overrides: Any,
     ) -> ContinuousBatchingManager:
         """A manager over this engine's model and cache (not started). ``overrides`` may change the
         scheduler's options (``scheduler``, ``max_batch_tokens``, ``max_num_seqs``, ...);
-        ``grammar_timeout_s`` bounds the wait for a structured output's grammar (engine/grammar_workers.py)."""
+        ``grammar_timeout_s`` bounds the wait for a structured output's grammar (engine/grammar_workers.py);
+        ``enable_kv_cache_events`` records the prefix cache's changes for ``add_kv_event_observer``."""
         o = self.options
         opts = {**o.__dict__, **{k: v for k, v in overrides.items() if v is not None}}
         sched_config = SchedulerConfig(
@@ -226,6 +228,7 @@ class Engine:
             safety_margin=opts["safety_margin"],
             enable_prefix_caching=opts["enable_prefix_caching"],
             max_model_len=self.max_model_len,
+            enable_kv_cache_events=enable_kv_cache_events,
         )
         scheduler = make_scheduler(opts["scheduler"], sched_config)
         executor = ModelRunner(
