@@ -29,9 +29,10 @@ router = APIRouter()
 
 
 def _server_info(state: ServerState) -> dict[str, Any]:
+    # NOTE: no ``model_path``: the gateway would load a tokenizer from it, from the Hugging Face Hub when it
+    # names no local folder. It routes on the text it is sent and needs only the model id.
     engine = state.engine
     return {
-        "model_path": engine.model_name,
         "served_model_name": state.config.served_model_name,
         "version": server_version(),
         "dp_size": 1,
