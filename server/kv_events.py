@@ -86,8 +86,10 @@ class ZmqEventPublisher:
         self._thread.start()
 
     def publish(self, events: list[KVCacheEvent]) -> None:
-        """Queue one step's events (any thread; never blocks)."""
-        self._queue.put((time.time(), events))
+        """Queue one step's events (any thread; never blocks). Dropped once the publisher thread has
+        stopped (its failure is logged): nothing would take them off the queue."""
+        if self._thread.is_alive():
+            self._queue.put((time.time(), events))
 
     def close(self) -> None:
         """Send what is queued, then stop the thread and close the sockets."""
