@@ -221,7 +221,9 @@ class EngineLoop:
             while self.scheduler.evict_request_from_cache(f"{message.request_id}#{i}") is not None:
                 i += 1
         elif isinstance(message, ResetPrefixCache):
-            message.done.set_result(self.scheduler.reset_prefix_cache())
+            cleared = self.scheduler.reset_prefix_cache()
+            self._publish_kv_events()  # NOTE: before the answer: a caller told "cleared" sees the event sent
+            message.done.set_result(cleared)
 
     def _admit(self, group: SequenceGroup) -> None:
         seq = group.start()
