@@ -53,9 +53,8 @@ def _model_info(state: ServerState) -> dict[str, Any]:
         model_type, architectures = hf["model_type"], hf["architectures"]
     else:  # the transformers backend knows the class it runs
         model_type, architectures = None, [config.architecture]
+    # NOTE: no ``model_path`` or ``tokenizer_path`` here either (see ``_server_info``).
     return {
-        "model_path": state.engine.model_name,
-        "tokenizer_path": state.engine.model_name,
         "is_generation": True,
         "model_type": model_type,
         "architectures": architectures,

@@ -226,6 +226,7 @@ def test_what_the_gateway_reads_of_a_worker(live: LiveServer, http: httpx.Client
     model = http.get("/model_info").json()
     assert model["is_generation"] is True and model["architectures"] == ["LlamaForCausalLM"]
     assert http.get("/get_model_info").json() == model
+    assert not {"model_path", "tokenizer_path"} & (set(info) | set(model))  # the gateway would fetch them
     assert live.wait_idle()
     (load,) = http.get("/get_load").json()
     assert load == {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
