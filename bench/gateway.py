@@ -1,12 +1,14 @@
 """Two cbserve replicas behind SGLang's model gateway: ``cache_aware`` against ``round_robin`` on a workload of
 a few long shared documents with many questions each (TTFT, throughput, prefix-cache hit rate).
 
-    python -m bench.gateway --replicas 2 --num-docs 3 --questions 8 --num-blocks 24 --concurrency 2
+    python -m bench.gateway --replicas 2 --num-docs 3 --questions 8 --burst 2 --num-blocks 24 --concurrency 2
 
-The questions arrive interleaved across the documents (doc 0, 1, 2, 0, 1, 2, ...). With an odd number of
-documents, ``round_robin`` sends every document to both replicas; each replica's cache (``--num-blocks``)
-holds about two documents, so cycling through three evicts each one before it comes back. ``cache_aware``
-keeps each document on one replica, where it stays cached. Both policies' gateways route over the same
+The questions arrive interleaved across the documents in bursts of ``--burst`` questions on one document
+(doc 0, 0, 1, 1, 2, 2, 0, 0, ... for 2), ``--concurrency`` at a time. With bursts of two sent two at a time,
+``round_robin`` sends every document to both replicas; each replica's cache (``--num-blocks``) holds about
+two documents, so cycling through three evicts each one before it comes back. ``cache_aware`` keeps each
+document on one replica, where it stays cached. (One request at a time, sglang-router 0.3.2's
+``cache_aware`` sends every prompt that matches no tree to the same replica: loads tie at zero.) Both policies' gateways route over the same
 replicas, whose prefix caches are flushed (``POST /flush_cache``) before each run. The hit rate is read from
 the replicas' ``cbserve:prefix_cache_*`` counters; TTFT from the first streamed chunk of each request.
 
@@ -74,15 +76,19 @@ def document(seed: int, num_words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(num_words))
 
 
-def shared_documents(num_docs: int, questions_per_doc: int, doc_words: int, seed: int = 0) -> list[Question]:
-    """Each document followed by one of its questions, interleaved across documents."""
+def shared_documents(
+    num_docs: int, questions_per_doc: int, doc_words: int, burst: int = 1, seed: int = 0
+) -> list[Question]:
+    """The documents' questions, interleaved across documents in bursts of ``burst`` questions on one
+    document (doc 0, 0, 1, 1, 2, 2, 0, 0, ... for 2)."""
     docs = [document(seed * 1000 + d, doc_words) for d in range(num_docs)]
     return [
         Question(
             d, f"{docs[d]}\n\nQuestion {q}: what does the text say about {WORDS[(7 * q + d) % len(WORDS)]}?"
         )
-        for q in range(questions_per_doc)
+        for first in range(0, questions_per_doc, burst)
         for d in range(num_docs)
+        for q in range(first, min(first + burst, questions_per_doc))
     ]
 
 
@@ -157,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-docs", type=int, default=3)
     parser.add_argument("--questions", type=int, default=8, help="questions per document")
     parser.add_argument("--doc-words", type=int, default=150)
+    parser.add_argument("--burst", type=int, default=2, help="consecutive questions on one document")
     parser.add_argument(
         "--num-blocks", type=int, default=24, help="each replica's KV cache, in 16-token blocks"
     )
@@ -171,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     if not gateway_installed():
         print("sglang-router is not installed: pip install sglang-router", file=sys.stderr)
         return 2
-    questions = shared_documents(args.num_docs, args.questions, args.doc_words)
+    questions = shared_documents(args.num_docs, args.questions, args.doc_words, args.burst)
     with tempfile.TemporaryDirectory(prefix="cbserve-gateway-") as logs:
         cluster = Cluster(Path(logs))
         try:
