@@ -1,10 +1,10 @@
 """Two cbserve replicas behind SGLang's model gateway (PyPI ``sglang-router``), all on 127.0.0.1
-(bench/gateway_cluster.py): the gateway registers cbserve as a worker; on a few long documents with questions
-interleaved across them, ``cache_aware`` routing gets a clearly higher prefix-cache hit rate than
+(bench/gateway_cluster.py): the gateway registers cbserve as a worker; on a few long documents whose questions
+arrive in bursts of two, ``cache_aware`` routing gets a clearly higher prefix-cache hit rate than
 ``round_robin``; a replica killed mid-run loses at most its in-flight requests, and every later request
 succeeds through the other.
 
-Each replica has 24 blocks of 16 tokens: about two of the three ~180-token documents. Skipped when
+Each replica has 24 blocks of 16 tokens: about two of the three 164-token documents. Skipped when
 sglang-router is not installed.
 """
 
