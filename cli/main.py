@@ -89,6 +89,16 @@ def _speculative_config(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _kv_events_config(text: str) -> Any:
+    """``--kv-events-config``: a JSON object of vLLM's KVEventsConfig fields (server/kv_events_config.py)."""
+    from server.kv_events_config import KVEventsConfig, KVEventsConfigError
+
+    try:
+        return KVEventsConfig.from_json(text)
+    except (KVEventsConfigError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _logits_processor(text: str) -> str:
     """``--logits-processors``: each spec must import before the model loads (it is built, with the
     model's tokenizer, once the model is loaded)."""
@@ -210,6 +220,19 @@ def _add_serve_flags(serve: argparse.ArgumentParser) -> None:
         "llama3_json or mistral",
     )
     _add_generation_flags(serve)
+    _add_gateway_flags(serve)
+
+
+def _add_gateway_flags(serve: argparse.ArgumentParser) -> None:
+    """The flags for a replica behind a KV-aware gateway."""
+    serve.add_argument(
+        "--kv-events-config",
+        type=_kv_events_config,
+        default=None,
+        help="publish the prefix cache's changes for KV-aware routers, as vLLM does: a JSON object such as "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv"}\' '
+        "(fields: replay_endpoint, buffer_steps, hwm too; docs/DEPLOY.md)",
+    )
 
 
 def _add_generation_flags(serve: argparse.ArgumentParser) -> None:
@@ -317,6 +340,7 @@ def _serve(args: argparse.Namespace) -> int:
     # NOTE: imported here so that `cbserve --help` and `cbserve bench` do not pay for torch.
     from server.app import build_app
     from server.config import ServerConfig, ServerConfigError
+    from server.kv_events_config import KVEventsConfig
     from server.lifecycle import DrainingServer, uvicorn_config
 
     engine = _load_engine(args)
@@ -334,6 +358,7 @@ def _serve(args: argparse.Namespace) -> int:
             reasoning_parser=args.reasoning_parser,
             tool_call_parser=args.tool_call_parser,
             watermarking_config=args.watermarking_config,
+            kv_events=args.kv_events_config or KVEventsConfig(),
         )
     except ServerConfigError as exc:
         logger.error("%s", exc)

@@ -241,12 +241,14 @@ class Engine:
         max_queue: int = 1024,
         grammar_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
         speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
+        enable_kv_cache_events: bool = False,
         **overrides: Any,
     ) -> ContinuousBatchingManager:
         """A manager over this engine's model and cache (not started). ``overrides`` may change the
         scheduler's options (``scheduler``, ``max_batch_tokens``, ``max_num_seqs``, ...);
         ``grammar_timeout_s`` bounds the wait for a structured output's grammar (engine/grammar_workers.py);
-        ``speculative_config`` replaces the engine's for this manager."""
+        ``speculative_config`` replaces the engine's for this manager;
+        ``enable_kv_cache_events`` records the prefix cache's changes for ``add_kv_event_observer``."""
         o = self.options
         opts = {**o.__dict__, **{k: v for k, v in overrides.items() if v is not None}}
         sched_config = SchedulerConfig(
@@ -257,26 +259,11 @@ class Engine:
             safety_margin=opts["safety_margin"],
             enable_prefix_caching=opts["enable_prefix_caching"],
             max_model_len=self.max_model_len,
+            enable_kv_cache_events=enable_kv_cache_events,
         )
         scheduler = make_scheduler(opts["scheduler"], sched_config)
         speculation = _speculative_config(speculative_config) or self.speculative_config
-        draft_model = self._draft_model(speculation)
-        executor: ModelRunner
-        if isinstance(self.model, ShardedLlamaForCausalLM):
-            executor = TensorParallelRunner(
-                self.model, self.kv_cache, self.block_size, self.device, self.decode_kernel, draft_model
-            )
-        else:
-            executor = ModelRunner(
-                self.model,
-                self.kv_cache,
-                self.block_size,
-                self.device,
-                self.decode_kernel,
-                self.cuda_graphs,
-                self.decode_stack,
-                draft_model,
-            )
+        executor = self._runner(self._draft_model(speculation))
         eos = tuple(self.tokenizer.eos_token_ids) or tuple(self.model_config.eos_token_ids)
         sampler = Sampler(
             self.vocab_size, self.device, eos_token_ids=eos, logits_processors=self.logits_processors
@@ -296,6 +283,23 @@ class Engine:
             speculative_config=speculation,
         )
         return self._manager
+
+    def _runner(self, draft_model: DraftModel | None) -> ModelRunner:
+        """The executor of a new manager: one process's, or rank 0's of a sharded model."""
+        if isinstance(self.model, ShardedLlamaForCausalLM):
+            return TensorParallelRunner(
+                self.model, self.kv_cache, self.block_size, self.device, self.decode_kernel, draft_model
+            )
+        return ModelRunner(
+            self.model,
+            self.kv_cache,
+            self.block_size,
+            self.device,
+            self.decode_kernel,
+            self.cuda_graphs,
+            self.decode_stack,
+            draft_model,
+        )
 
     def _draft_model(self, speculation: SpeculativeConfig | None) -> DraftModel | None:
         """The draft model of a ``draft_model`` config, loaded once (as the target: its device and dtype, the

@@ -9,7 +9,8 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 from engine.sequence_group import SequenceGroup
 
@@ -31,7 +32,14 @@ class EvictRequest:
     request_id: str
 
 
-InboxMessage = AddRequest | CancelRequest | EvictRequest
+@dataclass(frozen=True)
+class ResetPrefixCache:
+    """Empty the prefix cache; ``done`` gets True, or False while requests hold blocks."""
+
+    done: Future[bool] = field(default_factory=Future)
+
+
+InboxMessage = AddRequest | CancelRequest | EvictRequest | ResetPrefixCache
 
 
 class Inbox:

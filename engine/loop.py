@@ -6,8 +6,9 @@
     step = outputs.accept_step(batch, tokens); verify_drafts(...)   # speculating rows accept their drafts
     scheduler.update(batch, step...); outputs.publish(...); speculator.propose(running)  # next step's drafts
 
-between draining its inbox (new requests, cancellations, evictions) and flushing the step's outputs to
-their sinks in one hand-over. A forward (or sampling) that raises fails only that step's requests; a bug
+between draining its inbox (new requests, cancellations, evictions, cache resets) and flushing the step's
+outputs to their sinks in one hand-over; the KV-cache events of the step (kvcache/events.py), when recorded,
+go to their observers then too. A forward (or sampling) that raises fails only that step's requests; a bug
 in the loop itself fails every request and stops the loop.
 """
 
@@ -25,12 +26,13 @@ import torch
 from engine.errors import ExecutorFailedError
 from engine.generation.mask_prefetch import PendingMasks
 from engine.generation.sampler import SampledToken, Sampler, SamplingRow
-from engine.inbox import AddRequest, CancelRequest, EvictRequest, Inbox, InboxMessage
+from engine.inbox import AddRequest, CancelRequest, EvictRequest, Inbox, InboxMessage, ResetPrefixCache
 from engine.output_processor import OutputProcessor
 from engine.sequence_group import Sequence, SequenceGroup
 from engine.speculative.speculator import Speculator
 from engine.speculative.verifier import VerifyRun, num_accepted, verify_drafts
 from engine.stats import EngineStats
+from kvcache.events import KVCacheEvent
 from scheduler.base import Scheduler
 from scheduler.batch import ScheduledBatch
 from scheduler.request import FinishReason
@@ -101,6 +103,7 @@ class EngineLoop:
         self.stopping = threading.Event()
         self.dead: BaseException | None = None  # what killed the loop, if anything did
         self.step_observers: list[Callable[[int], None]] = []
+        self.kv_event_observers: list[Callable[[list[KVCacheEvent]], None]] = []
         self.num_steps = 0
         self.stats = self._snapshot(running=False)
 
@@ -110,6 +113,7 @@ class EngineLoop:
             while not self.stopping.is_set():
                 self._check_executor()
                 self._drain_inbox()
+                self._publish_kv_events()
                 self.outputs.flush()
                 if not self.scheduler.has_unfinished_requests():
                     self._idle(IDLE_WAIT_S)
@@ -236,7 +240,17 @@ class EngineLoop:
         self.num_steps += 1
         for fn in self.step_observers:
             fn(batch.num_tokens)
+        self._publish_kv_events()
         self._publish_stats()
+
+    def _publish_kv_events(self) -> None:
+        """Hand the KV-cache events recorded since the last call to the observers (none: nothing taken)."""
+        if not self.kv_event_observers:
+            return
+        events = self.scheduler.kv_manager.take_events()
+        if events:
+            for fn in self.kv_event_observers:
+                fn(events)
 
     def _idle(self, timeout: float) -> None:
         self._publish_stats()
@@ -256,6 +270,10 @@ class EngineLoop:
             i = 0  # the scheduler knows each sample as "{id}#{index}"
             while self.scheduler.evict_request_from_cache(f"{message.request_id}#{i}") is not None:
                 i += 1
+        elif isinstance(message, ResetPrefixCache):
+            cleared = self.scheduler.reset_prefix_cache()
+            self._publish_kv_events()  # NOTE: before the answer: a caller told "cleared" sees the event sent
+            message.done.set_result(cleared)
 
     def _admit(self, group: SequenceGroup) -> None:
         seq = group.start()
@@ -301,6 +319,8 @@ class EngineLoop:
             if isinstance(message, AddRequest):
                 message.group.start()
                 self.outputs.add(message.group)
+            elif isinstance(message, ResetPrefixCache):  # its caller waits for an answer
+                message.done.set_result(False)
         for group in list(self.outputs.groups.values()):
             for seq in list(group.sequences):
                 try:

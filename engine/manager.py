@@ -28,7 +28,7 @@ from engine.generation.sampler import Sampler
 from engine.generation.speculation import Speculation
 from engine.generation.user_processors import RequestHooks, TransformersCriterion, TransformersProcessor
 from engine.grammar_workers import DEFAULT_COMPILE_TIMEOUT_S, GrammarWorkers
-from engine.inbox import AddRequest, CancelRequest, EvictRequest
+from engine.inbox import AddRequest, CancelRequest, EvictRequest, ResetPrefixCache
 from engine.loop import EngineLoop, Executor
 from engine.outputs import GenerationOutput
 from engine.request_handle import AsyncSink, RequestHandle, Sink, SyncSink
@@ -38,6 +38,7 @@ from engine.speculative.early_exit import Drafter, EarlyExitProposer
 from engine.speculative.speculator import Speculator
 from engine.stats import EngineStats
 from engine.streamer_sink import StreamerSink
+from kvcache.events import KVCacheEvent
 from scheduler.base import Scheduler
 
 
@@ -212,6 +213,17 @@ class ContinuousBatchingManager:
     def evict_request_from_cache(self, request_id: str) -> None:
         """Drop a finished request's blocks from the prefix cache (they are otherwise kept for reuse)."""
         self.loop.inbox.put(EvictRequest(request_id))
+
+    async def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache at the next step: True, or False while any request holds blocks."""
+        message = ResetPrefixCache()
+        self.loop.inbox.put(message)
+        return await asyncio.wrap_future(message.done)
+
+    def add_kv_event_observer(self, fn: Callable[[list[KVCacheEvent]], None]) -> None:
+        """``fn(events)`` is called from the engine thread with the KV-cache events of each step, in order;
+        the scheduler records them only when built with ``enable_kv_cache_events``."""
+        self.loop.kv_event_observers.append(fn)
 
     def add_step_observer(self, fn: Callable[[int], None]) -> None:
         """``fn(num_tokens)`` is called from the engine thread after every step."""

@@ -8,7 +8,9 @@ it is handed out again, so a later request with the same prefix can take it back
 (least recently freed first), ``free`` appends at its tail.
 
 Pure Python and token-blind: the pool hands out ids and maps hashes to them; ``KVCacheManager`` decides
-which tokens a hash stands for, and the engine owns the tensors the ids index.
+which tokens a hash stands for, and the engine owns the tensors the ids index. Given an ``events`` list, the
+pool appends a ``BlockRemoved`` whenever a hash leaves the cache and an ``AllBlocksCleared`` when the cache
+is cleared (kvcache/events.py); the manager, which knows the tokens, records the ``BlockStored``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from kvcache.errors import IntegrityError, NoFreeBlocksError
+from kvcache.events import AllBlocksCleared, BlockRemoved, KVCacheEvent
 
 
 class BlockPool:
@@ -26,7 +29,9 @@ class BlockPool:
     nothing is ever cached and ``cached_block`` always returns None.
     """
 
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, enable_prefix_caching: bool = True, events: list[KVCacheEvent] | None = None
+    ) -> None:
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
         self._num_blocks = num_blocks
@@ -37,6 +42,7 @@ class BlockPool:
         # (a cached block taken back by a prefix hit leaves the queue wherever it is).
         self._free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._hash_to_block: dict[int, int] = {}
+        self._events = events  # None: not recording
 
     # ---- state ----------------------------------------------------------------------------------------
     @property
@@ -159,6 +165,18 @@ class BlockPool:
             self._check_id(block_id)
             self._drop_hash(block_id)
 
+    def clear_cache(self) -> bool:
+        """Drop every hash from the prefix cache, as a fresh pool. Only while no block is referenced: a
+        running request's blocks stay as they are, and False is returned."""
+        if self.num_used_blocks:
+            return False
+        for block_id in self._hash_to_block.values():
+            self._hashes[block_id] = None
+        self._hash_to_block.clear()
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
+        return True
+
     # ---- invariants -----------------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Raise ``IntegrityError`` when ref counts, free queue and hash map disagree."""
@@ -196,3 +214,5 @@ class BlockPool:
         if h is not None:
             del self._hash_to_block[h]
             self._hashes[block_id] = None
+            if self._events is not None:
+                self._events.append(BlockRemoved((h,)))

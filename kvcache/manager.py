@@ -15,6 +15,9 @@ Verbs come in check/act pairs, as in nano-vllm and vLLM: ``get_computed_blocks``
 registers newly computed full blocks, ``fork`` shares a parent's blocks (copy on write), ``truncate`` rolls a
 request back, ``free`` releases a table and ``remove`` forgets a finished request. Pure Python: the engine
 owns the tensors the block ids index.
+
+With ``record_events`` the manager and its pool record every change to the set of cached blocks
+(kvcache/events.py) for ``take_events``.
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import groupby
 
 from kvcache.block_pool import BlockPool
 from kvcache.errors import IntegrityError, NoFreeBlocksError
+from kvcache.events import BlockStored, KVCacheEvent
 from kvcache.prefix_hash import hash_full_blocks
 from kvcache.sizing import blocks_for_tokens
 
@@ -57,10 +62,12 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         max_remembered_finished: int = MAX_REMEMBERED_FINISHED,
+        record_events: bool = False,
     ) -> None:
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        self._pool = BlockPool(num_blocks, enable_prefix_caching)
+        self._events: list[KVCacheEvent] | None = [] if record_events else None
+        self._pool = BlockPool(num_blocks, enable_prefix_caching, self._events)
         self._block_size = block_size
         self._block_tables: dict[str, list[int]] = {}
         # A request's chain grows with its tokens and outlives its table (a preempted request comes back
@@ -170,6 +177,8 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self._chain(request_id, num_full, token_ids)
+        if self._events is not None:
+            self._record_stored(self._events, hashes, start, num_full, token_ids())
         self._pool.cache_blocks(table[start:num_full], hashes[start:num_full])
         self._num_registered[request_id] = num_full
 
@@ -277,6 +286,38 @@ class KVCacheManager:
         ]
         self._pool.uncache(blocks)
         return len(blocks)
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache, as after a restart. Only while no request holds blocks (False, nothing
+        changed, otherwise): a running request's registered blocks cannot be forgotten under it."""
+        if not self._pool.clear_cache():
+            return False
+        self._finished_hashes.clear()
+        return True
+
+    # ---- events ---------------------------------------------------------------------------------------
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call, in order ([] when not recording)."""
+        if not self._events:
+            return []
+        events = list(self._events)
+        self._events.clear()  # NOTE: the pool appends to this same list: empty it, never replace it.
+        return events
+
+    def _record_stored(
+        self, events: list[KVCacheEvent], hashes: list[int], start: int, stop: int, tokens: Sequence[int]
+    ) -> None:
+        """One ``BlockStored`` per run of the blocks ``start..stop-1`` that ``cache_blocks`` is about to
+        register (a hash already cached, under this block or a twin, is no news)."""
+        bs = self._block_size
+        new = [i for i in range(start, stop) if self._pool.cached_block(hashes[i]) is None]
+        for _, run in groupby(enumerate(new), key=lambda pair: pair[1] - pair[0]):
+            blocks = [i for _, i in run]
+            first, last = blocks[0], blocks[-1] + 1
+            parent = hashes[first - 1] if first > 0 else None
+            events.append(
+                BlockStored(tuple(hashes[first:last]), parent, tuple(tokens[first * bs : last * bs]), bs)
+            )
 
     # ---- invariants -----------------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -53,7 +53,12 @@ class Scheduler(ABC):
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.kv_manager = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(
+            config.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            record_events=config.enable_kv_cache_events,
+        )
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # in admission order: the last was admitted most recently
         self._requests: dict[str, Request] = {}  # every unfinished request, waiting or running
@@ -344,6 +349,10 @@ class Scheduler(ABC):
         """Drop a finished request's blocks from the prefix cache (those no running request shares).
         Returns how many were dropped; None when the request is not among the recently finished."""
         return self.kv_manager.evict_finished(request_id)
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache; False (nothing changed) while any request holds blocks."""
+        return self.kv_manager.reset_prefix_cache()
 
     def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
         """Preempt by recompute: free the blocks, back to the front of the waiting queue, output kept."""

@@ -17,6 +17,7 @@ class SchedulerConfig:
       requests to grow and so avoiding preemptions.
     - ``enable_prefix_caching``: reuse the KV blocks of equal prompt prefixes.
     - ``max_model_len``: the longest sequence (prompt + generated) a request may reach, or None for no limit.
+    - ``enable_kv_cache_events``: record the prefix cache's changes for KV-aware routers (kvcache/events.py).
     """
 
     max_batch_tokens: int = 2048
@@ -26,6 +27,7 @@ class SchedulerConfig:
     safety_margin: float = 0.2
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
+    enable_kv_cache_events: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "max_batch_tokens", "max_num_seqs", "block_size"):
@@ -34,10 +36,9 @@ class SchedulerConfig:
                 raise ValueError(f"SchedulerConfig.{name} must be a positive int, got {value!r}")
         if not isinstance(self.safety_margin, (int, float)) or not 0.0 <= self.safety_margin < 1.0:
             raise ValueError(f"SchedulerConfig.safety_margin must be in [0, 1), got {self.safety_margin!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(
-                f"SchedulerConfig.enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"
-            )
+        for name in ("enable_prefix_caching", "enable_kv_cache_events"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SchedulerConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.max_model_len is not None and (
             not isinstance(self.max_model_len, int)
             or isinstance(self.max_model_len, bool)

@@ -13,7 +13,14 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from server import serving_chat, serving_completions, serving_info, serving_tokenize, serving_watermark
+from server import (
+    serving_chat,
+    serving_completions,
+    serving_info,
+    serving_tokenize,
+    serving_watermark,
+    serving_worker,
+)
 from server.config import ServerConfig
 from server.errors import install_error_handlers
 from server.lifecycle import ServerState, lifespan
@@ -43,7 +50,14 @@ def build_app(engine: Engine, config: ServerConfig, metrics: Metrics | None = No
     )
     app.state.server = ServerState(engine, config, metrics)
     install_error_handlers(app)
-    for module in (serving_completions, serving_chat, serving_tokenize, serving_watermark, serving_info):
+    for module in (
+        serving_completions,
+        serving_chat,
+        serving_tokenize,
+        serving_watermark,
+        serving_info,
+        serving_worker,
+    ):
         app.include_router(module.router)
     # NOTE: add_middleware wraps what is there: the last added runs first (outermost).
     app.add_middleware(UnexpectedErrorMiddleware)

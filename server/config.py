@@ -7,6 +7,8 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from server.kv_events_config import KVEventsConfig
+
 if TYPE_CHECKING:
     from engine.generation.watermark_config import Watermark
 
@@ -43,6 +45,8 @@ class ServerConfig:
     # The watermark of every request that names none, and the one /v1/watermark/detect checks by default:
     # a watermark, or a dict of WatermarkingConfig / SynthIDTextWatermarkingConfig fields (converted).
     watermarking_config: Watermark | None = None
+    # KV-cache events for KV-aware routers (server/kv_events.py); off by default, as in vLLM.
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.served_model_name, str) or not self.served_model_name.strip():
@@ -73,6 +77,8 @@ class ServerConfig:
                 f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}"
             )
         self._convert_watermark()
+        if not isinstance(self.kv_events, KVEventsConfig):
+            raise ServerConfigError(f"kv_events must be a KVEventsConfig, got {self.kv_events!r}")
         if not isinstance(self.cors_origins, tuple) or not all(
             isinstance(o, str) and o for o in self.cors_origins
         ):

@@ -27,6 +27,7 @@ from fastapi import FastAPI
 
 from server.config import ServerConfig
 from server.errors import APIError
+from server.kv_events import ZmqEventPublisher
 from server.metrics import Metrics
 from server.stats_logger import log_stats_forever
 
@@ -49,6 +50,7 @@ class ServerState:
         self.config = config
         self.metrics = metrics
         self.manager: ContinuousBatchingManager | None = None
+        self.kv_events: ZmqEventPublisher | None = None
         self.created = int(time.time())
         self.draining = False
         self.drain_deadline: float | None = None
@@ -108,11 +110,18 @@ class ServerState:
 
     # ------------------------------------------------------------------ start / stop
     def start(self) -> None:
+        events = self.config.kv_events
         manager = self.engine.init_continuous_batching(
-            max_queue=self.config.max_queue, grammar_timeout_s=self.config.grammar_compile_timeout
+            max_queue=self.config.max_queue,
+            grammar_timeout_s=self.config.grammar_compile_timeout,
+            enable_kv_cache_events=events.publishes,
         )
         manager.add_step_observer(self.metrics.observe_step)
         manager.add_finish_observer(self.metrics.observe_finished)
+        if events.publishes:
+            medium = "GPU" if self.engine.device.type == "cuda" else "CPU"
+            self.kv_events = ZmqEventPublisher(events, medium)
+            manager.add_kv_event_observer(self.kv_events.publish)
         manager.start()
         self.manager = manager
 
@@ -121,6 +130,9 @@ class ServerState:
         if manager is not None:
             # NOTE: stop() joins the engine thread; off the event loop so that nothing else stalls.
             await asyncio.to_thread(manager.stop, True, ENGINE_STOP_TIMEOUT_S)
+        publisher, self.kv_events = self.kv_events, None
+        if publisher is not None:
+            await asyncio.to_thread(publisher.close)
 
 
 class ActiveRequest:

@@ -10,6 +10,10 @@ tests and several apps in one process do not collide). Who calls what:
 - the engine thread: ``observe_step(num_tokens)`` once per step. prometheus-client's metric objects are
   thread-safe; the one piece of our own state (the last seen cumulative counters) has a lock.
 
+A few gauges are also exported under vLLM's own names (``vllm:``), the ones a gateway's endpoint picker
+reads from each replica (the Gateway API Inference Extension's model server protocol): queue length, running
+requests, KV-cache usage (under its current and its former name), the cache's block size and LoRA state.
+
 Every metric name and its meaning is listed in docs/METRICS.md.
 """
 
@@ -36,6 +40,7 @@ from engine.stats import EngineStats
 from scheduler.request import FinishReason
 
 PREFIX = "cbserve:"
+VLLM_PREFIX = "vllm:"  # the aliases an endpoint picker reads
 
 # Bucket boundaries as vLLM's (vllm/v1/metrics/loggers.py), so quantiles are comparable across servers.
 TTFT_BUCKETS: tuple[float, ...] = (
@@ -241,6 +246,31 @@ class Metrics:
             {"block_size": str(block_size), "num_blocks": str(num_blocks)}
         )
 
+        # --- vLLM's names for what an endpoint picker reads (set by refresh) ---
+        self.vllm_num_requests_waiting = Gauge(
+            VLLM_PREFIX + "num_requests_waiting", "Alias of cbserve:num_requests_waiting.", m, registry=reg
+        ).labels(model_name)
+        self.vllm_num_requests_running = Gauge(
+            VLLM_PREFIX + "num_requests_running", "Alias of cbserve:num_requests_running.", m, registry=reg
+        ).labels(model_name)
+        self.vllm_kv_cache_usage_perc = Gauge(
+            VLLM_PREFIX + "kv_cache_usage_perc", "Alias of cbserve:kv_cache_usage_perc.", m, registry=reg
+        ).labels(model_name)
+        self.vllm_gpu_cache_usage_perc = Gauge(
+            VLLM_PREFIX + "gpu_cache_usage_perc", "Alias of cbserve:kv_cache_usage_perc (vLLM's former name).",
+            m, registry=reg,
+        ).labels(model_name)
+        Gauge(
+            VLLM_PREFIX + "cache_config_info", "KV-cache configuration (the block size a prefix-aware picker reads).",
+            [*m, "block_size", "num_gpu_blocks"], registry=reg,
+        ).labels(model_name, str(block_size), str(num_blocks)).set(1)
+        # NOTE: cbserve serves no LoRA adapters: the series says so (max_lora 0), so that a picker set up for
+        # vLLM's LoRA affinity finds its metric, and no adapter on this replica.
+        self.vllm_lora_requests_info = Gauge(
+            VLLM_PREFIX + "lora_requests_info", "LoRA adapters (none); the value is the last update time.",
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=reg,
+        ).labels("0", "", "")
+
         # --- HTTP (HTTPMetricsMiddleware) ---
         self.http_requests = Counter(
             PREFIX + "http_requests",
@@ -312,6 +342,11 @@ class Metrics:
         self.num_requests_waiting.set(stats.num_requests_waiting)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
         self.num_grammar_matchers.set(stats.num_grammar_matchers)
+        self.vllm_num_requests_waiting.set(stats.num_requests_waiting)
+        self.vllm_num_requests_running.set(stats.num_requests_running)
+        self.vllm_kv_cache_usage_perc.set(stats.kv_cache_usage)
+        self.vllm_gpu_cache_usage_perc.set(stats.kv_cache_usage)
+        self.vllm_lora_requests_info.set(time.time())
         with self._lock:
             self._last_prefix_queries = _advance(
                 self.prefix_cache_queries, self._last_prefix_queries, stats.prefix_cache_queries

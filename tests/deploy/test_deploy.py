@@ -447,3 +447,74 @@ def test_dockerfile_copies_every_package_the_project_installs() -> None:
         if keyword == "COPY" and not args.startswith("--from")
     }
     assert packages <= copied, f"the image would lack {sorted(packages - copied)}"
+
+
+# ---------------------------------------------------------------------------------------------- gateway
+
+# What the Inference Extension's endpoint picker reads from each pod by default (its vLLM metric names).
+EPP_DEFAULT_METRICS = (
+    "vllm:num_requests_waiting",
+    "vllm:num_requests_running",
+    "vllm:kv_cache_usage_perc",
+    "vllm:lora_requests_info",
+    "vllm:cache_config_info",
+)
+
+
+def render_all(overlay: str) -> list[dict[str, Any]]:
+    kubectl = kubectl_with_kustomize()
+    result = run(kubectl, "kustomize", str(KUSTOMIZE / "overlays" / overlay))
+    assert result.returncode == 0, result.stderr
+    return [d for d in yaml.safe_load_all(result.stdout) if d]
+
+
+def named(objs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    (obj,) = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
+    return obj
+
+
+def test_cbserve_exports_what_the_endpoint_picker_reads() -> None:
+    assert set(EPP_DEFAULT_METRICS) <= exported_metric_names()
+
+
+@pytest.mark.slow
+def test_gateway_overlay_routes_an_http_route_to_an_inference_pool_of_the_cbserve_pods() -> None:
+    objs = render_all("gateway")
+    server = named(objs, "Deployment", "cbserve")["spec"]["template"]
+    (container,) = server["spec"]["containers"]
+    pool = named(objs, "InferencePool", "cbserve")
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert pool["spec"]["selector"]["matchLabels"].items() <= server["metadata"]["labels"].items()
+    assert pool["spec"]["targetPorts"] == [{"number": container["ports"][0]["containerPort"]}]
+
+    # The pool's picker: the EPP Service, on its gRPC port, in front of an EPP that watches this pool.
+    picker = pool["spec"]["endpointPickerRef"]
+    service = named(objs, "Service", picker["name"])
+    grpc = next(p for p in service["spec"]["ports"] if p["port"] == picker["port"]["number"])
+    epp = named(objs, "Deployment", picker["name"])["spec"]["template"]
+    assert service["spec"]["selector"].items() <= epp["metadata"]["labels"].items()
+    (epp_container,) = epp["spec"]["containers"]
+    assert grpc["targetPort"] in {p["name"] for p in epp_container["ports"]}
+    assert f"--pool-name={pool['metadata']['name']}" in epp_container["args"]
+    assert not any("metric" in arg for arg in epp_container["args"])  # cbserve answers the default names
+    role = named(objs, "Role", epp["spec"]["serviceAccountName"])
+    assert any("inferencepools" in rule["resources"] for rule in role["rules"])
+
+    # The route: from the Gateway to the pool.
+    route = named(objs, "HTTPRoute", "cbserve")
+    assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
+    (rule,) = route["spec"]["rules"]
+    assert rule["backendRefs"] == [
+        {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": pool["metadata"]["name"]}
+    ]
+    assert route["spec"]["parentRefs"][0]["kind"] == "Gateway"
+
+
+@pytest.mark.slow
+def test_gateway_overlay_validates_against_kubernetes_schemas() -> None:
+    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed")
+    crd_groups = ("monitoring.coreos.com/", "inference.networking.k8s.io/", "gateway.networking.k8s.io/")
+    for version in K8S_VERSIONS:
+        for obj in render_all("gateway"):
+            if not obj["apiVersion"].startswith(crd_groups):  # CRDs: checked by structure above
+                kv.validate(obj, version, strict=True)

@@ -15,6 +15,7 @@ from cli.main import _subparser, apply_env_defaults, build_parser, main
 from engine.generation.watermark_config import GreenlistWatermark, SynthIDWatermark
 from engine.speculative.config import SpeculativeConfig
 from server.config import parse_bytes
+from server.kv_events_config import KVEventsConfig
 
 
 def parse(argv: list[str], env: dict[str, str] | None = None) -> argparse.Namespace:
@@ -91,6 +92,7 @@ def test_every_flag_reads_the_environment() -> None:
         "CBSERVE_WATERMARKING_CONFIG": '{"bias": 3, "seeding_scheme": "selfhash"}',
         "CBSERVE_LOGITS_PROCESSORS": "user_processor_fixtures:BanToken, user_processor_fixtures:WrongShape",
         "CBSERVE_SPECULATIVE_CONFIG": '{"method": "ngram", "num_speculative_tokens": 5}',
+        "CBSERVE_KV_EVENTS_CONFIG": '{"enable_kv_cache_events": true, "publisher": "zmq", "topic": "kv"}',
     }
     args = parse(["serve"], env)
     assert args.model == "/models/x.gguf" and args.host == "0.0.0.0" and args.port == 9001
@@ -118,6 +120,7 @@ def test_every_flag_reads_the_environment() -> None:
         "user_processor_fixtures:WrongShape",
     ]
     assert args.speculative_config == SpeculativeConfig("ngram", num_speculative_tokens=5)
+    assert args.kv_events_config == KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", topic="kv")
     # every serve flag has its variable in this test
     serve_flags = {a.dest for a in _subparser(build_parser(), "serve")._actions}
     assert {f"CBSERVE_{d.upper()}" for d in serve_flags - {"help", "handler"}} == set(env)
@@ -174,6 +177,24 @@ def test_speculative_config_flag(capsys: pytest.CaptureFixture[str]) -> None:
     ):
         with pytest.raises(SystemExit) as exc:
             parse(["serve", "--speculative-config", bad])
+        assert exc.value.code == 2
+        assert why in capsys.readouterr().err
+
+
+def test_kv_events_config_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    text = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv"}'
+    assert parse(["serve", "--kv-events-config", text]).kv_events_config.publishes
+    assert parse(["serve"]).kv_events_config is None
+    for bad, why in (
+        ("[1]", "expected a JSON object"),
+        ('{"enable_kv_cache_events": "yes"}', "enable_kv_cache_events must be a bool"),
+        ('{"publisher": "nats"}', "publisher must be one of zmq, null"),
+        ('{"endpoint": "localhost:5557"}', "endpoint must be a tcp://, ipc:// or inproc:// address"),
+        ('{"buffer_steps": 0}', "buffer_steps must be a positive integer"),
+        ('{"max_queue": 5}', "unknown field(s) max_queue"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            parse(["serve", "--kv-events-config", bad])
         assert exc.value.code == 2
         assert why in capsys.readouterr().err
 
