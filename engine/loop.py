@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 
+from engine.beam_group import BeamSteps, publish_results
 from engine.generation.mask_prefetch import PendingMasks
 from engine.generation.sampler import SampledToken, Sampler, SamplingRow
 from engine.inbox import AddRequest, CancelRequest, EvictRequest, Inbox, InboxMessage
@@ -73,7 +74,7 @@ class SamplingPlan:
     def sample(self, sampler: Sampler, logits: torch.Tensor, masks: PendingMasks) -> list[list[SampledToken]]:
         """Per chunk that ``needs_sample``, its SampledTokens, from ``logits`` (one row per such chunk)."""
         if not self.rows:
-            return []
+            return [[] for _ in self.spans]
         if self.row_logits != list(range(logits.shape[0])):  # forks repeat a row; skipped rows drop one
             logits = logits.index_select(0, torch.tensor(self.row_logits, device=logits.device))
         tokens = sampler.sample(logits, self.rows, masks)
@@ -123,21 +124,26 @@ class EngineLoop:
             self._idle(STALLED_WAIT_S)
             return
         plan = SamplingPlan.of(batch)
+        beams = BeamSteps.of(batch)
         with self.sampler.masks_ahead(plan.rows) as masks:
             try:
                 logits = self.executor.execute(batch)
-                sampled = plan.sample(self.sampler, self._take_prompt_logits(batch, logits), masks)
+                rows = self._take_prompt_logits(batch, logits)
+                sampled = plan.sample(self.sampler, rows, masks)
+                beams.search(rows, self.sampler.vocab_size, self.sampler.eos_token_ids)
             except Exception as exc:  # NOTE: a failed forward fails its step's requests, not the engine.
                 self._fail_step(batch, exc)
                 return
         step = self.outputs.accept_step(batch, sampled, time.monotonic())
-        for failure in step.failed:
+        for failure in [*step.failed, *beams.failed]:
             self._fail(failure.seq, failure.error, failure.code)
-        self.scheduler.update(batch, step.new_tokens, step.finished)
+        self.scheduler.update(batch, {**step.new_tokens, **beams.new_tokens}, step.finished)
         for parent, children in step.forks:
             self._fork(parent, children, step.now)
         for seq in step.accepted:
             self.outputs.publish(seq)
+        for group in beams.apply(self.scheduler):
+            publish_results(group, self.outputs, step.now)
         self._end_step(batch)
 
     def death_reason(self) -> str:
@@ -226,19 +232,31 @@ class EngineLoop:
             if seq.request is not None:
                 self.scheduler.finish_request(seq.scheduler_id, FinishReason.ABORT)
             self.outputs.cancel(seq)
+        self._end_search(group, FinishReason.ABORT)
         for seq in group.never_started():
             self.outputs.cancel(seq)
 
     # ------------------------------------------------------------------ failing
     def _fail(self, seq: Sequence, error: str, error_code: str | None = None) -> None:
-        """Fail one sequence (and the siblings it has not forked yet)."""
+        """Fail one sequence (and the siblings it has not forked yet; a beam: its whole search)."""
         if seq.finished:
+            return
+        if seq in seq.group.searching():
+            self._end_search(seq.group, FinishReason.ERROR)
+            for output in seq.group.never_started():
+                self.outputs.fail(output, error, error_code)
             return
         if seq.request is not None and not seq.request.is_finished:
             self.scheduler.finish_request(seq.scheduler_id, FinishReason.ERROR)
         self.outputs.fail(seq, error, error_code)
         for sibling in seq.group.unforked_siblings(seq):
             self.outputs.fail(sibling, error, error_code)
+
+    def _end_search(self, group: SequenceGroup, reason: FinishReason) -> None:
+        """Finish a beam search's running beams (they publish nothing of their own)."""
+        for beam in group.searching():
+            beam.finished = True
+            self.scheduler.finish_request(beam.scheduler_id, reason)
 
     def _fail_step(self, batch: ScheduledBatch, exc: Exception) -> None:
         logger.exception("forward failed; failing the %d requests of this step", len(batch), exc_info=exc)
@@ -252,7 +270,7 @@ class EngineLoop:
                 message.group.start()
                 self.outputs.add(message.group)
         for group in list(self.outputs.groups.values()):
-            for seq in list(group.sequences):
+            for seq in [*group.sequences, *group.searching()]:
                 try:
                     self._fail(seq, error)
                 except Exception:  # NOTE: the scheduler may be broken too; the client must still hear.

@@ -49,6 +49,8 @@ class Request:
     wants_prompt_logits: bool = False  # every prompt position's logits (prompt logprobs), not only the last
     # layers whose hidden states also give logits for the rows this request samples from (DoLa's candidates)
     exit_layers: tuple[int, ...] = ()
+    # requests preempted together (a beam search's beams, which all need their logits in the same step)
+    gang: str | None = None
     payload: Any = None
 
     @property

@@ -35,6 +35,7 @@ _FLOAT_FIELDS = (
     "epsilon_cutoff",
     "eta_cutoff",
     "repetition_penalty",
+    "length_penalty",
     "max_time",
     "presence_penalty",
     "frequency_penalty",
@@ -45,6 +46,7 @@ _INT_FIELDS = (
     "top_k",
     "no_repeat_ngram_size",
     "num_return_sequences",
+    "num_beams",
     "top_logprobs",
     "seed",
     "prompt_logprobs",
@@ -107,6 +109,10 @@ class GenerationConfig:
     logits_processor_args: dict[str, Any] | None = None
     # DoLa (engine/executor/dola.py): contrast the last layer with "low" or "high" layers or a list of them.
     dola_layers: str | list[int] | None = None
+    # Beam search (engine/generation/beam_search.py): num_return_sequences of the num_beams best hypotheses.
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False  # True, False or "never"
 
     def __post_init__(self) -> None:
         # NOTE: JSON gives ints for floats, string keys for logit_bias and lists for sequence_bias keys;
@@ -202,6 +208,7 @@ class GenerationConfig:
         self._validate_structured_output()
         self._validate_logits_processor_args()
         self._validate_dola_layers()
+        self._validate_beams()
         if vocab_size is not None:
             self._validate_vocab(vocab_size)
 
@@ -235,6 +242,38 @@ class GenerationConfig:
                 "dola_layers",
                 f"must be 'low', 'high' or a non-empty list of layer indices >= 0, got {layers!r}",
             )
+
+    @property
+    def is_beam_search(self) -> bool:
+        return self.num_beams > 1
+
+    def _validate_beams(self) -> None:
+        """Beam search's own fields, and what it cannot be combined with."""
+        if self.num_beams < 1:
+            raise GenerationConfigError("num_beams", f"must be >= 1, got {self.num_beams}")
+        if self.early_stopping not in (True, False, "never") or type(self.early_stopping) not in (bool, str):
+            raise GenerationConfigError(
+                "early_stopping", f'must be true, false or "never", got {self.early_stopping!r}'
+            )
+        if not self.is_beam_search:
+            return
+        if self.num_return_sequences > self.num_beams:
+            raise GenerationConfigError(
+                "num_return_sequences",
+                f"({self.num_return_sequences}) must not exceed num_beams ({self.num_beams})",
+            )
+        # NOTE: a beam is pruned and forked by its score alone: what needs one sequence's own history
+        # (text, a grammar's state, a clock, another model's layers) is not carried across beams.
+        for name, value in (
+            ("stop_strings", self.stop_strings),
+            ("structured_output", self.structured_output),
+            ("watermarking_config", self.watermarking_config),
+            ("dola_layers", self.dola_layers),
+            ("max_time", self.max_time),
+            ("logits_processor_args", self.logits_processor_args),
+        ):
+            if value is not None:
+                raise GenerationConfigError(name, "cannot be combined with beam search (num_beams > 1)")
 
     def _validate_ranges(self) -> None:
         """Every number is in the range where it means something."""
