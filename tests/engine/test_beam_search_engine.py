@@ -253,3 +253,42 @@ def test_what_beams_cannot_do_is_refused(engine: Engine, options: dict[str, Any]
     finally:
         manager.stop(timeout=30)
     assert info.value.field == field
+
+
+SAMPLED_SEARCHES: list[dict[str, Any]] = [
+    dict(num_beams=4, num_return_sequences=2, temperature=0.7),
+    dict(num_beams=3, top_k=5, temperature=1.3),
+    dict(num_beams=3, top_p=0.9, temperature=0.5, early_stopping=True),
+]
+
+
+@torch.no_grad()
+def sampled_reference(model: Any, prompt: list[int], seed: int, search: dict[str, Any]) -> list[list[int]]:
+    """transformers' beam sampling, its draws from the torch generator seeded with ``seed``."""
+    torch.manual_seed(seed)
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=MAX_NEW,
+        do_sample=True,
+        eos_token_id=None,
+        pad_token_id=0,
+        **search,
+    )
+    return [row[len(prompt) :].tolist() for row in out]
+
+
+@pytest.mark.parametrize("search", SAMPLED_SEARCHES, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+def test_beam_sampling_equals_transformers_seeded_alone_and_batched(
+    engine: Engine, model: Any, search: dict[str, Any]
+) -> None:
+    options = {**search, "do_sample": True, "seed": 11, "ignore_eos": True}
+    neighbour = ([9, 10], dict(do_sample=True, temperature=0.9, seed=7, ignore_eos=True))
+    together = run(engine.init_continuous_batching(), [neighbour, *[(p, options) for p in PROMPTS]])[1:]
+    alone = run(engine.init_continuous_batching(), [(PROMPTS[1], options)])
+    assert [o.generated_ids for o in alone[0]] == [o.generated_ids for o in together[1]]
+    for prompt, outs in zip(PROMPTS, together, strict=True):
+        assert [o.generated_ids for o in outs] == sampled_reference(model, prompt, 11, search)
+    other_seed = run(engine.init_continuous_batching(), [(PROMPTS[1], {**options, "seed": 12})])
+    assert [o.generated_ids for o in other_seed[0]] != [o.generated_ids for o in alone[0]]
