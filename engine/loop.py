@@ -3,7 +3,9 @@
     batch = scheduler.schedule(); plan = SamplingPlan.of(batch)
     with sampler.masks_ahead(plan.rows) as masks:     # grammar masks on a worker, during the forward
         logits = executor.execute(batch); tokens = plan.sample(sampler, logits, masks)
-    step = outputs.accept_step(batch, tokens); scheduler.update(batch, step...); outputs.publish(...)
+        beams.search(logits)                          # beam searches: engine/beam_group.py
+    step = outputs.accept_step(batch, tokens); scheduler.update(batch, step..., beams...); outputs.publish(...)
+    beams.apply(scheduler)                            # forks and prunes; finished searches published
 
 between draining its inbox (new requests, cancellations, evictions) and flushing the step's outputs to
 their sinks in one hand-over. A forward (or sampling) that raises fails only that step's requests; a bug
