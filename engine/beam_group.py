@@ -16,11 +16,14 @@ group's outputs ``0..n-1``.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.generation.beam_search import BeamChoice, BeamSearch, Hypothesis
+from engine.generation.config import GenerationConfig
+from engine.generation.diverse_beam_search import DiverseBeamSearch
 from engine.generation.processors import apply_logits_processors
 from engine.generation.rows import SampledToken, SamplingRow
 from engine.generation.stopping import StoppingCriteria
@@ -29,6 +32,41 @@ from engine.sequence_group import Sequence, SequenceGroup
 from scheduler.base import Scheduler
 from scheduler.batch import ScheduledBatch
 from scheduler.request import FinishReason, Request
+
+
+def new_search(
+    config: GenerationConfig, max_new_tokens: int, stop_token_ids: Collection[int]
+) -> BeamSearch | DiverseBeamSearch:
+    """The request's search: diverse with ``num_beam_groups`` > 1; beam sampling seeded with ``seed``."""
+    top_logprobs = config.top_logprobs if config.output_logprobs else 0
+    if config.num_beam_groups > 1:
+        return DiverseBeamSearch(
+            config.num_beams,
+            config.num_beam_groups,
+            config.diversity_penalty,
+            max_new_tokens,
+            stop_token_ids,
+            config.length_penalty,
+            config.early_stopping,
+            top_logprobs,
+        )
+    generator = None
+    if not config.is_greedy:
+        generator = torch.Generator()
+        if config.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(config.seed)
+    return BeamSearch(
+        config.num_beams,
+        max_new_tokens,
+        stop_token_ids,
+        config.length_penalty,
+        config.early_stopping,
+        do_sample=not config.is_greedy,
+        top_logprobs=top_logprobs,
+        generator=generator,
+    )
 
 
 @dataclass(eq=False)
@@ -44,23 +82,7 @@ class BeamSearchGroup(SequenceGroup):
         cfg = self.config
         criteria = StoppingCriteria(cfg, self.eos_token_ids, self.max_new_tokens)
         self.row_eos = criteria.eos_token_ids
-        generator = None
-        if not cfg.is_greedy:
-            generator = torch.Generator()
-            if cfg.seed is None:
-                generator.seed()
-            else:
-                generator.manual_seed(cfg.seed)
-        self.search = BeamSearch(
-            cfg.num_beams,
-            self.max_new_tokens,
-            criteria.stop_token_ids,
-            cfg.length_penalty,
-            cfg.early_stopping,
-            do_sample=not cfg.is_greedy,
-            top_logprobs=cfg.top_logprobs if cfg.output_logprobs else 0,
-            generator=generator,
-        )
+        self.search = new_search(cfg, self.max_new_tokens, criteria.stop_token_ids)
 
     # ------------------------------------------------------------------ the group's behaviour
     def start(self) -> Sequence:

@@ -1,6 +1,7 @@
 """Beam search over HTTP: vLLM's fields (``use_beam_search`` with ``best_of`` beams, ``n`` returned,
-``length_penalty``, ``early_stopping``) and transformers' ``num_beams`` as an extra, into the engine's
-beam-search options (engine/beam_group.py).
+``length_penalty``, ``early_stopping``) and transformers' ``num_beams``, ``num_beam_groups`` and
+``diversity_penalty`` (diverse beam search) as extras, into the engine's beam-search options
+(engine/beam_group.py).
 
 Rules:
 - a request searches with beams when ``use_beam_search`` is true (``best_of`` beams, else ``num_beams``,
@@ -9,7 +10,8 @@ Rules:
   (a search publishes its sequences only once it is over; OpenAI's stream has no way to take back text)
   are 400s naming the field;
 - without beams, ``best_of`` other than ``n`` (cbserve returns every sample it generates),
-  ``length_penalty`` other than 1 and ``early_stopping`` are 400s: they would change nothing;
+  ``length_penalty`` other than 1, ``early_stopping``, ``num_beam_groups`` and ``diversity_penalty`` are
+  400s: they would change nothing;
 - beams are deterministic unless the request sets a ``temperature`` > 0 (then beam sampling).
 """
 
@@ -42,6 +44,10 @@ def _refuse_beam_fields_without_beams(req: SamplingRequest) -> None:
         raise _invalid("length_penalty", why)
     if req.early_stopping is not None and req.early_stopping is not False:
         raise _invalid("early_stopping", why)
+    if req.num_beam_groups is not None and req.num_beam_groups != 1:
+        raise _invalid("num_beam_groups", why)
+    if req.diversity_penalty is not None and req.diversity_penalty != 0:
+        raise _invalid("diversity_penalty", why)
 
 
 def beam_search_options(req: SamplingRequest) -> dict[str, Any]:
@@ -64,5 +70,7 @@ def beam_search_options(req: SamplingRequest) -> dict[str, Any]:
         "num_beams": num_beams,
         "length_penalty": req.length_penalty,
         "early_stopping": req.early_stopping,
+        "num_beam_groups": req.num_beam_groups,
+        "diversity_penalty": req.diversity_penalty,
         "do_sample": req.temperature is not None and req.temperature > 0,
     }

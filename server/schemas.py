@@ -186,6 +186,12 @@ class SamplingRequest(RequestBody):
         None, ge=1, le=64, description="With use_beam_search: the number of beams (default n)."
     )
     num_beams: StrictInt | None = Field(None, ge=1, le=64, description="transformers: beam search when > 1.")
+    num_beam_groups: StrictInt | None = Field(
+        None, ge=1, le=64, description="transformers: diverse beam search with the beams in this many groups."
+    )
+    diversity_penalty: Number | None = Field(
+        None, ge=0.0, description="Diverse beam search: subtracted per earlier group that chose the token."
+    )
     length_penalty: Number | None = Field(
         None, description="Beam search: a hypothesis scores sum(logprobs) / length ** length_penalty."
     )

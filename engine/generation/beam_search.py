@@ -50,9 +50,21 @@ class BeamChoice:
 
 
 @dataclass
-class _Beam:
+class Beam:
+    """A running beam: its generated tokens and their processed log-probabilities."""
+
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+def extend_beam(beam: Beam, row: torch.Tensor, token: int, top_logprobs: int) -> Beam:
+    """``beam`` extended by ``token``, whose processed log-probability ``row[token]`` is kept (with the
+    ``top_logprobs`` best of ``row``)."""
+    top: list[tuple[int, float]] = []
+    if top_logprobs:
+        values, ids = torch.topk(row, top_logprobs)
+        top = list(zip(ids.tolist(), values.tolist(), strict=True))
+    return Beam([*beam.token_ids, token], [*beam.logprobs, TokenLogprob(token, float(row[token]), top)])
 
 
 class BeamSearch:
@@ -86,7 +98,7 @@ class BeamSearch:
         self.num_candidates = max(2, 1 + len(self.stop_token_ids)) * num_beams  # K
         self.num_generated = 0
         self.done = False
-        self.running = [_Beam() for _ in range(num_beams)]
+        self.running = [Beam() for _ in range(num_beams)]
         self.running_scores = torch.zeros(num_beams)  # [num_beams]
         self.running_scores[1:] = NEG
         self.finished: list[Hypothesis | None] = [None] * num_beams
@@ -111,7 +123,10 @@ class BeamSearch:
         ends = torch.tensor(
             [[t in self.stop_token_ids or new_len >= self.max_new_tokens for t in tokens]]
         )  # [1, K]
-        candidates = [self._extend(log_probs, p, t) for p, t in zip(parents, tokens, strict=True)]
+        candidates = [
+            extend_beam(self.running[p], log_probs[p], t, self.top_logprobs)
+            for p, t in zip(parents, tokens, strict=True)
+        ]
 
         running_scores = scores + ends.to(torch.float32) * NEG
         next_idx = torch.topk(running_scores, k=self.num_beams)[1][0]  # [num_beams]
@@ -146,18 +161,8 @@ class BeamSearch:
         values, order = values.sort(dim=-1, descending=True)
         return values, indices.gather(dim=-1, index=order)
 
-    def _extend(self, log_probs: torch.Tensor, parent: int, token: int) -> _Beam:
-        beam = self.running[parent]
-        row = log_probs[parent]
-        top: list[tuple[int, float]] = []
-        if self.top_logprobs:
-            values, ids = torch.topk(row, self.top_logprobs)
-            top = list(zip(ids.tolist(), values.tolist(), strict=True))
-        logprob = TokenLogprob(token, float(row[token]), top)
-        return _Beam([*beam.token_ids, token], [*beam.logprobs, logprob])
-
     def _offer_finished(
-        self, scores: torch.Tensor, ends: torch.Tensor, candidates: list[_Beam], new_len: int
+        self, scores: torch.Tensor, ends: torch.Tensor, candidates: list[Beam], new_len: int
     ) -> None:
         """transformers' ``_update_finished_beams``."""
         top_mask = torch.zeros(self.num_candidates, dtype=torch.bool)

@@ -36,6 +36,7 @@ _FLOAT_FIELDS = (
     "eta_cutoff",
     "repetition_penalty",
     "length_penalty",
+    "diversity_penalty",
     "max_time",
     "presence_penalty",
     "frequency_penalty",
@@ -47,6 +48,7 @@ _INT_FIELDS = (
     "no_repeat_ngram_size",
     "num_return_sequences",
     "num_beams",
+    "num_beam_groups",
     "top_logprobs",
     "seed",
     "prompt_logprobs",
@@ -113,6 +115,10 @@ class GenerationConfig:
     num_beams: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # True, False or "never"
+    # Diverse beam search (engine/generation/diverse_beam_search.py): the beams in groups, penalised for
+    # choosing the tokens the earlier groups chose at the same step.
+    num_beam_groups: int = 1
+    diversity_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         # NOTE: JSON gives ints for floats, string keys for logit_bias and lists for sequence_bias keys;
@@ -255,6 +261,12 @@ class GenerationConfig:
             raise GenerationConfigError(
                 "early_stopping", f'must be true, false or "never", got {self.early_stopping!r}'
             )
+        if self.num_beam_groups < 1:
+            raise GenerationConfigError("num_beam_groups", f"must be >= 1, got {self.num_beam_groups}")
+        if self.diversity_penalty < 0:
+            raise GenerationConfigError("diversity_penalty", f"must be >= 0, got {self.diversity_penalty}")
+        if self.num_beam_groups > 1:
+            self._validate_beam_groups()
         if not self.is_beam_search:
             return
         if self.num_return_sequences > self.num_beams:
@@ -274,6 +286,22 @@ class GenerationConfig:
         ):
             if value is not None:
                 raise GenerationConfigError(name, "cannot be combined with beam search (num_beams > 1)")
+
+    def _validate_beam_groups(self) -> None:
+        """Diverse beam search: groups that divide the beams, a penalty that makes them differ, no sampling
+        (as transformers' group beam search requires)."""
+        if self.num_beams % self.num_beam_groups:
+            raise GenerationConfigError(
+                "num_beam_groups", f"({self.num_beam_groups}) must divide num_beams ({self.num_beams})"
+            )
+        if self.diversity_penalty <= 0:
+            raise GenerationConfigError(
+                "diversity_penalty", "must be > 0 with num_beam_groups > 1 (else the groups are the same)"
+            )
+        if not self.is_greedy:
+            raise GenerationConfigError(
+                "do_sample", "diverse beam search (num_beam_groups > 1) does not sample"
+            )
 
     def _validate_ranges(self) -> None:
         """Every number is in the range where it means something."""

@@ -29,6 +29,10 @@ def completion(**fields: Any) -> CompletionRequest:
         ({"use_beam_search": True, "num_beams": 3}, {"num_beams": 3}),
         ({"num_beams": 5, "n": 3, "length_penalty": 0.5, "early_stopping": "never"}, {"num_beams": 5}),
         ({"num_beams": 4, "temperature": 0.7, "seed": 3}, {"num_beams": 4, "do_sample": True}),
+        (
+            {"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 0.5},
+            {"num_beams": 4, "num_beam_groups": 2},
+        ),
     ],
 )
 def test_beam_fields_become_engine_options(fields: dict[str, Any], expected: dict[str, Any]) -> None:
@@ -49,6 +53,8 @@ def test_beam_fields_become_engine_options(fields: dict[str, Any], expected: dic
         ({"best_of": 3}, "best_of"),
         ({"length_penalty": 0.5}, "length_penalty"),
         ({"early_stopping": True}, "early_stopping"),
+        ({"num_beam_groups": 2}, "num_beam_groups"),
+        ({"diversity_penalty": 0.5}, "diversity_penalty"),
         ({"use_beam_search": True, "n": 3, "best_of": 2}, "best_of"),
         ({"num_beams": 2, "n": 3}, "num_beams"),
         ({"use_beam_search": True, "best_of": 2, "num_beams": 3}, "num_beams"),
