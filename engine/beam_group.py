@@ -123,17 +123,19 @@ class BeamSearchGroup(SequenceGroup):
         apply_logits_processors(log_probs, sampling_rows, default_eos)
         return self.search.step(log_probs.cpu())
 
-    def reorder(self, choices: list[BeamChoice]) -> tuple[dict[str, int], list[tuple[Sequence, Sequence]]]:
+    def reorder(
+        self, choices: list[BeamChoice]
+    ) -> tuple[dict[str, list[int]], list[tuple[Sequence, Sequence]]]:
         """The new running beams from ``choices``: the tokens appended to continued beams (scheduler id ->
         token) and the forks to make after the scheduler took them (parent, child: its request made)."""
         old = self.beams
-        new_tokens: dict[str, int] = {}
+        new_tokens: dict[str, list[int]] = {}
         forks: list[tuple[Sequence, Sequence]] = []
         beams: list[Sequence] = []
         for choice in choices:
             parent = old[choice.parent]
             if parent.scheduler_id not in new_tokens:
-                new_tokens[parent.scheduler_id] = choice.token_id
+                new_tokens[parent.scheduler_id] = [choice.token_id]
                 beams.append(parent)
                 continue
             child = self._new_beam()
@@ -171,7 +173,7 @@ class BeamSteps:
     (``search``, with the forward's rows), then reordered in the scheduler (``apply``, after its update)."""
 
     rows: dict[BeamSearchGroup, dict[Sequence, int]]  # group -> beam -> its row among the sampling rows
-    new_tokens: dict[str, int] = field(default_factory=dict)  # scheduler id -> token, for update()
+    new_tokens: dict[str, list[int]] = field(default_factory=dict)  # scheduler id -> [token], for update()
     failed: list[Failure] = field(default_factory=list)
     _moves: list[tuple[BeamSearchGroup, list[Sequence], list[tuple[Sequence, Sequence]]]] = field(
         default_factory=list

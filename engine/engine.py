@@ -34,6 +34,7 @@ from engine.grammar_workers import DEFAULT_COMPILE_TIMEOUT_S
 from engine.loader.model_loader import LoadedModel, load_model
 from engine.manager import ContinuousBatchingManager
 from engine.outputs import GenerationOutput
+from engine.speculative.config import SpeculativeConfig
 from kvcache.sizing import num_blocks_for_budget
 from scheduler import make_scheduler
 from scheduler.config import SchedulerConfig
@@ -63,6 +64,8 @@ class CacheOptions:
 
 class Engine:
     """A loaded model with its KV cache; hands out one continuous-batching manager."""
+
+    speculative_config: SpeculativeConfig | None = None  # how every request speculates (from_pretrained)
 
     def __init__(
         self, loaded: LoadedModel, options: CacheOptions, model_name: str, attention_backend: str = "auto"
@@ -135,6 +138,7 @@ class Engine:
         prepack_weights: bool = True,
         model_impl: str = "auto",
         batch_invariant: bool = False,
+        speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
         **cache_and_scheduler_options: Any,
     ) -> Engine:
         """Load ``model`` ("default", a HF folder, a .gguf file, or a dummy preset with
@@ -143,7 +147,10 @@ class Engine:
         matmuls on prepacked oneDNN weights (engine/executor/kernels/prepacked.py); ``model_impl``: auto, native or
         transformers (engine/executor/models/registry.py); ``batch_invariant``: insist that a request's logits
         do not depend on its batch (``ValueError`` where the kernels cannot promise it; ``Engine.batch_invariant``
-        says whether the chosen kernels promise it anyway: docs/GENERATION.md)."""
+        says whether the chosen kernels promise it anyway: docs/GENERATION.md); ``speculative_config``: how
+        every request speculates (vLLM's dict: engine/speculative/config.py; ``SpeculativeConfigError``, a
+        ``ValueError``, when it cannot be used)."""
+        speculation = _speculative_config(speculative_config)
         options = CacheOptions(**{k: v for k, v in cache_and_scheduler_options.items() if v is not None})
         keep_freed_memory()
 
@@ -159,6 +166,7 @@ class Engine:
             )
             name = served_model_name or _default_model_name(model, loaded)
             engine = cls(loaded, options, name, attention_backend)
+            engine.speculative_config = speculation
             if batch_invariant and not engine.batch_invariant:
                 raise ValueError(
                     f"batch_invariant needs the cpu attention backend, not {engine.attention_backend}"
@@ -253,6 +261,7 @@ class Engine:
             max_queue=max_queue,
             grammar_timeout_s=grammar_timeout_s,
             layer_contrast=self._layer_contrast(),
+            speculative_config=self.speculative_config,
         )
         return self._manager
 
@@ -362,3 +371,11 @@ def _collect_finals(
 
 def _default_model_name(model: str, loaded: LoadedModel) -> str:
     return loaded.source.name or model
+
+
+def _speculative_config(value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:
+    if value is None or isinstance(value, SpeculativeConfig):
+        if value is not None:
+            value.validate()
+        return value
+    return SpeculativeConfig.from_dict(value)

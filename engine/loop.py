@@ -4,7 +4,8 @@
     with sampler.masks_ahead(plan.rows) as masks:     # grammar masks on a worker, during the forward
         logits = executor.execute(batch); tokens = plan.sample(sampler, logits, masks)
         beams.search(logits)                          # beam searches: engine/beam_group.py
-    step = outputs.accept_step(batch, tokens); scheduler.update(batch, step..., beams...); outputs.publish(...)
+    step = outputs.accept_step(batch, tokens); verify_drafts(...)   # speculating rows accept their drafts
+    scheduler.update(batch, step..., beams...); outputs.publish(...); speculator.propose(running)
     beams.apply(scheduler)                            # forks and prunes; finished searches published
 
 between draining its inbox (new requests, cancellations, evictions) and flushing the step's outputs to
@@ -29,6 +30,8 @@ from engine.generation.sampler import SampledToken, Sampler, SamplingRow
 from engine.inbox import AddRequest, CancelRequest, EvictRequest, Inbox, InboxMessage
 from engine.output_processor import OutputProcessor
 from engine.sequence_group import Sequence, SequenceGroup
+from engine.speculative.speculator import Speculator
+from engine.speculative.verifier import VerifyRun, num_accepted, verify_drafts
 from engine.stats import EngineStats
 from scheduler.base import Scheduler
 from scheduler.batch import ScheduledBatch
@@ -86,10 +89,13 @@ class SamplingPlan:
 class EngineLoop:
     """The engine thread's state and its loop. ``run`` until ``stopping`` is set."""
 
-    def __init__(self, scheduler: Scheduler, executor: Executor, sampler: Sampler) -> None:
+    def __init__(
+        self, scheduler: Scheduler, executor: Executor, sampler: Sampler, speculator: Speculator | None = None
+    ) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.sampler = sampler
+        self.speculator = speculator if speculator is not None else Speculator()
         self.inbox = Inbox()
         self.outputs = OutputProcessor()
         self.stopping = threading.Event()
@@ -130,13 +136,17 @@ class EngineLoop:
         with self.sampler.masks_ahead(plan.rows) as masks:
             try:
                 logits = self.executor.execute(batch)
-                rows = self._take_prompt_logits(batch, logits)
-                sampled = plan.sample(self.sampler, rows, masks)
-                beams.search(rows, self.sampler.vocab_size, self.sampler.eos_token_ids)
+                logits, runs = self._take_draft_logits(batch, self._take_prompt_logits(batch, logits))
+                sampled = plan.sample(self.sampler, logits, masks)
+                beams.search(logits, self.sampler.vocab_size, self.sampler.eos_token_ids)
             except Exception as exc:  # NOTE: a failed forward fails its step's requests, not the engine.
                 self._fail_step(batch, exc)
                 return
         step = self.outputs.accept_step(batch, sampled, time.monotonic())
+        if runs:
+            verify_drafts(self.sampler, self.outputs, runs, step)
+            for run in runs:
+                self.speculator.record(run.seq.draft_length, len(run.drafts), num_accepted(run, step))
         for failure in [*step.failed, *beams.failed]:
             self._fail(failure.seq, failure.error, failure.code)
         self.scheduler.update(batch, {**step.new_tokens, **beams.new_tokens}, step.finished)
@@ -146,6 +156,7 @@ class EngineLoop:
             self.outputs.publish(seq)
         for group in beams.apply(self.scheduler):
             publish_results(group, self.outputs, step.now)
+        self.speculator.propose(self.scheduler.running_requests)
         self._end_step(batch)
 
     def death_reason(self) -> str:
@@ -153,10 +164,33 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ one step's parts
     @staticmethod
+    def _take_draft_logits(
+        batch: ScheduledBatch, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, list[VerifyRun]]:
+        """Set apart the rows of verify chunks' drafts (``VerifyRun``s, in batch order); the sampling rows
+        (one per chunk that ``needs_sample``, in batch order) remain."""
+        if not any(chunk.draft_ids for chunk in batch.requests):
+            return logits, []
+        keep: list[int] = []
+        runs: list[VerifyRun] = []
+        offset = 0
+        for chunk in (c for c in batch.requests if c.needs_sample):
+            keep.append(offset)
+            k = len(chunk.draft_ids)
+            if k:
+                runs.append(
+                    VerifyRun(chunk.request.payload, chunk.draft_ids, logits[offset + 1 : offset + 1 + k])
+                )
+            offset += 1 + k
+        return logits.index_select(0, torch.tensor(keep, dtype=torch.int64, device=logits.device)), runs
+
+    @staticmethod
     def _take_prompt_logits(batch: ScheduledBatch, logits: torch.Tensor) -> torch.Tensor:
-        """Hand the rows asked for prompt logprobs to their groups; the sampling rows (one per chunk that
-        ``needs_sample``, in batch order) remain."""
-        if all(chunk.num_logits_rows == chunk.needs_sample for chunk in batch.requests):
+        """Hand the rows asked for prompt logprobs to their groups; the sampling rows remain (one per chunk
+        that ``needs_sample``, in batch order, and after it the rows of its drafts)."""
+        if all(
+            chunk.num_logits_rows == chunk.needs_sample + len(chunk.draft_ids) for chunk in batch.requests
+        ):
             return logits
         keep: list[int] = []
         offset = 0
@@ -166,10 +200,11 @@ class EngineLoop:
             if chunk.request.wants_prompt_logits:
                 seq.group.add_prompt_logits(chunk.request, chunk.start, logits[offset : offset + n])
             if chunk.needs_sample:
-                keep.append(offset + n - 1)
+                first = offset + n - 1 - len(chunk.draft_ids)  # the sampling row, then the drafts' rows
+                keep.extend(range(first, offset + n))
                 if seq.group.prompt_logprobs is not None and seq.group.prompt_logprobs.failed:
                     # NOTE: the sampler fails a row with NaN logits: the request fails as for a bad sample.
-                    logits[offset + n - 1] = float("nan")
+                    logits[first] = float("nan")
             offset += n
         return logits.index_select(0, torch.tensor(keep, dtype=torch.int64, device=logits.device))
 
@@ -281,6 +316,7 @@ class EngineLoop:
     # ------------------------------------------------------------------ stats
     def _snapshot(self, running: bool) -> EngineStats:
         s = self.scheduler
+        spec = self.speculator.stats
         return EngineStats(
             num_requests_running=s.num_running,
             num_requests_waiting=s.num_waiting,
@@ -291,6 +327,10 @@ class EngineLoop:
             prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions,
             num_grammar_matchers=self.outputs.num_grammar_matchers(),
+            spec_num_drafts=spec.num_drafts,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_position=tuple(spec.accepted_per_position),
             is_running=running,
         )
 

@@ -32,6 +32,8 @@ from engine.loop import EngineLoop, Executor
 from engine.outputs import GenerationOutput
 from engine.request_handle import AsyncSink, RequestHandle, Sink, SyncSink
 from engine.sequence_group import SequenceGroup
+from engine.speculative.config import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig, speculation_for
+from engine.speculative.speculator import Speculator
 from engine.stats import EngineStats
 from engine.streamer_sink import StreamerSink
 from scheduler.base import Scheduler
@@ -52,6 +54,7 @@ class ContinuousBatchingManager:
         max_queue: int = 1024,
         grammar_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
         layer_contrast: LayerContrast | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
@@ -61,7 +64,11 @@ class ContinuousBatchingManager:
         self.eos_token_ids = eos_token_ids
         self.max_queue = max_queue
         self.layer_contrast = layer_contrast  # None: the model cannot give its layers' logits (no DoLa)
-        self.loop = EngineLoop(scheduler, executor, sampler)
+        self.speculative_config = speculative_config  # None: only requests that ask for prompt lookup draft
+        disable_by = (
+            speculative_config.disable_by_batch_size if speculative_config else DEFAULT_DISABLE_BY_BATCH_SIZE
+        )
+        self.loop = EngineLoop(scheduler, executor, sampler, Speculator(disable_by))
         self._thread: threading.Thread | None = None
         self._admission_lock = threading.Lock()  # NOTE: the queue-full check and the put are one step.
         self._ready: queue.Queue[str] = queue.Queue()
@@ -273,9 +280,12 @@ class ContinuousBatchingManager:
         self.limits.check_fits(len(prompt_ids), max_new, rid)
         grammar = self._grammar_of(config, grammar)
         exit_layers = self._dola_layers(config)
-        if config.is_beam_search:
+        beams = config.is_beam_search
+        if beams:
             self._check_beams(config, len(prompt_ids), max_new, rid, hooks)
-        group_class = BeamSearchGroup if config.is_beam_search else SequenceGroup
+        # NOTE: a beam continues by its score only: no beam drafts
+        speculation = None if beams else speculation_for(config, self.speculative_config)
+        group_class = BeamSearchGroup if beams else SequenceGroup
         return group_class(
             rid,
             prompt_ids,
@@ -289,6 +299,7 @@ class ContinuousBatchingManager:
             grammar=grammar,
             hooks=hooks,
             exit_layers=exit_layers,
+            speculation=speculation,
         )
 
     def _check_beams(

@@ -42,7 +42,8 @@ class StepTokens:
     it, the sequences to publish, and the sequences that failed."""
 
     now: float
-    new_tokens: dict[str, int] = field(default_factory=dict)  # scheduler id -> token
+    # scheduler id -> the tokens accepted: one sampled token, or (speculative decoding) accepted drafts then one
+    new_tokens: dict[str, list[int]] = field(default_factory=dict)
     finished: dict[str, FinishReason] = field(default_factory=dict)  # scheduler id -> why
     forks: list[tuple[Sequence, list[tuple[Sequence, SampledToken]]]] = field(default_factory=list)
     accepted: list[Sequence] = field(default_factory=list)
@@ -79,7 +80,7 @@ class OutputProcessor:
             if isinstance(reason, Failure):
                 step.failed.append(reason)
                 continue
-            step.new_tokens[seq.scheduler_id] = tokens[0].token_id
+            step.new_tokens[seq.scheduler_id] = [tokens[0].token_id]
             step.accepted.append(seq)
             if len(tokens) > 1:
                 step.forks.append((seq, seq.group.fan_out(tokens)))

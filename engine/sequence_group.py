@@ -24,6 +24,7 @@ from engine.generation.grammar import CompiledGrammar, GrammarMatcher
 from engine.generation.prompt_logprobs import PromptLogprobs
 from engine.generation.request_state import RequestGenerationState
 from engine.generation.rows import SampledToken
+from engine.generation.speculation import DraftLength, Speculation
 from engine.generation.user_processors import RequestHooks
 from engine.request_handle import Sink
 from scheduler.request import FinishReason, Request
@@ -50,6 +51,7 @@ class SequenceGroup:
     prompt_logprobs: PromptLogprobs | None = None  # set in __post_init__ when the config asks for them
     hooks: RequestHooks | None = None  # the request's own processors and stopping criteria (Python API)
     exit_layers: tuple[int, ...] = ()  # DoLa's candidate layers for this model (resolved at admission)
+    speculation: Speculation | None = None  # how its samples draft tokens (resolved at admission)
 
     def __post_init__(self) -> None:
         if self.config.prompt_logprobs is not None:
@@ -174,6 +176,7 @@ class Sequence:
     sent_ids: int = 0  # generated ids already published
     sent_logprobs: int = 0
     finished: bool = False
+    draft_length: DraftLength | None = None  # speculative decoding: drafts per step (set at its first)
     score: float | None = None  # a beam search's returned hypothesis: its score
 
     @property

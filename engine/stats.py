@@ -17,3 +17,8 @@ class EngineStats:
     num_preemptions: int  # total
     is_running: bool
     num_grammar_matchers: int = 0  # grammar matchers held by unfinished samples (0 when idle: none leaked)
+    # speculative decoding, totals: verify chunks, their drafts, the drafts accepted, and those by position
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()

@@ -167,10 +167,13 @@ class Scheduler(ABC):
                 continue  # preempted earlier in this loop to make room for another
             if len(chunks) >= self.config.max_num_seqs or budget == 0:
                 break
-            num_new = min(req.num_uncomputed_tokens, budget)
+            drafts = self._schedulable_drafts(req, budget)
+            num_new = min(req.num_uncomputed_tokens, budget) + len(drafts)
             if num_new <= 0:
                 continue
             num_tokens = req.num_computed_tokens + num_new
+            if drafts and not self.kv_manager.can_allocate_slots(req.request_id, num_tokens):
+                num_new, num_tokens, drafts = num_new - len(drafts), num_tokens - len(drafts), ()
             while not self.kv_manager.can_allocate_slots(req.request_id, num_tokens):
                 for victim in self._gang_of(self._running[-1]):
                     dropped = chunks.pop(victim.request_id, None)
@@ -183,7 +186,7 @@ class Scheduler(ABC):
             if req.status is RequestStatus.WAITING:
                 continue
             self.kv_manager.allocate_slots(req.request_id, num_tokens)
-            chunks[req.request_id] = self._chunk(req, num_new)
+            chunks[req.request_id] = self._chunk(req, num_new, drafts)
             budget -= num_new
 
         if not preempted:
@@ -226,7 +229,19 @@ class Scheduler(ABC):
             budget -= num_new
         return budget
 
-    def _chunk(self, req: Request, num_new: int) -> ScheduledRequest:
+    def _schedulable_drafts(self, req: Request, budget: int) -> tuple[int, ...]:
+        """The request's drafts that this step can verify: only a decoding request's (one known token to
+        compute), as many as the token budget leaves after that token, and never so many that accepting
+        them all would pass ``max_new_tokens`` (the cache is sized for that) or ``max_model_len``."""
+        if not req.draft_ids or req.num_uncomputed_tokens != 1 or req.wants_prompt_logits:
+            return ()
+        room = req.max_new_tokens - len(req.output_ids) - 1
+        limit = self.config.max_model_len
+        if limit is not None:
+            room = min(room, limit - req.num_tokens - 1)
+        return tuple(req.draft_ids[: max(min(room, budget - 1), 0)])
+
+    def _chunk(self, req: Request, num_new: int, drafts: tuple[int, ...] = ()) -> ScheduledRequest:
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.monotonic()
         self._refresh_status(req)
@@ -235,14 +250,23 @@ class Scheduler(ABC):
             start=req.num_computed_tokens,
             num_tokens=num_new,
             block_ids=self.kv_manager.block_table(req.request_id),
+            draft_ids=drafts,
         )
 
     def update(
-        self, batch: ScheduledBatch, new_tokens: Mapping[str, int], finished: Mapping[str, FinishReason]
+        self,
+        batch: ScheduledBatch,
+        new_tokens: Mapping[str, int | Sequence[int]],
+        finished: Mapping[str, FinishReason],
     ) -> list[Request]:
-        """Apply a step's results: advance each scheduled request by its chunk, append the token sampled
-        for each chunk that ``needs_sample``, then finish the requests in ``finished`` (free their blocks;
-        their full blocks stay in the prefix cache). Returns the requests finished by this call.
+        """Apply a step's results: advance each scheduled request by its chunk, append the tokens accepted
+        for each chunk that ``needs_sample`` (one sampled token, or a list: with drafts, the drafts it accepted
+        then one sampled token), then finish the requests in ``finished`` (free their blocks; their full blocks stay
+        in the prefix cache). Returns the requests finished by this call.
+
+        Speculative decoding: the KV of the accepted drafts is kept, the rejected drafts' slots are rolled
+        back (``KVCacheManager.truncate``), and every request's drafts are cleared (the engine proposes
+        new ones for the next step).
 
         Stopping is the engine's: a request ends only through ``finished`` or ``finish_request`` (so the
         engine may keep a finished parent alive until it has forked its n > 1 siblings). The cache is sized
@@ -259,7 +283,10 @@ class Scheduler(ABC):
         return done
 
     def _advance(
-        self, chunk: ScheduledRequest, new_tokens: Mapping[str, int], finished: Mapping[str, FinishReason]
+        self,
+        chunk: ScheduledRequest,
+        new_tokens: Mapping[str, int | Sequence[int]],
+        finished: Mapping[str, FinishReason],
     ) -> None:
         """Move one scheduled request past its chunk and register its newly computed full blocks."""
         req = chunk.request
@@ -271,14 +298,28 @@ class Scheduler(ABC):
                 f"{req.num_computed_tokens} tokens are computed"
             )
         sample_due = chunk.needs_sample  # NOTE: read before appending, which moves num_tokens
-        req.num_computed_tokens = chunk.end
+        drafts = chunk.draft_ids
+        req.num_computed_tokens = chunk.end - len(drafts)
+        req.draft_ids = []
         if sample_due:
-            token = new_tokens.get(req.request_id)
-            if token is not None:
-                req.output_ids.append(token)
+            new = new_tokens.get(req.request_id)
+            tokens = [new] if isinstance(new, int) else list(new or ())
+            if tokens:
+                num_accepted = (
+                    len(tokens) - 1
+                )  # drafts whose KV this chunk computed (the last token's is not)
+                if num_accepted > len(drafts) or tokens[:num_accepted] != list(drafts[:num_accepted]):
+                    raise IntegrityError(
+                        f"request {req.request_id!r}: accepted tokens {list(tokens)} do not extend its drafts "
+                        f"{list(drafts)}"
+                    )
+                req.output_ids.extend(tokens)
+                req.num_computed_tokens += num_accepted
             elif req.request_id not in finished:
                 # NOTE: with nothing sampled, the last token must run again to give logits.
                 req.num_computed_tokens -= 1
+        if drafts:
+            self.kv_manager.truncate(req.request_id, req.num_computed_tokens)  # the rejected drafts' slots
         self.kv_manager.cache_computed(req.request_id, req.num_computed_tokens, lambda: req.all_token_ids)
         self._refresh_status(req)
 
@@ -310,6 +351,7 @@ class Scheduler(ABC):
         self._running.remove(req)
         self.kv_manager.free(req.request_id)
         req.num_computed_tokens = 0
+        req.draft_ids = []
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1

@@ -10,12 +10,17 @@ from scheduler.request import Request
 @dataclass(frozen=True)
 class ScheduledRequest:
     """``num_tokens`` tokens of ``request`` starting at position ``start`` are computed this step, their KV
-    written through ``block_ids``, the request's block table (the KV-cache manager's list: read only)."""
+    written through ``block_ids``, the request's block table (the KV-cache manager's list: read only).
+
+    ``draft_ids``: speculative tokens after the request's known ones, the chunk's last ``len(draft_ids)``
+    tokens (a verify chunk: the last known token then the drafts, each position's logits checking the next
+    draft)."""
 
     request: Request
     start: int
     num_tokens: int
     block_ids: list[int]
+    draft_ids: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
@@ -23,20 +28,23 @@ class ScheduledRequest:
 
     @property
     def needs_sample(self) -> bool:
-        """True when this chunk reaches the last known token: its logits give the next token."""
-        return self.end == self.request.num_tokens
+        """True when this chunk reaches the last known token (and its drafts): its logits give the next
+        token."""
+        return self.end == self.request.num_tokens + len(self.draft_ids)
 
     @property
     def num_logits_rows(self) -> int:
         """How many of this chunk's last rows need logits: every row of a chunk of a request that wants
-        its prompt's logits (such a chunk never passes the prompt), else the last row when it samples."""
+        its prompt's logits (such a chunk never passes the prompt), else the last row when it samples and
+        one more per draft (the last known token's row, then each draft's)."""
         if self.request.wants_prompt_logits:
             return self.num_tokens
-        return 1 if self.needs_sample else 0
+        return 1 + len(self.draft_ids) if self.needs_sample else 0
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start : self.end]
+        known = self.request.all_token_ids[self.start : self.end]
+        return known + list(self.draft_ids) if self.draft_ids else known
 
 
 @dataclass

@@ -49,6 +49,9 @@ class Request:
     wants_prompt_logits: bool = False  # every prompt position's logits (prompt logprobs), not only the last
     # layers whose hidden states also give logits for the rows this request samples from (DoLa's candidates)
     exit_layers: tuple[int, ...] = ()
+    # speculative decoding: tokens proposed to follow the known ones, verified (and accepted or rolled back)
+    # in the next step that schedules them; never part of ``all_token_ids``
+    draft_ids: list[int] = field(default_factory=list)
     # requests preempted together (a beam search's beams, which all need their logits in the same step)
     gang: str | None = None
     payload: Any = None

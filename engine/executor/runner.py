@@ -34,14 +34,36 @@ class ModelRunner:
         self.decode_stack = decode_stack  # None: CPU decode steps run layer by layer
 
     def prepare(self, batch: ScheduledBatch) -> BatchInputs:
+        """The batch's inputs. A verify chunk (a last token and its drafts) enters as one decode row per
+        token over the same pages, each attending to the positions up to its own: every row's K/V is
+        written before any row attends, so this is the chunk's causal attention, and the step stays a
+        decode step for the decode kernels (the float32 decode stack, CUDA graphs)."""
+        token_ids: list[list[int]] = []
+        starts: list[int] = []
+        tables: list[list[int]] = []
+        logits_rows: list[int] = []
+        exits: list[tuple[int, ...]] = []
+        for s in batch.requests:
+            if s.draft_ids:
+                token_ids.extend([t] for t in s.token_ids)
+                starts.extend(range(s.start, s.end))
+                tables.extend([s.block_ids] * s.num_tokens)
+                logits_rows.extend([1] * s.num_tokens)
+                exits.extend([()] * s.num_tokens)
+                continue
+            token_ids.append(s.token_ids)
+            starts.append(s.start)
+            tables.append(s.block_ids)
+            logits_rows.append(s.num_logits_rows)
+            exits.append(s.request.exit_layers if s.needs_sample else ())
         return BatchInputs.build(
-            token_ids=[s.token_ids for s in batch.requests],
-            starts=[s.start for s in batch.requests],
-            block_tables=[s.block_ids for s in batch.requests],
-            logits_rows=[s.num_logits_rows for s in batch.requests],
+            token_ids=token_ids,
+            starts=starts,
+            block_tables=tables,
+            logits_rows=logits_rows,
             block_size=self.block_size,
             device=self.device,
-            exit_layers=[s.request.exit_layers if s.needs_sample else () for s in batch.requests],
+            exit_layers=exits,
         )
 
     @torch.inference_mode()

@@ -15,6 +15,7 @@ from typing import Any
 
 from engine.generation.errors import GenerationConfigError
 from engine.generation.grammar_spec import GrammarSpec
+from engine.generation.speculation import MAX_SPECULATIVE_TOKENS, SCHEDULES
 from engine.generation.watermark_config import Watermark, watermarking_config_from
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "GenerationConfig", "GenerationConfigError"]
@@ -119,6 +120,13 @@ class GenerationConfig:
     # choosing the tokens the earlier groups chose at the same step.
     num_beam_groups: int = 1
     diversity_penalty: float = 0.0
+    # Speculative decoding (engine/speculative/): prompt lookup for this request with up to this many drafts
+    # a step (0: none, whatever the server does), n-grams of up to ``max_matching_ngram_size`` tokens; over
+    # the server's --speculative-config, the drafts per step and how they adapt.
+    prompt_lookup_num_tokens: int | None = None
+    max_matching_ngram_size: int | None = None
+    num_assistant_tokens: int | None = None
+    num_assistant_tokens_schedule: str | None = None
 
     def __post_init__(self) -> None:
         # NOTE: JSON gives ints for floats, string keys for logit_bias and lists for sequence_bias keys;
@@ -215,6 +223,7 @@ class GenerationConfig:
         self._validate_logits_processor_args()
         self._validate_dola_layers()
         self._validate_beams()
+        self._validate_speculation()
         if vocab_size is not None:
             self._validate_vocab(vocab_size)
 
@@ -283,6 +292,7 @@ class GenerationConfig:
             ("dola_layers", self.dola_layers),
             ("max_time", self.max_time),
             ("logits_processor_args", self.logits_processor_args),
+            ("prompt_lookup_num_tokens", self.prompt_lookup_num_tokens or None),
         ):
             if value is not None:
                 raise GenerationConfigError(name, "cannot be combined with beam search (num_beams > 1)")
@@ -302,6 +312,25 @@ class GenerationConfig:
             raise GenerationConfigError(
                 "do_sample", "diverse beam search (num_beam_groups > 1) does not sample"
             )
+
+    def _validate_speculation(self) -> None:
+        for name, low, high in (
+            ("prompt_lookup_num_tokens", 0, MAX_SPECULATIVE_TOKENS),
+            ("max_matching_ngram_size", 1, 64),
+            ("num_assistant_tokens", 1, MAX_SPECULATIVE_TOKENS),
+        ):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise GenerationConfigError(name, f"must be an integer in [{low}, {high}], got {value!r}")
+        schedule = self.num_assistant_tokens_schedule
+        if schedule is not None and schedule not in SCHEDULES:
+            raise GenerationConfigError(
+                "num_assistant_tokens_schedule", f"must be one of {', '.join(SCHEDULES)}, got {schedule!r}"
+            )
+        if self.dola_layers is not None and self.prompt_lookup_num_tokens:
+            raise GenerationConfigError("prompt_lookup_num_tokens", "cannot be combined with dola_layers")
 
     def _validate_ranges(self) -> None:
         """Every number is in the range where it means something."""

@@ -1,0 +1,184 @@
+"""Speculative decoding's parts on scripted inputs: the n-gram proposer, the draft-length schedule, the
+configs, and the verifier against the definition of speculative sampling (Leviathan et al. 2023: the output
+follows the target distribution; a draft d is accepted with probability p(d))."""
+
+from __future__ import annotations
+
+import math
+import queue
+
+import pytest
+import torch
+
+from engine.generation.config import GenerationConfig, GenerationConfigError
+from engine.generation.sampler import Sampler
+from engine.generation.speculation import DraftLength, Speculation
+from engine.output_processor import OutputProcessor, StepTokens
+from engine.request_handle import SyncSink
+from engine.sequence_group import Sequence, SequenceGroup
+from engine.speculative.config import SpeculativeConfig, speculation_for
+from engine.speculative.ngram import propose_ngram
+from engine.speculative.speculator import SpecDecodeStats
+from engine.speculative.verifier import VerifyRun, num_accepted, verify_drafts
+
+
+# ---------------------------------------------------------------------------------------- n-gram
+def test_ngram_takes_the_longest_suffix_and_its_latest_match() -> None:
+    #          0  1  2  3  4  5  6  7  8  9 10 11
+    tokens = [5, 6, 7, 8, 9, 1, 6, 7, 2, 3, 5, 6, 7]
+    # suffix (5 6 7) matches at 0 only: drafts follow it
+    assert propose_ngram(tokens, 1, 3, 3) == [8, 9, 1]
+    # with n <= 2, (6 7) matches at 1 and 6: the latest wins
+    assert propose_ngram(tokens, 1, 2, 3) == [2, 3, 5]
+    assert propose_ngram(tokens, 1, 3, 1) == [8]
+
+
+def test_ngram_gives_nothing_without_a_match_and_stops_at_the_end() -> None:
+    assert propose_ngram([1, 2, 3, 4], 1, 3, 4) == []
+    assert propose_ngram([1, 2, 3, 4], 2, 3, 4) == []
+    assert propose_ngram([7, 7], 1, 3, 4) == [7]  # the match's continuation is only what exists
+    assert propose_ngram([7], 1, 3, 4) == []
+    assert propose_ngram([1, 2, 1, 2], 1, 3, 0) == []
+    assert propose_ngram([1, 2, 9, 1, 2], 3, 3, 4) == []  # min_n: shorter matches do not count
+
+
+# ---------------------------------------------------------------------------------------- schedule
+def test_heuristic_draft_length_follows_acceptance_within_its_maximum() -> None:
+    length = DraftLength(Speculation("ngram", 5))
+    assert length.value == 5
+    length.update(5, 2)
+    length.update(4, 0)
+    assert length.value == 3
+    length.update(3, 3)
+    assert length.value == 5  # +2, never past the maximum
+    for _ in range(10):
+        length.update(length.value, 0)
+    assert length.value == 1
+    constant = DraftLength(Speculation("ngram", 5, schedule="constant"))
+    constant.update(5, 0)
+    assert constant.value == 5
+
+
+def test_stats_count_drafts_and_acceptance_by_position() -> None:
+    stats = SpecDecodeStats()
+    stats.record(4, 2)
+    stats.record(3, 0)
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 7, 2)
+    assert stats.accepted_per_position[:3] == [1, 1, 0]
+    assert stats.mean_acceptance_length == 2.0
+
+
+# ---------------------------------------------------------------------------------------- configs
+def test_request_speculation_over_the_servers() -> None:
+    ngram = SpeculativeConfig.from_dict(
+        {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 4}
+    )
+    assert speculation_for(GenerationConfig(), None) is None
+    assert speculation_for(GenerationConfig(), ngram) == Speculation("ngram", 6, 1, 4, "heuristic")
+    mine = GenerationConfig(prompt_lookup_num_tokens=3, max_matching_ngram_size=2)
+    assert speculation_for(mine, None) == Speculation("ngram", 3, 1, 2, "heuristic")
+    assert speculation_for(GenerationConfig(prompt_lookup_num_tokens=0), ngram) is None
+    fewer = GenerationConfig(num_assistant_tokens=2, num_assistant_tokens_schedule="constant")
+    assert speculation_for(fewer, ngram) == Speculation("ngram", 2, 1, 4, "constant")
+    assert speculation_for(GenerationConfig(dola_layers="high"), ngram) is None
+    with pytest.raises(GenerationConfigError, match="does not speculate"):
+        speculation_for(GenerationConfig(num_assistant_tokens=2), None)
+    with pytest.raises(GenerationConfigError, match="num_assistant_tokens_schedule"):
+        GenerationConfig(num_assistant_tokens_schedule="sometimes").validate()
+
+
+# ---------------------------------------------------------------------------------------- verifier
+class Decoder:
+    def decode(self, ids: list[int], /, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+VOCAB = 5
+
+
+def sequences(num: int, config: GenerationConfig) -> list[Sequence]:
+    out = []
+    for i in range(num):
+        cfg = config.merged(seed=i)
+        group = SequenceGroup(
+            f"r{i}", [1, 2], cfg, 8, SyncSink(f"r{i}", queue.Queue(), 1), False, False, Decoder(), ()
+        )
+        out.append(group.start())
+    return out
+
+
+def first_tokens(
+    sampler: Sampler, outputs: OutputProcessor, seqs: list[Sequence], logits: torch.Tensor
+) -> StepTokens:
+    """What the loop does for a verify chunk's first row: sample it with everyone, accept it."""
+    step = StepTokens(now=0.0)
+    rows = [s.gen.sampling_row() for s in seqs]
+    for seq, tok in zip(seqs, sampler.sample(logits.expand(len(seqs), -1).contiguous(), rows), strict=True):
+        assert outputs.accept(seq, tok, 0.0) is None
+        step.new_tokens[seq.scheduler_id] = [tok.token_id]
+        step.accepted.append(seq)
+    return step
+
+
+def chi_square(counts: list[int], probs: list[float]) -> float:
+    total = sum(counts)
+    return sum((c - total * p) ** 2 / (total * p) for c, p in zip(counts, probs, strict=True))
+
+
+CHI2_4DF_P001 = 18.47  # df = 4 (five tokens), p = 0.001
+
+
+def test_speculative_sampling_follows_the_target_distribution() -> None:
+    num = 4000
+    sampler = Sampler(VOCAB)
+    outputs = OutputProcessor()
+    p0 = torch.tensor([0.1, 0.4, 0.2, 0.25, 0.05])
+    p1 = torch.tensor([0.3, 0.05, 0.15, 0.2, 0.3])
+    draft = (1, 4)  # d1 = 1 (p0 = 0.4), d2 = 4 (p1 = 0.3)
+    seqs = sequences(num, GenerationConfig(do_sample=True, top_k=0, max_new_tokens=8))
+    step = first_tokens(sampler, outputs, seqs, p0.log().unsqueeze(0))
+    after = torch.stack([p1.log(), p0.log()])  # the rows after d1 and after d2 (the bonus)
+    runs = [VerifyRun(s, draft, after) for s in seqs]
+    verify_drafts(sampler, outputs, runs, step)
+
+    first = [step.new_tokens[s.scheduler_id][0] for s in seqs]
+    counts0 = [first.count(t) for t in range(VOCAB)]
+    assert chi_square(counts0, p0.tolist()) < CHI2_4DF_P001
+    accepted = [s for s in seqs if step.new_tokens[s.scheduler_id][0] == draft[0]]
+    second = [step.new_tokens[s.scheduler_id][1] for s in accepted]
+    assert chi_square([second.count(t) for t in range(VOCAB)], p1.tolist()) < CHI2_4DF_P001
+    # acceptance of d1 is p0(d1): 0.4, within 4 standard deviations
+    rate = len(accepted) / num
+    assert abs(rate - 0.4) < 4 * math.sqrt(0.4 * 0.6 / num)
+    # a run is read only past matched drafts: rejected at d1 -> one token; at d2 -> two; both -> three
+    for s, run in zip(seqs, runs, strict=True):
+        tokens = step.new_tokens[s.scheduler_id]
+        n = num_accepted(run, step)
+        assert len(tokens) == min(n + 1, 3) and tokens[:n] == list(draft[:n])
+
+
+def test_greedy_verification_stops_at_the_first_mismatch_and_takes_the_bonus() -> None:
+    sampler = Sampler(VOCAB)
+    outputs = OutputProcessor()
+    logits = torch.eye(VOCAB)  # row i: argmax i
+    seqs = sequences(3, GenerationConfig(max_new_tokens=8))
+    step = first_tokens(sampler, outputs, seqs, logits[2:3])  # every sequence's first token: 2
+    runs = [
+        VerifyRun(seqs[0], (2, 3, 4), logits[[3, 4, 0]]),  # every draft accepted, bonus 0
+        VerifyRun(seqs[1], (2, 1, 4), logits[[3, 4, 0]]),  # 1 rejected: 3 instead
+        VerifyRun(seqs[2], (0, 3), logits[[3, 4]]),  # the first draft rejected: the first token stands
+    ]
+    verify_drafts(sampler, outputs, runs, step)
+    assert [step.new_tokens[s.scheduler_id] for s in seqs] == [[2, 3, 4, 0], [2, 3], [2]]
+    assert [num_accepted(r, step) for r in runs] == [3, 1, 0]
+
+
+def test_a_stop_token_inside_the_run_ends_it_there() -> None:
+    sampler = Sampler(VOCAB)
+    outputs = OutputProcessor()
+    logits = torch.eye(VOCAB)
+    (seq,) = sequences(1, GenerationConfig(max_new_tokens=8, eos_token_id=3))
+    step = first_tokens(sampler, outputs, [seq], logits[2:3])
+    verify_drafts(sampler, outputs, [VerifyRun(seq, (2, 3, 4), logits[[3, 4, 0]])], step)
+    assert step.new_tokens[seq.scheduler_id] == [2, 3]
+    assert step.finished[seq.scheduler_id].value == "stop"
