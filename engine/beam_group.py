@@ -23,6 +23,7 @@ import torch
 
 from engine.generation.beam_search import BeamChoice, BeamSearch, Hypothesis
 from engine.generation.config import GenerationConfig
+from engine.generation.constrained_beam_search import ConstrainedBeamSearch
 from engine.generation.diverse_beam_search import DiverseBeamSearch
 from engine.generation.processors import apply_logits_processors
 from engine.generation.rows import SampledToken, SamplingRow
@@ -35,10 +36,24 @@ from scheduler.request import FinishReason, Request
 
 
 def new_search(
-    config: GenerationConfig, max_new_tokens: int, stop_token_ids: Collection[int]
-) -> BeamSearch | DiverseBeamSearch:
-    """The request's search: diverse with ``num_beam_groups`` > 1; beam sampling seeded with ``seed``."""
+    config: GenerationConfig, max_new_tokens: int, stop_token_ids: Collection[int], prompt_ids: list[int]
+) -> BeamSearch | DiverseBeamSearch | ConstrainedBeamSearch:
+    """The request's search: diverse with ``num_beam_groups`` > 1, constrained with constraints; beam
+    sampling seeded with ``seed``."""
     top_logprobs = config.top_logprobs if config.output_logprobs else 0
+    constraints = config.all_constraints
+    if constraints:
+        return ConstrainedBeamSearch(
+            config.num_beams,
+            constraints,
+            prompt_ids,
+            max_new_tokens,
+            stop_token_ids,
+            config.num_return_sequences,
+            config.length_penalty,
+            config.early_stopping,
+            top_logprobs,
+        )
     if config.num_beam_groups > 1:
         return DiverseBeamSearch(
             config.num_beams,
@@ -82,7 +97,7 @@ class BeamSearchGroup(SequenceGroup):
         cfg = self.config
         criteria = StoppingCriteria(cfg, self.eos_token_ids, self.max_new_tokens)
         self.row_eos = criteria.eos_token_ids
-        self.search = new_search(cfg, self.max_new_tokens, criteria.stop_token_ids)
+        self.search = new_search(cfg, self.max_new_tokens, criteria.stop_token_ids, self.prompt_ids)
 
     # ------------------------------------------------------------------ the group's behaviour
     def start(self) -> Sequence:

@@ -1,6 +1,6 @@
 """Beam search over HTTP: vLLM's fields (``use_beam_search`` with ``best_of`` beams, ``n`` returned,
 ``length_penalty``, ``early_stopping``) and transformers' ``num_beams``, ``num_beam_groups`` and
-``diversity_penalty`` (diverse beam search) as extras, into the engine's beam-search options
+``diversity_penalty`` (diverse beam search) and ``force_words_ids`` (constrained beam search) as extras, into the engine's beam-search options
 (engine/beam_group.py).
 
 Rules:
@@ -10,8 +10,8 @@ Rules:
   (a search publishes its sequences only once it is over; OpenAI's stream has no way to take back text)
   are 400s naming the field;
 - without beams, ``best_of`` other than ``n`` (cbserve returns every sample it generates),
-  ``length_penalty`` other than 1, ``early_stopping``, ``num_beam_groups`` and ``diversity_penalty`` are
-  400s: they would change nothing;
+  ``length_penalty`` other than 1, ``early_stopping``, ``num_beam_groups``, ``diversity_penalty`` and
+  ``force_words_ids`` are 400s: they would change nothing;
 - beams are deterministic unless the request sets a ``temperature`` > 0 (then beam sampling).
 """
 
@@ -48,6 +48,8 @@ def _refuse_beam_fields_without_beams(req: SamplingRequest) -> None:
         raise _invalid("num_beam_groups", why)
     if req.diversity_penalty is not None and req.diversity_penalty != 0:
         raise _invalid("diversity_penalty", why)
+    if req.force_words_ids is not None:
+        raise _invalid("force_words_ids", why)
 
 
 def beam_search_options(req: SamplingRequest) -> dict[str, Any]:
@@ -72,5 +74,6 @@ def beam_search_options(req: SamplingRequest) -> dict[str, Any]:
         "early_stopping": req.early_stopping,
         "num_beam_groups": req.num_beam_groups,
         "diversity_penalty": req.diversity_penalty,
+        "force_words_ids": req.force_words_ids,
         "do_sample": req.temperature is not None and req.temperature > 0,
     }

@@ -192,6 +192,11 @@ class SamplingRequest(RequestBody):
     diversity_penalty: Number | None = Field(
         None, ge=0.0, description="Diverse beam search: subtracted per earlier group that chose the token."
     )
+    force_words_ids: list[list[StrictInt] | list[list[StrictInt]]] | None = Field(
+        None,
+        max_length=64,
+        description="Constrained beam search: token ids the output must contain (a list of lists: one of them).",
+    )
     length_penalty: Number | None = Field(
         None, description="Beam search: a hypothesis scores sum(logprobs) / length ** length_penalty."
     )

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from engine.generation.constraints import Constraint, constraints_of
 from engine.generation.errors import GenerationConfigError
 from engine.generation.grammar_spec import GrammarSpec
 from engine.generation.speculation import MAX_SPECULATIVE_TOKENS, SCHEDULES
@@ -120,6 +121,11 @@ class GenerationConfig:
     # choosing the tokens the earlier groups chose at the same step.
     num_beam_groups: int = 1
     diversity_penalty: float = 0.0
+    # Constrained beam search (engine/generation/constrained_beam_search.py): words the output must contain,
+    # a list of token ids each (or a list of such lists: one of them), and/or constraint objects
+    # (engine/generation/constraints.py: PhrasalConstraint, DisjunctiveConstraint).
+    force_words_ids: list[Any] | None = None
+    constraints: list[Constraint] | None = None
     # Speculative decoding (engine/speculative/): prompt lookup for this request with up to this many drafts
     # a step (0: none, whatever the server does), n-grams of up to ``max_matching_ngram_size`` tokens; over
     # the server's --speculative-config, the drafts per step and how they adapt.
@@ -276,6 +282,8 @@ class GenerationConfig:
             raise GenerationConfigError("diversity_penalty", f"must be >= 0, got {self.diversity_penalty}")
         if self.num_beam_groups > 1:
             self._validate_beam_groups()
+        if self.force_words_ids is not None or self.constraints is not None:
+            self._validate_constraints()
         if not self.is_beam_search:
             return
         if self.num_return_sequences > self.num_beams:
@@ -296,6 +304,35 @@ class GenerationConfig:
         ):
             if value is not None:
                 raise GenerationConfigError(name, "cannot be combined with beam search (num_beams > 1)")
+
+    @property
+    def all_constraints(self) -> list[Constraint]:
+        """``constraints`` and the constraints of ``force_words_ids``."""
+        forced = constraints_of(self.force_words_ids) if self.force_words_ids is not None else []
+        return [*(self.constraints or []), *forced]
+
+    def _validate_constraints(self) -> None:
+        """Constrained beam search: beams, no groups, no sampling (as transformers requires)."""
+        if self.constraints is not None and (
+            not self.constraints or not all(isinstance(c, Constraint) for c in self.constraints)
+        ):
+            raise GenerationConfigError(
+                "constraints", "must be a non-empty list of PhrasalConstraint or DisjunctiveConstraint"
+            )
+        if self.force_words_ids is not None:
+            if not isinstance(self.force_words_ids, list):
+                raise GenerationConfigError(
+                    "force_words_ids", f"must be a list of token id lists, got {self.force_words_ids!r}"
+                )
+            try:
+                constraints_of(self.force_words_ids)
+            except (ValueError, TypeError, IndexError) as exc:
+                raise GenerationConfigError("force_words_ids", str(exc)) from None
+        field = "force_words_ids" if self.force_words_ids is not None else "constraints"
+        if not self.is_beam_search:
+            raise GenerationConfigError(field, "needs beam search (num_beams > 1)")
+        if self.num_beam_groups > 1 or not self.is_greedy:
+            raise GenerationConfigError(field, "cannot be combined with num_beam_groups > 1 or do_sample")
 
     def _validate_beam_groups(self) -> None:
         """Diverse beam search: groups that divide the beams, a penalty that makes them differ, no sampling

@@ -21,22 +21,21 @@ groups' penalty; here a done group's beams are dropped and choose nothing.
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from engine.generation.beam_hypotheses import BeamHypotheses
 from engine.generation.beam_search import NEG, Beam, BeamChoice, Hypothesis, extend_beam
 
 
 @dataclass
 class _Group:
-    """One group: its running beams and scores, and its finished hypotheses (transformers'
-    ``BeamHypotheses``: in the order they were kept, ``worst_score`` the lowest)."""
+    """One group: its running beams and scores, and its finished hypotheses."""
 
     beams: list[Beam]
     scores: torch.Tensor  # [group_size]
-    hypotheses: list[Hypothesis] = field(default_factory=list)
-    worst_score: float = 1e9
+    hypotheses: BeamHypotheses
     done: bool = False
 
 
@@ -72,7 +71,12 @@ class DiverseBeamSearch:
         start = torch.full((self.group_size,), NEG)
         start[0] = 0.0
         self.groups = [
-            _Group([Beam() for _ in range(self.group_size)], start.clone()) for _ in range(num_beam_groups)
+            _Group(
+                [Beam() for _ in range(self.group_size)],
+                start.clone(),
+                BeamHypotheses(self.group_size, length_penalty, early_stopping, max_new_tokens),
+            )
+            for _ in range(num_beam_groups)
         ]
 
     @property
@@ -110,7 +114,7 @@ class DiverseBeamSearch:
     def best(self, n: int) -> list[Hypothesis]:
         """The ``n`` best hypotheses of all groups (transformers' ``finalize``: a stable sort by score, the
         last of equal scores first)."""
-        ranked = sorted((h for g in self.groups for h in g.hypotheses), key=lambda h: h.score)
+        ranked = sorted((h for g in self.groups for h in g.hypotheses.hypotheses), key=lambda h: h.score)
         if len(ranked) < n:
             raise RuntimeError(f"the beam search finished {len(ranked)} hypotheses, {n} were asked for")
         return [ranked.pop() for _ in range(n)]
@@ -130,40 +134,17 @@ class DiverseBeamSearch:
             beam = extend_beam(group.beams[parent], rows[parent], token, self.top_logprobs)
             if token in self.stop_token_ids:
                 if rank < self.group_size:
-                    self._add(group, beam, value, new_len)
+                    group.hypotheses.add(beam, value, new_len)
             else:
                 beams.append(beam)
                 scores.append(value)
                 picked.append((parent, token))
             if len(beams) == self.group_size:
                 break
-        group.done = group.done or self._is_done(group, float(values[0, 0]), new_len)
+        group.done = group.done or group.hypotheses.is_done(float(values[0, 0]), new_len)
         group.beams = beams
         group.scores = torch.tensor(scores)
         return picked
-
-    def _add(self, group: _Group, beam: Beam, sum_logprobs: float, length: int) -> None:
-        """transformers' ``BeamHypotheses.add``."""
-        score = sum_logprobs / (length**self.length_penalty)
-        if len(group.hypotheses) < self.group_size or score > group.worst_score:
-            group.hypotheses.append(Hypothesis(beam.token_ids, beam.logprobs, score))
-            if len(group.hypotheses) > self.group_size:
-                ranked = sorted((h.score, i) for i, h in enumerate(group.hypotheses))
-                del group.hypotheses[ranked[0][1]]
-                group.worst_score = ranked[1][0]
-            else:
-                group.worst_score = min(score, group.worst_score)
-
-    def _is_done(self, group: _Group, best_sum_logprobs: float, length: int) -> bool:
-        """transformers' ``BeamHypotheses.is_done``."""
-        if len(group.hypotheses) < self.group_size:
-            return False
-        if self.early_stopping is True:
-            return True
-        best_length = length
-        if self.early_stopping == "never" and self.length_penalty > 0.0:
-            best_length = self.max_new_tokens
-        return group.worst_score >= best_sum_logprobs / best_length**self.length_penalty
 
     def _finalize(self) -> None:
         """transformers' ``finalize``: the running beams of the groups not done are offered too."""
@@ -171,5 +152,5 @@ class DiverseBeamSearch:
             if group.done:
                 continue
             for beam, score in zip(group.beams, group.scores.tolist(), strict=True):
-                self._add(group, beam, score, self.num_generated)
+                group.hypotheses.add(beam, score, self.num_generated)
         self.done = True

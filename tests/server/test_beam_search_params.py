@@ -33,6 +33,7 @@ def completion(**fields: Any) -> CompletionRequest:
             {"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 0.5},
             {"num_beams": 4, "num_beam_groups": 2},
         ),
+        ({"num_beams": 3, "force_words_ids": [[5, 6], [[7], [8, 9]]]}, {"num_beams": 3}),
     ],
 )
 def test_beam_fields_become_engine_options(fields: dict[str, Any], expected: dict[str, Any]) -> None:
@@ -55,6 +56,7 @@ def test_beam_fields_become_engine_options(fields: dict[str, Any], expected: dic
         ({"early_stopping": True}, "early_stopping"),
         ({"num_beam_groups": 2}, "num_beam_groups"),
         ({"diversity_penalty": 0.5}, "diversity_penalty"),
+        ({"force_words_ids": [[5]]}, "force_words_ids"),
         ({"use_beam_search": True, "n": 3, "best_of": 2}, "best_of"),
         ({"num_beams": 2, "n": 3}, "num_beams"),
         ({"use_beam_search": True, "best_of": 2, "num_beams": 3}, "num_beams"),
