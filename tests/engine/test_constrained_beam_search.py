@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from test_beam_search_engine import PROMPTS, options_of, run, save_tiny
+from beam_harness import PROMPTS, options_of, run, save_tiny
 
 from engine.engine import Engine
 from engine.generation.beam_search import BeamChoice
