@@ -98,9 +98,10 @@ def test_beams_beside_greedy_and_sampled_requests_equal_alone(engine: Engine, mo
         ([5, 6, 7, 8], dict(do_sample=False, ignore_eos=True)),
         ([9, 10], dict(do_sample=True, temperature=0.9, seed=7, ignore_eos=True)),
         ([11, 12, 13], dict(do_sample=True, seed=1, num_return_sequences=2, ignore_eos=True)),
+        ([5, 6, 7, 5, 6, 7, 5, 6], dict(do_sample=False, ignore_eos=True, prompt_lookup_num_tokens=3)),
     ]
     beams = [(p, options_of(search, eos)) for p in PROMPTS]
-    mixed = [neighbours[0], beams[0], neighbours[1], beams[1], neighbours[2], beams[2]]
+    mixed = [neighbours[0], beams[0], neighbours[1], beams[1], neighbours[2], beams[2], neighbours[3]]
     outputs = run(engine.init_continuous_batching(), mixed)
     for prompt, outs in zip(PROMPTS, outputs[1::2], strict=True):
         assert_same(outs, reference(model, prompt, eos, search))
@@ -172,6 +173,7 @@ def test_cancelling_a_search_frees_every_beam(engine: Engine) -> None:
         (dict(num_beams=2, stop_strings=["x"]), "stop_strings"),
         (dict(num_beams=2, max_time=1.0), "max_time"),
         (dict(num_beams=100), "num_beams"),
+        (dict(num_beams=2, prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens"),
     ],
 )
 def test_what_beams_cannot_do_is_refused(engine: Engine, options: dict[str, Any], field: str) -> None:
