@@ -111,3 +111,16 @@ def test_http_beams_with_stream_is_a_400(http: httpx.Client) -> None:
     )
     assert resp.status_code == 400
     assert resp.json()["error"]["param"] == "use_beam_search"
+
+
+def test_http_diverse_and_constrained_beams(http: httpx.Client) -> None:
+    diverse = {**BODY, "num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 2.0, "n": 2}
+    resp = http.post("/v1/completions", json=diverse)
+    assert resp.status_code == 200, resp.text
+    assert len(resp.json()["choices"]) == 2
+    forced = http.post("/tokenize", json={"prompt": " Lyon", "add_special_tokens": False}).json()["tokens"]
+    resp = http.post("/v1/completions", json={**BODY, "num_beams": 3, "force_words_ids": [forced]})
+    assert resp.status_code == 200, resp.text
+    assert "Lyon" in resp.json()["choices"][0]["text"]
+    bad = http.post("/v1/completions", json={**diverse, "num_beam_groups": 3})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "num_beam_groups"
