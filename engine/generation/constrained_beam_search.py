@@ -53,6 +53,9 @@ class ConstrainedBeamSearch:
         self.running = [Beam() for _ in range(num_beams)]
         self.running_scores = torch.zeros(num_beams)
         self.running_scores[1:] = NEG
+        # NOTE: each running beam's progress through the constraints, prompt included (kept, not recomputed)
+        prompt_state = ConstraintListState.of(self.constraints, self.prompt_ids)
+        self.states = [prompt_state.copy() for _ in range(num_beams)]
 
     def best(self, n: int) -> list[Hypothesis]:
         ranked = sorted(self.hypotheses.hypotheses, key=lambda h: h.score)
@@ -60,8 +63,11 @@ class ConstrainedBeamSearch:
             raise RuntimeError(f"the beam search finished {len(ranked)} hypotheses, {n} were asked for")
         return [ranked.pop() for _ in range(n)]
 
-    def _state(self, token_ids: Sequence[int]) -> ConstraintListState:
-        return ConstraintListState.of(self.constraints, [*self.prompt_ids, *token_ids])
+    def _state_after(self, parent: int, token: int) -> ConstraintListState:
+        """Running beam ``parent``'s progress once ``token`` follows it."""
+        state = self.states[parent].copy()
+        state.add(token)
+        return state
 
     # ------------------------------------------------------------------ one step
     def step(self, log_probs: torch.Tensor) -> list[BeamChoice]:
@@ -77,8 +83,7 @@ class ConstrainedBeamSearch:
         for rank, (value, index) in enumerate(zip(values[0].tolist(), indices[0].tolist(), strict=True)):
             parent, token = divmod(index, vocab)
             if token in self.stop_token_ids:
-                parent_ids = self.running[parent].token_ids
-                if rank < self.num_beams and self._state(parent_ids).completed:
+                if rank < self.num_beams and self.states[parent].completed:
                     beam = extend_beam(self.running[parent], log_probs[parent], token, self.top_logprobs)
                     self.hypotheses.add(beam, value, new_len)
             else:
@@ -91,6 +96,7 @@ class ConstrainedBeamSearch:
         self.running = [
             extend_beam(self.running[p], log_probs[p], t, self.top_logprobs) for _, p, t in chosen
         ]
+        self.states = [self._state_after(p, t) for _, p, t in chosen]
         self.running_scores = torch.tensor([s for s, _, _ in chosen])
         if done or new_len >= self.max_new_tokens:
             self._finalize(done)
@@ -103,20 +109,17 @@ class ConstrainedBeamSearch:
         """transformers' ``step_sentence_constraint``: the candidates widened with the tokens that advance
         each beam's constraints, ordered round-robin over their banks, the first ``num_beams`` kept."""
         seen = [[*self.running[p].token_ids, t] for _, p, t in candidates]
-        banks = [self._state(ids).bank for ids in seen]
+        banks = [self._state_after(p, t).bank for _, p, t in candidates]
         widened = list(candidates)
         for parent, beam in enumerate(self.running):
-            state = self._state(beam.token_ids)
-            if state.completed:
+            if self.states[parent].completed:
                 continue
-            for token in state.advance():
+            for token in self.states[parent].advance():
                 ids = [*beam.token_ids, token]
                 if ids in seen:
                     continue
                 seen.append(ids)
-                advanced = state.copy()
-                advanced.add(token)
-                banks.append(advanced.bank)
+                banks.append(self._state_after(parent, token).bank)
                 widened.append((float(accumulated[parent, token]), parent, token))
         scores = torch.tensor([s for s, _, _ in widened])
         all_banks = torch.tensor(banks)
@@ -139,7 +142,7 @@ class ConstrainedBeamSearch:
         if done:
             return
         beams = list(zip(self.running, self.running_scores.tolist(), strict=True))
-        fulfils = [self._state(b.token_ids).completed for b, _ in beams]
+        fulfils = [state.completed for state in self.states]
         for (beam, score), ok in zip(beams, fulfils, strict=True):
             if ok:
                 self.hypotheses.add(beam, score, self.num_generated)
