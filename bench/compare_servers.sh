@@ -5,8 +5,9 @@
 # (--seed), so no run is served from a prefix cache that an earlier run filled.
 #
 #   bench/compare_servers.sh OUTDIR [SYSTEM ...]
-#       SYSTEM: cbserve cbserve-bf16 cbserve-bi cbserve-bf16-bi transformers transformers-bf16 llamacpp vllm
-#       (-bi: cbserve with --batch-invariant; vllm: vLLM's CPU build in bfloat16, bench/peers.sh vllm)
+#       SYSTEM: cbserve cbserve-bf16 cbserve-bi cbserve-bf16-bi cbserve-spec transformers transformers-bf16
+#       llamacpp vllm (-bi: cbserve with --batch-invariant; -spec: with prompt lookup speculative decoding,
+#       SPEC_CONFIG; vllm: vLLM's CPU build in bfloat16, bench/peers.sh vllm)
 #
 # Environment: CONCURRENCIES (default "1 8 16 32"), INPUT_LEN (128), OUTPUT_LEN (64), LLAMACPP_PYTHON
 # (the python that has llama-cpp-python[server]; default .venv/bin/python), TIMEOUT per run (900 s).
@@ -38,6 +39,9 @@ start() {  # start SYSTEM in the background on $PORT; sets PID and EXTRA
             if [[ "$1" == cbserve-bf16-bi ]]; then DTYPE=bfloat16; else DTYPE=float32; fi
             .venv/bin/cbserve serve --port "$PORT" --dtype "$DTYPE" --batch-invariant --max-num-seqs 64 \
                 --log-level warning & ;;
+        cbserve-spec)
+            .venv/bin/cbserve serve --port "$PORT" --dtype float32 --max-num-seqs 64 --log-level warning \
+                --speculative-config "${SPEC_CONFIG:-{\"method\": \"ngram\", \"num_speculative_tokens\": 4\}}" & ;;
         transformers|transformers-bf16)
             if [[ "$1" == transformers-bf16 ]]; then DTYPE=bfloat16; else DTYPE=float32; fi
             DTYPE="$DTYPE" bench/peers.sh transformers "$PORT" &

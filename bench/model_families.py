@@ -4,7 +4,8 @@
 
 Every family gets the default model's shapes (SmolLM2-135M: 30 layers, hidden 576) with dummy weights and its
 own features switched on (Granite's four multipliers, SmolLM3's NoPE layer every fourth, Phi-3's fused
-checkpoint tensors), plus the transformers backend on the Llama shape. The engines are loaded once and run in
+checkpoint tensors, Gemma 2's soft caps and alternating windows of 64 tokens, Gemma 3's q/k norms and five
+local layers of 64 tokens to one global), plus the transformers backend on the Llama shape. The engines are loaded once and run in
 turn inside every round (the same minutes of the machine for all), greedy with EOS ignored, so every run
 computes the same number of tokens. Prints, per batch size, each system's median tokens/s and its ratio to
 the native Llama path.
@@ -36,6 +37,27 @@ FAMILIES: dict[str, dict[str, Any]] = {
     },
     "smollm3": {"no_rope_layer_interval": 4},
     "phi3": {},
+    "gemma2": {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 64,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "sliding_window": 64,
+    },
+    "gemma3_text": {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 64,
+        "sliding_window": 64,
+        "sliding_window_pattern": 6,
+        "rope_local_base_freq": 10000.0,
+    },
+}
+CLASSES = {
+    "granite": "GraniteForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 
@@ -44,10 +66,7 @@ def family_config(family: str) -> dict[str, Any]:
     base = PRESETS["smollm2-135m"].to_hf_dict()
     if family == "llama":
         return base
-    cls = {"granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM"}[
-        family
-    ]
-    return {**base, "architectures": [cls], "model_type": family, **FAMILIES[family]}
+    return {**base, "architectures": [CLASSES[family]], "model_type": family, **FAMILIES[family]}
 
 
 def load(family: str, folder: Path, model_impl: str) -> Engine:

@@ -73,6 +73,22 @@ def _watermark(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _speculative_config(text: str) -> Any:
+    """``--speculative-config``: vLLM's JSON object (engine/speculative/config.py), checked before the model
+    loads."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({exc})") from None
+    # NOTE: imported here so that `cbserve --help` does not pay for torch.
+    from engine.speculative.config import SpeculativeConfig, SpeculativeConfigError
+
+    try:
+        return SpeculativeConfig.from_dict(value)
+    except SpeculativeConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _logits_processor(text: str) -> str:
     """``--logits-processors``: each spec must import before the model loads (it is built, with the
     model's tokenizer, once the model is loaded)."""
@@ -200,6 +216,14 @@ def _add_generation_flags(serve: argparse.ArgumentParser) -> None:
         'SynthIDTextWatermarkingConfig fields (\'{"ngram_len": 5, "keys": [654, 400, 836]}\')',
     )
     a(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        help="speculative decoding for every request, as vLLM spells it: "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\' (prompt lookup); a request '
+        "may also ask for prompt lookup alone with prompt_lookup_num_tokens",
+    )
+    a(
         "--logits-processors",
         nargs="+",
         type=_logits_processor,
@@ -325,6 +349,7 @@ def _load_engine(args: argparse.Namespace) -> Any:
             load_format=args.load_format,
             model_impl=args.model_impl,
             batch_invariant=args.batch_invariant,
+            speculative_config=args.speculative_config,
             attention_backend=args.attention_backend,
             scheduler=args.scheduler,
             max_batch_tokens=args.max_batch_tokens,

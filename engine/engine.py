@@ -18,6 +18,7 @@ from engine.executor.attention.backend import select_decode_kernel
 from engine.executor.cuda_graphs import CudaGraphDecoder
 from engine.executor.decode_stack import CpuDecodeStack
 from engine.executor.dola import LayerContrast
+from engine.executor.draft_model import DraftModel
 from engine.executor.kv_cache import KVCache
 from engine.executor.runner import ModelRunner
 from engine.generation.config import GenerationConfig, GenerationConfigError
@@ -66,6 +67,7 @@ class Engine:
     """A loaded model with its KV cache; hands out one continuous-batching manager."""
 
     speculative_config: SpeculativeConfig | None = None  # how every request speculates (from_pretrained)
+    _draft_models: dict[tuple[str, str], DraftModel]  # by (model, load_format), loaded on first use
 
     def __init__(
         self, loaded: LoadedModel, options: CacheOptions, model_name: str, attention_backend: str = "auto"
@@ -103,8 +105,9 @@ class Engine:
         )
         cfg = loaded.config
         self.decode_kernel = select_decode_kernel(
-            attention_backend, self.device, self.dtype, cfg.head_dim, self.block_size, cfg.num_queries_per_kv
-        )
+            attention_backend, self.device, self.dtype, cfg.head_dim, self.block_size, cfg.num_queries_per_kv,
+            cfg.attn_logit_softcapping,
+        )  # fmt: skip
         self.attention_backend = self.decode_kernel.name if self.decode_kernel is not None else "sdpa"
         # a row's logits are the same bits whatever else shares its step: matmul kernels with one path per
         # row (LoadedModel.batch_invariant) and the C attention kernels, whose reductions run per query
@@ -125,6 +128,7 @@ class Engine:
         self.decode_stack = CpuDecodeStack.for_model(self.model)  # None: not a float32 CPU model's fast path
         self.logits_processors: list[tuple[str, BatchedLogitsProcessor]] = []  # load_logits_processors
         self._manager: ContinuousBatchingManager | None = None
+        self._draft_models = {}
 
     @classmethod
     def from_pretrained(
@@ -167,6 +171,7 @@ class Engine:
             name = served_model_name or _default_model_name(model, loaded)
             engine = cls(loaded, options, name, attention_backend)
             engine.speculative_config = speculation
+            engine._draft_model(speculation)  # NOTE: a draft model that cannot be used fails the start
             if batch_invariant and not engine.batch_invariant:
                 raise ValueError(
                     f"batch_invariant needs the cpu attention backend, not {engine.attention_backend}"
@@ -219,11 +224,13 @@ class Engine:
         self,
         max_queue: int = 1024,
         grammar_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+        speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
         **overrides: Any,
     ) -> ContinuousBatchingManager:
         """A manager over this engine's model and cache (not started). ``overrides`` may change the
         scheduler's options (``scheduler``, ``max_batch_tokens``, ``max_num_seqs``, ...);
-        ``grammar_timeout_s`` bounds the wait for a structured output's grammar (engine/grammar_workers.py)."""
+        ``grammar_timeout_s`` bounds the wait for a structured output's grammar (engine/grammar_workers.py);
+        ``speculative_config`` replaces the engine's for this manager."""
         o = self.options
         opts = {**o.__dict__, **{k: v for k, v in overrides.items() if v is not None}}
         sched_config = SchedulerConfig(
@@ -236,6 +243,7 @@ class Engine:
             max_model_len=self.max_model_len,
         )
         scheduler = make_scheduler(opts["scheduler"], sched_config)
+        speculation = _speculative_config(speculative_config) or self.speculative_config
         executor = ModelRunner(
             self.model,
             self.kv_cache,
@@ -244,6 +252,7 @@ class Engine:
             self.decode_kernel,
             self.cuda_graphs,
             self.decode_stack,
+            self._draft_model(speculation),
         )
         eos = tuple(self.tokenizer.eos_token_ids) or tuple(self.model_config.eos_token_ids)
         sampler = Sampler(
@@ -261,9 +270,32 @@ class Engine:
             max_queue=max_queue,
             grammar_timeout_s=grammar_timeout_s,
             layer_contrast=self._layer_contrast(),
-            speculative_config=self.speculative_config,
+            speculative_config=speculation,
         )
         return self._manager
+
+    def _draft_model(self, speculation: SpeculativeConfig | None) -> DraftModel | None:
+        """The draft model of a ``draft_model`` config, loaded once (as the target: its device and dtype, the
+        native model) with a KV cache of the target's blocks. ``ValueError`` when its vocabulary differs."""
+        if speculation is None or speculation.model is None:
+            return None
+        key = (speculation.model, speculation.load_format)
+        if key not in self._draft_models:
+            loaded = load_model(
+                speculation.model, speculation.load_format, self.dtype, self.device, model_impl="native"
+            )
+            cfg = loaded.config
+            if cfg.vocab_size != self.model_config.vocab_size:
+                raise ValueError(
+                    f"the draft model {speculation.model!r} has {cfg.vocab_size} tokens, the target "
+                    f"{self.model_config.vocab_size}: a draft model needs the target's vocabulary"
+                )
+            cache = KVCache(
+                cfg.num_hidden_layers, self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim,
+                self.dtype, self.device,
+            )  # fmt: skip
+            self._draft_models[key] = DraftModel(loaded.model, cache, self.decode_kernel)
+        return self._draft_models[key]
 
     def _layer_contrast(self) -> LayerContrast | None:
         """DoLa's view of the model, where its code gives its layers' logits (the native model does)."""

@@ -156,7 +156,8 @@ class EngineLoop:
             self.outputs.publish(seq)
         for group in beams.apply(self.scheduler):
             publish_results(group, self.outputs, step.now)
-        self.speculator.propose(self.scheduler.running_requests)
+        for req, error in self.speculator.propose(self.scheduler.running_requests):
+            self._fail(req.payload, error)
         self._end_step(batch)
 
     def death_reason(self) -> str:

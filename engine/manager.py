@@ -21,10 +21,12 @@ from engine.admission import RequestLimits, check_prompt
 from engine.beam_group import BeamSearchGroup
 from engine.errors import EngineDeadError, QueueFullError
 from engine.executor.dola import LayerContrast
+from engine.executor.draft_model import DraftModel
 from engine.generation.config import GenerationConfig, GenerationConfigError
 from engine.generation.grammar import CompiledGrammar, GrammarCompiler
 from engine.generation.grammar_spec import GrammarSpec
 from engine.generation.sampler import Sampler
+from engine.generation.speculation import Speculation
 from engine.generation.user_processors import RequestHooks, TransformersCriterion, TransformersProcessor
 from engine.grammar_workers import DEFAULT_COMPILE_TIMEOUT_S, GrammarWorkers
 from engine.inbox import AddRequest, CancelRequest, EvictRequest
@@ -33,6 +35,7 @@ from engine.outputs import GenerationOutput
 from engine.request_handle import AsyncSink, RequestHandle, Sink, SyncSink
 from engine.sequence_group import SequenceGroup
 from engine.speculative.config import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig, speculation_for
+from engine.speculative.early_exit import Drafter, EarlyExitProposer
 from engine.speculative.speculator import Speculator
 from engine.stats import EngineStats
 from engine.streamer_sink import StreamerSink
@@ -68,7 +71,22 @@ class ContinuousBatchingManager:
         disable_by = (
             speculative_config.disable_by_batch_size if speculative_config else DEFAULT_DISABLE_BY_BATCH_SIZE
         )
-        self.loop = EngineLoop(scheduler, executor, sampler, Speculator(disable_by))
+        # NOTE: a model that gives its layers' logits (layer_contrast) can draft with its first layers.
+        early_exit = None
+        if layer_contrast is not None and isinstance(executor, Drafter):
+            early_exit = EarlyExitProposer(executor, scheduler.kv_manager)
+        draft_model = getattr(executor, "draft_model", None)
+        if isinstance(draft_model, DraftModel):
+            draft_proposer: EarlyExitProposer | None = EarlyExitProposer(draft_model, scheduler.kv_manager)
+        else:
+            draft_proposer = None
+        self.loop = EngineLoop(
+            scheduler, executor, sampler, Speculator(disable_by, early_exit, draft_proposer)
+        )
+        if speculative_config is not None:
+            self._check_speculation(
+                speculation_for(generation_defaults, speculative_config), "speculative_config"
+            )
         self._thread: threading.Thread | None = None
         self._admission_lock = threading.Lock()  # NOTE: the queue-full check and the put are one step.
         self._ready: queue.Queue[str] = queue.Queue()
@@ -285,6 +303,7 @@ class ContinuousBatchingManager:
             self._check_beams(config, len(prompt_ids), max_new, rid, hooks)
         # NOTE: a beam continues by its score only: no beam drafts
         speculation = None if beams else speculation_for(config, self.speculative_config)
+        self._check_speculation(speculation, "assistant_early_exit")
         group_class = BeamSearchGroup if beams else SequenceGroup
         return group_class(
             rid,
@@ -326,6 +345,30 @@ class ContinuousBatchingManager:
                 self.limits.num_blocks,
                 f"{config.num_beams} beams of {prompt_len} prompt tokens + {max_new} new tokens need "
                 f"{beam_blocks} KV blocks, but the cache holds only {self.limits.num_blocks} blocks",
+            )
+
+    def _check_speculation(self, speculation: Speculation | None, field: str) -> None:
+        """Early exit needs a model that gives its layers' logits, through fewer layers than it has; a draft
+        model must be loaded."""
+        if (
+            speculation is not None
+            and speculation.method == "draft_model"
+            and self.loop.speculator.draft_model is None
+        ):
+            raise GenerationConfigError(
+                field, "no draft model is loaded (Engine.from_pretrained's speculative_config)"
+            )
+        if speculation is None or speculation.method != "early_exit":
+            return
+        if self.layer_contrast is None:
+            raise GenerationConfigError(
+                field, "this model's implementation cannot draft with its first layers"
+            )
+        num_layers = speculation.num_layers or 0
+        if not 1 <= num_layers < self.layer_contrast.num_layers:
+            raise GenerationConfigError(
+                field,
+                f"the drafting layers must be 1 to {self.layer_contrast.num_layers - 1}, got {num_layers}",
             )
 
     def _dola_layers(self, config: GenerationConfig) -> tuple[int, ...]:

@@ -22,7 +22,12 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "granite",
     "smollm3",
     "phi3",
+    "gemma2",
+    "gemma3_text",
 )
+
+# Gemma's layers (engine/executor/models/gemma.py): four norms a layer, (1 + weight) norms, GELU-tanh MLPs.
+GEMMA_ARCHITECTURES: tuple[str, ...] = ("gemma2", "gemma3_text")
 
 # transformers' class names (``architectures`` in config.json) -> our architecture names.
 HF_ARCHITECTURES: dict[str, str] = {
@@ -33,6 +38,8 @@ HF_ARCHITECTURES: dict[str, str] = {
     "GraniteForCausalLM": "granite",
     "SmolLM3ForCausalLM": "smollm3",
     "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",  # the text-only Gemma 3 (1B; or a larger one's text tower alone)
 }
 _HF_CLASS_OF: dict[str, str] = {arch: cls for cls, arch in HF_ARCHITECTURES.items()}
 
@@ -45,7 +52,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen3": "qwen3",
 }
 
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3", "linear")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -62,6 +69,13 @@ class ModelConfig:
     the attention scores by ``attention_multiplier`` (instead of ``head_dim ** -0.5``) and divides the
     logits by ``logits_scaling``; SmolLM3's ``no_rope_layers`` (layer indices) attend without rotary
     embeddings; Phi-3 stores q/k/v and gate/up fused in its checkpoint (the loader's concern).
+
+    Gemma 2 and 3 (``GEMMA_ARCHITECTURES``, their own layer code) scale the embeddings by
+    ``sqrt(hidden_size)`` (``embedding_multiplier``) and q.k by ``query_pre_attn_scalar ** -0.5``
+    (``attention_multiplier``); Gemma 2 soft-caps attention scores (``attn_logit_softcapping``) and logits
+    (``final_logit_softcapping``): ``cap * tanh(x / cap)``. Their ``sliding_window`` applies to every layer
+    but ``full_attention_layers``; Gemma 3's sliding layers rotate with ``local_rope_theta`` (and no
+    scaling) and it normalises q and k per head (``qk_norm``).
     """
 
     architecture: str
@@ -87,6 +101,10 @@ class ModelConfig:
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
     no_rope_layers: tuple[int, ...] = ()
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    full_attention_layers: tuple[int, ...] = ()
+    local_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -137,12 +155,16 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.attention_multiplier must be > 0, got {self.attention_multiplier!r}"
             )
-        if not isinstance(self.no_rope_layers, tuple):
-            object.__setattr__(self, "no_rope_layers", tuple(self.no_rope_layers))
-        if any(not 0 <= i < self.num_hidden_layers for i in self.no_rope_layers):
-            raise ValueError(
-                f"ModelConfig.no_rope_layers names a layer outside 0..{self.num_hidden_layers - 1}"
-            )
+        for name in ("no_rope_layers", "full_attention_layers"):
+            layers = getattr(self, name)
+            if not isinstance(layers, tuple):
+                object.__setattr__(self, name, tuple(layers))
+            if any(not 0 <= i < self.num_hidden_layers for i in layers):
+                raise ValueError(f"ModelConfig.{name} names a layer outside 0..{self.num_hidden_layers - 1}")
+        for name in ("attn_logit_softcapping", "final_logit_softcapping", "local_rope_theta"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"ModelConfig.{name} must be > 0 or None, got {value!r}")
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -152,6 +174,10 @@ class ModelConfig:
     def attention_scale(self) -> float:
         """The factor of q·k: ``attention_multiplier`` where the config gives one, else ``head_dim ** -0.5``."""
         return self.attention_multiplier if self.attention_multiplier is not None else self.head_dim**-0.5
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window (None: it attends over the whole context)."""
+        return None if layer in self.full_attention_layers else self.sliding_window
 
     @property
     def checkpoint_fuses_projections(self) -> bool:
@@ -171,7 +197,7 @@ class ModelConfig:
         try:
             hidden_size = int(d["hidden_size"])
             num_heads = int(d["num_attention_heads"])
-            rope_theta, rope_scaling = _rope_from_hf(d)
+            rope_theta, rope_scaling = _rope_from_hf(d, 1e6 if architecture == "gemma3_text" else 1e4)
             head_dim = d.get("head_dim")
             return cls(
                 architecture=architecture,
@@ -189,7 +215,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 # qwen2 always has q/k/v biases (its config has no flag); llama states it.
                 attention_bias=architecture == "qwen2" or bool(d.get("attention_bias", False)),
-                qk_norm=architecture == "qwen3",
+                qk_norm=architecture in ("qwen3", "gemma3_text"),
                 bos_token_id=optional_int(d.get("bos_token_id")),
                 eos_token_ids=_id_tuple(d.get("eos_token_id")),
                 sliding_window=_sliding_window_from_hf(d),
@@ -226,6 +252,12 @@ class ModelConfig:
             else self.eos_token_ids[0],
             "torch_dtype": "float32",
         }
+        d.update(self._family_hf_fields())
+        return d
+
+    def _family_hf_fields(self) -> dict[str, Any]:
+        """``to_hf_dict``'s fields of the architecture's own."""
+        d: dict[str, Any] = {}
         if self.architecture == "llama":
             d["attention_bias"] = self.attention_bias
             d["mlp_bias"] = False
@@ -253,6 +285,23 @@ class ModelConfig:
             )
         if self.architecture == "phi3":
             d.update(sliding_window=self.sliding_window, partial_rotary_factor=1.0)
+        if self.architecture in GEMMA_ARCHITECTURES:
+            scalar = round(self.attention_scale**-2, 6)  # transformers 5.x wants an int where it is one
+            d.update(
+                hidden_act="gelu_pytorch_tanh",
+                hidden_activation="gelu_pytorch_tanh",
+                attention_bias=self.attention_bias,
+                query_pre_attn_scalar=int(scalar) if scalar.is_integer() else scalar,
+                attn_logit_softcapping=self.attn_logit_softcapping,
+                final_logit_softcapping=self.final_logit_softcapping,
+                sliding_window=self.sliding_window,
+                layer_types=[
+                    "full_attention" if i in self.full_attention_layers else "sliding_attention"
+                    for i in range(self.num_hidden_layers)
+                ],
+            )
+        if self.architecture == "gemma3_text":
+            d["rope_local_base_freq"] = self.local_rope_theta or self.rope_theta
         return d
 
 
@@ -269,10 +318,12 @@ def _architecture_from_hf(d: Mapping[str, Any], where: str) -> str:
     raise UnsupportedArchitectureError(str(named), tuple(HF_ARCHITECTURES), where)
 
 
-def _rope_from_hf(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """``(rope_theta, rope_scaling)`` from 4.x keys or 5.x ``rope_parameters``."""
+def _rope_from_hf(d: Mapping[str, Any], default_theta: float = 1e4) -> tuple[float, dict[str, Any] | None]:
+    """``(rope_theta, rope_scaling)`` from 4.x keys or 5.x ``rope_parameters`` (for a model whose layer
+    types rotate differently, Gemma 3's, those of its ``full_attention`` layers)."""
     params = d.get("rope_parameters") or {}
-    theta = d.get("rope_theta", params.get("rope_theta", 10000.0))
+    params = params.get("full_attention", params)
+    theta = d.get("rope_theta", params.get("rope_theta", default_theta))
     scaling = d.get("rope_scaling")
     if scaling is None and params:
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
@@ -294,6 +345,8 @@ def _validate_rope_scaling(scaling: dict[str, Any] | None) -> None:
         raise ValueError(
             f"rope_scaling type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
+    if rope_type == "linear" and not float(scaling.get("factor", 0)) > 0:
+        raise ValueError(f"linear rope_scaling needs a factor > 0, got {scaling}")
     if rope_type == "llama3":
         missing = [k for k in _LLAMA3_ROPE_KEYS if k not in scaling]
         if missing:
@@ -307,6 +360,8 @@ def _family_fields(architecture: str, d: Mapping[str, Any]) -> dict[str, Any]:
     does not compute (the transformers backend serves it under ``--model-impl auto``)."""
     if d.get("mlp_bias"):
         raise ValueError("MLP biases (mlp_bias) are not native")
+    if architecture in GEMMA_ARCHITECTURES:
+        return _gemma_fields(architecture, d)
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"the activation {d.get('hidden_act')!r} is not native (SiLU-gated MLPs are)")
     if architecture == "granite":
@@ -333,6 +388,37 @@ def _family_fields(architecture: str, d: Mapping[str, Any]) -> dict[str, Any]:
     return {}
 
 
+def _gemma_fields(architecture: str, d: Mapping[str, Any]) -> dict[str, Any]:
+    """Gemma 2 / Gemma 3 (text): the scales, soft caps, global layers and local RoPE of ``ModelConfig``."""
+    activation = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation != "gelu_pytorch_tanh":
+        raise ValueError(f"Gemma with the activation {activation!r} is not native (GELU-tanh is)")
+    if d.get("use_bidirectional_attention"):
+        raise ValueError("Gemma with bidirectional attention (use_bidirectional_attention) is not native")
+    num_layers = int(d["num_hidden_layers"])
+    pattern = 2 if architecture == "gemma2" else int(d.get("sliding_window_pattern", 6))
+    default_types = [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)
+    ]
+    layer_types = list(d.get("layer_types") or default_types)
+    unknown = set(layer_types) - {"sliding_attention", "full_attention"}
+    if unknown or len(layer_types) != num_layers:
+        raise ValueError(f"Gemma layer_types {layer_types} are not native (one of sliding/full a layer)")
+    fields: dict[str, Any] = {
+        "embedding_multiplier": float(d["hidden_size"]) ** 0.5,
+        "attention_multiplier": float(d.get("query_pre_attn_scalar", 256)) ** -0.5,
+        "attn_logit_softcapping": optional_float(d.get("attn_logit_softcapping")),
+        "final_logit_softcapping": optional_float(d.get("final_logit_softcapping")),
+        "full_attention_layers": tuple(i for i, t in enumerate(layer_types) if t == "full_attention"),
+    }
+    if architecture == "gemma3_text":
+        local = (d.get("rope_parameters") or {}).get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"Gemma 3 with {local['rope_type']!r} RoPE on its sliding layers is not native")
+        fields["local_rope_theta"] = float(local.get("rope_theta", d.get("rope_local_base_freq", 10000.0)))
+    return fields
+
+
 def _sliding_window_from_hf(d: Mapping[str, Any]) -> int | None:
     # Qwen configs carry a window even when use_sliding_window is false: then it is not in effect.
     if d.get("use_sliding_window") is False:
@@ -342,6 +428,10 @@ def _sliding_window_from_hf(d: Mapping[str, Any]) -> int | None:
 
 def optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
+
+
+def optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _id_tuple(value: Any) -> tuple[int, ...]:

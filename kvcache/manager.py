@@ -103,6 +103,10 @@ class KVCacheManager:
         """The requests that hold a block table."""
         return set(self._block_tables)
 
+    def has_pending_copy(self, request_id: str) -> bool:
+        """Whether the request's last block still waits for its copy-on-write copy (a fork not yet run)."""
+        return request_id in self._pending_copies
+
     def block_table(self, request_id: str) -> list[int]:
         """The request's block ids in token order ([] when it holds none). The manager's own list: read
         it, never change it; it stays valid (and grows) until the request is freed."""

@@ -23,6 +23,7 @@ from fastapi import FastAPI
 from server.config import ServerConfig
 from server.errors import APIError
 from server.metrics import Metrics
+from server.stats_logger import log_stats_forever
 
 if TYPE_CHECKING:
     from engine.engine import Engine
@@ -133,9 +134,13 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     """FastAPI lifespan: the engine loop runs exactly while the app is served."""
     state: ServerState = app.state.server
     state.start()
+    periodic_log = asyncio.create_task(
+        log_stats_forever(lambda: state.manager.stats() if state.manager is not None else None)
+    )
     try:
         yield
     finally:
+        periodic_log.cancel()
         await state.stop()
 
 

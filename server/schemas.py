@@ -175,6 +175,25 @@ class SamplingRequest(RequestBody):
         description="DoLa (transformers' dola_layers): contrast the last layer with 'low' or 'high' layers or "
         "these layer indices; use with repetition_penalty 1.2.",
     )
+    # Speculative decoding (transformers' names): prompt lookup for this request, or the server's method tuned.
+    prompt_lookup_num_tokens: StrictInt | None = Field(
+        None, description="Prompt lookup decoding for this request: up to this many drafts a step (0: none)."
+    )
+    max_matching_ngram_size: StrictInt | None = Field(
+        None, description="Prompt lookup: the longest n-gram matched against the prompt and output."
+    )
+    num_assistant_tokens: StrictInt | None = Field(
+        None, description="Drafts a step at most, over the server's --speculative-config."
+    )
+    assistant_early_exit: StrictInt | None = Field(
+        None, description="Self-speculative decoding: the model's first layers draft (how many)."
+    )
+    assistant_confidence_threshold: float | None = Field(
+        None, description="Early exit: stop drafting when the draft's probability falls below this."
+    )
+    num_assistant_tokens_schedule: Literal["heuristic", "constant"] | None = Field(
+        None, description="Adapt the drafts a step to their acceptance (heuristic) or not (constant)."
+    )
     # transformers' WatermarkingConfig or SynthIDTextWatermarkingConfig fields (validated by the engine).
     watermarking_config: dict[str, Any] | None = Field(
         None,

@@ -104,11 +104,13 @@ def start_live_server(
     max_model_len: int = MAX_MODEL_LEN,
     max_num_seqs: int = 16,
     logits_processors: tuple[str, ...] = (),
+    **engine_options: Any,
 ) -> Iterator[LiveServer]:
     """The default model on CPU behind the real app with ``config``, served until the block exits.
 
     The ``live_server`` fixture is the one with the defaults; a test that needs other limits (a tiny queue,
-    fresh metrics, ``--logits-processors`` specs) starts its own with this."""
+    fresh metrics, ``--logits-processors`` specs, ``Engine.from_pretrained`` options such as
+    ``speculative_config``) starts its own with this."""
     from engine.engine import Engine
 
     engine = Engine.from_pretrained(
@@ -117,6 +119,7 @@ def start_live_server(
         num_blocks=num_blocks,
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
+        **engine_options,
     )
     engine.load_logits_processors(logits_processors)
     app = build_app(engine, config)

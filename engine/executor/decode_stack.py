@@ -7,9 +7,9 @@ and the fused element-wise ops (engine/executor/kernels/cpu_ops.py). Between the
 while the other waits in OpenMP's barrier. The stack runs the same kernels, in the same order, for every
 layer in one parallel region: the result is that of the layer-by-layer path (tests/model/test_decode_stack.py).
 
-It reads its weights from the model's flat table (``LlamaForCausalLM.decoder_table``) once the CPU fast
-paths are in (engine/executor/fast_paths.py): float32, every projection in the small kernel's panels, the
-fused ops, no per-head q/k norms. It runs steps where every sequence computes one token with the CPU
+It reads its weights from the model's flat table (``decoder_table`` of the Llama or Gemma model) once the
+CPU fast paths are in (engine/executor/fast_paths.py): float32, every projection in the small kernel's
+panels, the fused ops (per-head q/k norms and each layer's rotary table included: Qwen3, Gemma 3). It runs steps where every sequence computes one token with the CPU
 decode kernel (``CpuDecodeStack.can_run``); everything else runs layer by layer.
 """
 
@@ -19,6 +19,7 @@ import ctypes
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -27,6 +28,7 @@ from engine.cpu.native_build import BuildOnce, KernelUnavailable
 from engine.executor.attention.decode_kernel import DecodeKernel
 from engine.executor.inputs import BatchInputs
 from engine.executor.kernels.modules import (
+    FusedGeluTanhMul,
     FusedRMSNorm,
     FusedRotaryEmbedding,
     FusedSiLUMul,
@@ -35,7 +37,9 @@ from engine.executor.kernels.modules import (
 )
 from engine.executor.kernels.small_gemm import has_offsets
 from engine.executor.kv_cache import KVCache
+from engine.executor.models.gemma import GemmaForCausalLM
 from engine.executor.models.llama import LayerModules, LlamaForCausalLM
+from engine.executor.models.registry import NativeModel
 
 logger = logging.getLogger(__name__)
 
@@ -56,24 +60,33 @@ class _Layer(ctypes.Structure):
         *((name, _ptr) for name in ("qkv_q", "o_q", "gate_up_q", "down_q")),
         *((name, _i64) for name in ("qkv_q_offsets", "o_q_offsets", "gate_up_q_offsets", "down_q_offsets")),
         ("rotate", _i64),
+        ("sliding_window", _i64),
+        ("post_attn_norm", _ptr),
+        ("post_ff_norm", _ptr),
+        ("gelu", _i64),
+        *((name, _ptr) for name in ("q_norm", "k_norm", "cos", "sin_signed")),
     ]  # fmt: skip
 
 
 class _Model(ctypes.Structure):
     _fields_ = [
         *((name, _i64) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim")),
-        *((name, _i64) for name in ("intermediate", "num_blocks", "block_size", "sliding_window")),
+        *((name, _i64) for name in ("intermediate", "num_blocks", "block_size")),
         ("max_positions", _i64),
         ("eps", _f32),
         ("scale", _f32),
-        ("cos", _ptr),
-        ("sin_signed", _ptr),
+        ("softcap", _f32),
         ("final_norm", _ptr),
     ]
 
 
 def _ptr_of(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def _weight(norm: nn.Module | None) -> torch.Tensor | None:
+    """A (fused) norm's weight; None for no norm."""
+    return None if norm is None else cast(torch.Tensor, norm.weight)
 
 
 Panels = SmallGemmLinear | QuantPanelLinear
@@ -91,22 +104,36 @@ class StackLayer:
     gate_up: Panels
     down: Panels
     rotate: bool  # False: a layer without rotary embeddings (SmolLM3's NoPE layers)
+    sliding_window: int | None
+    post_attn_norm: torch.Tensor | None  # Gemma's norms of the attention's and the MLP's outputs
+    post_ff_norm: torch.Tensor | None
+    gelu: bool  # the MLP's gate: GELU-tanh (Gemma) or SiLU
+    q_norm: torch.Tensor | None  # per-head norms of q and k (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None
+    rotary: FusedRotaryEmbedding  # the layer's tables (Gemma 3's local layers have their own)
 
     @staticmethod
-    def of(layer: LayerModules) -> StackLayer | None:
-        """``layer``'s weights, or None where a module is not the fast path the stack reproduces."""
+    def of(layer: LayerModules, rotary: nn.Module) -> StackLayer | None:
+        """``layer``'s weights (``rotary``: the model's, where the layer has none of its own), or None where
+        a module is not the fast path the stack reproduces."""
         projections = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        optional_norms = (layer.post_attn_norm, layer.post_ff_norm, layer.q_norm, layer.k_norm)
+        norms = [layer.input_norm, layer.post_norm, *(m for m in optional_norms if m is not None)]
+        layer_rotary = layer.rotary or rotary
         if not (
             all(isinstance(m, Panels) for m in projections)
-            and isinstance(layer.input_norm, FusedRMSNorm)
-            and isinstance(layer.post_norm, FusedRMSNorm)
-            and isinstance(layer.act_fn, FusedSiLUMul)
+            and all(isinstance(m, FusedRMSNorm) for m in norms)
+            and isinstance(layer.act_fn, FusedSiLUMul | FusedGeluTanhMul)
+            and isinstance(layer_rotary, FusedRotaryEmbedding)
         ):
             return None
         qkv, o, gate_up, down = (m for m in projections if isinstance(m, Panels))
+        input_norm, post_norm = cast(FusedRMSNorm, layer.input_norm), cast(FusedRMSNorm, layer.post_norm)
         return StackLayer(
-            layer.input_norm.weight, qkv, o, layer.post_norm.weight, gate_up, down, layer.rotates
-        )
+            input_norm.weight, qkv, o, post_norm.weight, gate_up, down, layer.rotates, layer.sliding_window,
+            _weight(layer.post_attn_norm), _weight(layer.post_ff_norm), isinstance(layer.act_fn, FusedGeluTanhMul),
+            _weight(layer.q_norm), _weight(layer.k_norm), layer_rotary,
+        )  # fmt: skip
 
     def struct(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> _Layer:
         projections = (self.qkv, self.o, self.gate_up, self.down)
@@ -117,7 +144,9 @@ class StackLayer:
             _ptr_of(self.o.bias), _ptr_of(self.post_norm), _ptr_of(floats[2]), _ptr_of(floats[3]),
             k_cache.data_ptr(), v_cache.data_ptr(),
             *(_ptr_of(q) for q in quantized), *(int(q is not None and has_offsets(q)) for q in quantized),
-            int(self.rotate),
+            int(self.rotate), self.sliding_window or 0, _ptr_of(self.post_attn_norm), _ptr_of(self.post_ff_norm),
+            int(self.gelu), _ptr_of(self.q_norm), _ptr_of(self.k_norm), self.rotary.cos.data_ptr(),
+            self.rotary.sin_signed.data_ptr(),
         )  # fmt: skip
 
 
@@ -142,7 +171,7 @@ class CpuDecodeStack:
     def __init__(
         self,
         kernel: DecodeStack,
-        model: LlamaForCausalLM,
+        model: NativeModel,
         layers: list[StackLayer],
         final_norm: FusedRMSNorm,
         rotary: FusedRotaryEmbedding,
@@ -158,14 +187,12 @@ class CpuDecodeStack:
 
     @staticmethod
     def for_model(model: nn.Module) -> CpuDecodeStack | None:
-        """The stack for ``model``, or None where it does not apply (not a float32 Llama with the CPU fast
-        paths in, or per-head q/k norms) or cannot be built (the reason is logged)."""
-        if not isinstance(model, LlamaForCausalLM) or model.dtype != torch.float32:
-            return None
-        if model.config.qk_norm:  # per-head norms: layers the C code does not run
+        """The stack for ``model``, or None where it does not apply (not a float32 Llama-family or Gemma model
+        with the CPU fast paths in) or cannot be built (the reason is logged)."""
+        if not isinstance(model, LlamaForCausalLM | GemmaForCausalLM) or model.dtype != torch.float32:
             return None
         table = model.decoder_table()
-        layers = [StackLayer.of(layer) for layer in table.layers]
+        layers = [StackLayer.of(layer, table.rotary) for layer in table.layers]
         norm, rotary, head = table.final_norm, table.rotary, model.lm_head
         if not (
             isinstance(norm, FusedRMSNorm)
@@ -196,10 +223,11 @@ class CpuDecodeStack:
         )
 
     @torch.inference_mode()
-    def run(self, inputs: BatchInputs, kv_cache: KVCache) -> torch.Tensor:
-        """The model's forward for a step that ``can_run``: fp32 logits ``[num_logits, vocab]``."""
+    def run(self, inputs: BatchInputs, kv_cache: KVCache, num_layers: int | None = None) -> torch.Tensor:
+        """The model's forward for a step that ``can_run``: fp32 logits ``[num_logits, vocab]``
+        (``num_layers``: the first layers only, as ``LlamaForCausalLM.forward`` takes it)."""
         x = self.model.embed(inputs.input_ids)  # [num_seqs, hidden]
-        h = self(x, inputs, kv_cache)  # [num_seqs, hidden], after the final norm
+        h = self(x, inputs, kv_cache, num_layers)  # [num_seqs, hidden], after the final norm
         h = h.index_select(0, inputs.logits_indices)  # [num_logits, hidden] in the caller's order
         return self.model.compute_logits(h)  # [num_logits, vocab]
 
@@ -228,16 +256,22 @@ class CpuDecodeStack:
         desc = _Model(
             len(self.layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.head_dim, cfg.intermediate_size, kv_cache.num_blocks, kv_cache.block_size,
-            cfg.sliding_window or 0, self.rotary.cos.shape[0], cfg.rms_norm_eps, cfg.attention_scale,
-            self.rotary.cos.data_ptr(), self.rotary.sin_signed.data_ptr(), self.final_norm.weight.data_ptr(),
+            self.rotary.cos.shape[0], cfg.rms_norm_eps, cfg.attention_scale, cfg.attn_logit_softcapping or 0.0,
+            self.final_norm.weight.data_ptr(),
         )  # fmt: skip
         self._tables = (kv_cache, desc, layers)
         return desc, layers
 
-    def __call__(self, x: torch.Tensor, inputs: BatchInputs, kv_cache: KVCache) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, inputs: BatchInputs, kv_cache: KVCache, num_layers: int | None = None
+    ) -> torch.Tensor:
         """The final norm's output ``[num_seqs, hidden]`` for ``x``, the embeddings of a batch where every
-        sequence computes one token (``inputs.num_decode_seqs == inputs.num_seqs``), writing their K/V."""
+        sequence computes one token (``inputs.num_decode_seqs == inputs.num_seqs``), writing their K/V
+        (``num_layers``: through the first layers only)."""
         desc, layers = self._describe(kv_cache)
+        if num_layers is not None:
+            desc = _Model.from_buffer_copy(desc)
+            desc.num_layers = min(num_layers, len(self.layers))
         num_seqs, hidden = x.shape
         if inputs.num_decode_seqs != num_seqs or inputs.num_seqs != num_seqs:
             raise ValueError("the decode stack takes batches of one new token per sequence")

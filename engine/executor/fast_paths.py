@@ -8,7 +8,8 @@ as gpt-fast's ``replace_linear_int4`` does: the model's code stays the architect
                                               QuantPanelLinear where the checkpoint's blocks give W exactly
             bfloat16, batch_invariant, AMX:   AmxLinear (every K a multiple of 32; else PackedLinear)
             otherwise, where oneDNN packs:    PackedLinear
-        RMSNorm -> FusedRMSNorm, RotaryEmbedding -> FusedRotaryEmbedding, SiluAndMul -> FusedSiLUMul
+        RMSNorm -> FusedRMSNorm, RotaryEmbedding -> FusedRotaryEmbedding, SiluAndMul -> FusedSiLUMul,
+        GeluTanhAndMul -> FusedGeluTanhMul
             (float32 or bfloat16 on the CPU, where the ops could be built)
 
 Nothing is swapped where the CPU, the dtype or the torch build does not allow it, and a kernel that cannot
@@ -33,6 +34,7 @@ from engine.executor.kernels.block_codes import BlockCodes
 from engine.executor.kernels.cpu_ops import CpuOps
 from engine.executor.kernels.modules import (
     AmxLinear,
+    FusedGeluTanhMul,
     FusedRMSNorm,
     FusedRotaryEmbedding,
     FusedSiLUMul,
@@ -41,8 +43,8 @@ from engine.executor.kernels.modules import (
     SmallGemmLinear,
 )
 from engine.executor.kernels.small_gemm import SmallGemm
-from engine.executor.models.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
-from engine.executor.models.llama import LlamaForCausalLM
+from engine.executor.models.layers import GeluTanhAndMul, Linear, RMSNorm, RotaryEmbedding, SiluAndMul
+from engine.executor.models.registry import NativeModel
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +62,7 @@ class CpuFastPaths:
 
 
 def apply_cpu_fast_paths(
-    model: LlamaForCausalLM, blocks: Mapping[str, BlockCodes] | None = None, batch_invariant: bool = False
+    model: NativeModel, blocks: Mapping[str, BlockCodes] | None = None, batch_invariant: bool = False
 ) -> CpuFastPaths:
     """Swap the CPU kernels' modules into ``model`` after ``load_weights`` (which cannot run afterwards: the
     dense projections are freed; the embedding stays dense). ``blocks``: the checkpoint's block-quantized
@@ -74,7 +76,7 @@ def apply_cpu_fast_paths(
 
 
 def swap_linears(
-    model: LlamaForCausalLM, blocks: Mapping[str, BlockCodes], batch_invariant: bool = False
+    model: NativeModel, blocks: Mapping[str, BlockCodes], batch_invariant: bool = False
 ) -> tuple[SmallGemm | None, bool]:
     """Every ``Linear`` replaced where oneDNN can prepack this dtype (else none is); returns the small
     kernel where it serves them, and whether every row takes one kernel whatever its batch."""
@@ -114,7 +116,7 @@ def swap_linears(
     return small, not onednn
 
 
-def _amx(model: LlamaForCausalLM) -> AmxGemm | None:
+def _amx(model: NativeModel) -> AmxGemm | None:
     """The AMX kernel for a bfloat16 CPU model, where the CPU has AMX-BF16 and it could be built."""
     if not amx_gemm.supports(model.device, model.dtype):
         return None
@@ -162,7 +164,7 @@ def _arena(
 
 
 def _block_codes(
-    model: LlamaForCausalLM, linears: list[Linear], blocks: Mapping[str, BlockCodes]
+    model: NativeModel, linears: list[Linear], blocks: Mapping[str, BlockCodes]
 ) -> list[BlockCodes | None]:
     """Per Linear: its weight as ``blocks`` hold it (the fused ones' parts in row order), or None where a
     part is missing, parts mix kinds, or the blocks do not give the loaded weight bit for bit."""
@@ -185,8 +187,8 @@ def _block_codes(
     return result
 
 
-def swap_fused_ops(model: LlamaForCausalLM) -> CpuOps | None:
-    """RMSNorm (with its residual add), the rotary embedding and SwiGLU's activation in the fused CPU ops:
+def swap_fused_ops(model: NativeModel) -> CpuOps | None:
+    """RMSNorm (with its residual add), the rotary embedding and SwiGLU's (GeGLU's) activation in the fused CPU ops:
     only on the CPU, in float32 or bfloat16, where the ops could be built (else the reason is logged)."""
     if not CpuOps.supports(model.device, model.dtype):
         return None
@@ -210,6 +212,8 @@ def _fused(module: nn.Module, ops: CpuOps) -> nn.Module | None:
         return FusedRotaryEmbedding(module, ops)
     if type(module) is SiluAndMul:
         return FusedSiLUMul(ops)
+    if type(module) is GeluTanhAndMul:
+        return FusedGeluTanhMul(ops)
     return None
 
 

@@ -7,6 +7,7 @@ import torch
 from engine.executor.attention.decode_kernel import DecodeKernel
 from engine.executor.cuda_graphs import CudaGraphDecoder
 from engine.executor.decode_stack import CpuDecodeStack
+from engine.executor.draft_model import DraftModel
 from engine.executor.inputs import BatchInputs
 from engine.executor.kv_cache import KVCache
 from scheduler.batch import ScheduledBatch
@@ -24,6 +25,7 @@ class ModelRunner:
         decode_kernel: DecodeKernel | None = None,
         cuda_graphs: CudaGraphDecoder | None = None,
         decode_stack: CpuDecodeStack | None = None,
+        draft_model: DraftModel | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -32,6 +34,7 @@ class ModelRunner:
         self.decode_kernel = decode_kernel  # None: decode attention in SDPA
         self.cuda_graphs = cuda_graphs  # None: every step runs eagerly
         self.decode_stack = decode_stack  # None: CPU decode steps run layer by layer
+        self.draft_model = draft_model  # speculative decoding's draft model: it follows every batch
 
     def prepare(self, batch: ScheduledBatch) -> BatchInputs:
         """The batch's inputs. A verify chunk (a last token and its drafts) enters as one decode row per
@@ -67,9 +70,35 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
+    def draft(
+        self, token_ids: list[int], positions: list[int], block_tables: list[list[int]], num_layers: int
+    ) -> torch.Tensor:
+        """Self-speculative drafting: one token per sequence at its position through the model's first
+        ``num_layers`` layers, then the final norm and the head (their K/V written to those layers' pages).
+        Logits ``[len(token_ids), vocab]`` (float32)."""
+        inputs = BatchInputs.build(
+            token_ids=[[t] for t in token_ids],
+            starts=positions,
+            block_tables=block_tables,
+            logits_rows=[1] * len(token_ids),
+            block_size=self.block_size,
+            device=self.device,
+        )
+        if self.decode_stack is not None and self.decode_stack.can_run(inputs, self.decode_kernel):
+            return self.decode_stack.run(inputs, self.kv_cache, num_layers)
+        return self.model(inputs, self.kv_cache, self.decode_kernel, num_layers=num_layers).float()
+
+    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run one batch through the model: logits ``[sum of num_logits_rows, vocab]`` (float32), each
-        chunk's ``num_logits_rows`` last rows in batch order (the last one samples when ``needs_sample``)."""
+        chunk's ``num_logits_rows`` last rows in batch order (the last one samples when ``needs_sample``);
+        the draft model, if any, computes the batch's K/V in its own pages too."""
+        logits = self._execute(batch)
+        if self.draft_model is not None:
+            self.draft_model.follow(self.prepare(batch), batch.blocks_to_copy)
+        return logits
+
+    def _execute(self, batch: ScheduledBatch) -> torch.Tensor:
         if batch.blocks_to_copy:
             self.kv_cache.copy_blocks(batch.blocks_to_copy)
         dola = any(

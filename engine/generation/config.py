@@ -133,6 +133,9 @@ class GenerationConfig:
     max_matching_ngram_size: int | None = None
     num_assistant_tokens: int | None = None
     num_assistant_tokens_schedule: str | None = None
+    # Self-speculative decoding: the model's first layers draft (transformers' names).
+    assistant_early_exit: int | None = None
+    assistant_confidence_threshold: float | None = None
 
     def __post_init__(self) -> None:
         # NOTE: JSON gives ints for floats, string keys for logit_bias and lists for sequence_bias keys;
@@ -301,6 +304,7 @@ class GenerationConfig:
             ("max_time", self.max_time),
             ("logits_processor_args", self.logits_processor_args),
             ("prompt_lookup_num_tokens", self.prompt_lookup_num_tokens or None),
+            ("assistant_early_exit", self.assistant_early_exit),
         ):
             if value is not None:
                 raise GenerationConfigError(name, "cannot be combined with beam search (num_beams > 1)")
@@ -355,6 +359,7 @@ class GenerationConfig:
             ("prompt_lookup_num_tokens", 0, MAX_SPECULATIVE_TOKENS),
             ("max_matching_ngram_size", 1, 64),
             ("num_assistant_tokens", 1, MAX_SPECULATIVE_TOKENS),
+            ("assistant_early_exit", 1, 1 << 10),
         ):
             value = getattr(self, name)
             if value is None:
@@ -366,8 +371,22 @@ class GenerationConfig:
             raise GenerationConfigError(
                 "num_assistant_tokens_schedule", f"must be one of {', '.join(SCHEDULES)}, got {schedule!r}"
             )
-        if self.dola_layers is not None and self.prompt_lookup_num_tokens:
-            raise GenerationConfigError("prompt_lookup_num_tokens", "cannot be combined with dola_layers")
+        threshold = self.assistant_confidence_threshold
+        if threshold is not None and (
+            isinstance(threshold, bool)
+            or not isinstance(threshold, int | float)
+            or not 0.0 <= threshold < 1.0
+        ):
+            raise GenerationConfigError(
+                "assistant_confidence_threshold", f"must be in [0, 1), got {threshold!r}"
+            )
+        if self.prompt_lookup_num_tokens and self.assistant_early_exit is not None:
+            raise GenerationConfigError(
+                "assistant_early_exit", "cannot be combined with prompt_lookup_num_tokens"
+            )
+        for name in ("prompt_lookup_num_tokens", "assistant_early_exit"):
+            if self.dola_layers is not None and getattr(self, name):
+                raise GenerationConfigError(name, "cannot be combined with dola_layers")
 
     def _validate_ranges(self) -> None:
         """Every number is in the range where it means something."""

@@ -96,6 +96,11 @@ class GrammarMatcher:
         if self._closing is not None:
             self._closing.num_accepted += 1
 
+    def valid_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many of ``token_ids``, in order, the grammar allows from here (the state does not change):
+        speculative decoding's drafts are cut there."""
+        return int(self._matcher.validate_tokens(list(token_ids)))
+
     def is_accepting(self) -> bool:
         """The output so far is complete (EOS may come next)."""
         return bool(self._matcher.is_accepting())

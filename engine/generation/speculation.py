@@ -20,6 +20,8 @@ class Speculation:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = DEFAULT_MAX_MATCHING_NGRAM_SIZE
     schedule: str = "heuristic"
+    num_layers: int | None = None  # early_exit: the layers that draft
+    confidence_threshold: float = 0.0  # early_exit: stop drafting below this probability of the draft
 
 
 class DraftLength:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import torch
 
-from engine.model_config import ModelConfig
+from engine.model_config import GEMMA_ARCHITECTURES, ModelConfig
 
 DUMMY_STD = 0.02
 
@@ -128,6 +128,9 @@ def weight_shapes(config: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
             shapes += [(f"{p}.self_attn.q_norm.weight", (config.head_dim,))]
             shapes += [(f"{p}.self_attn.k_norm.weight", (config.head_dim,))]
         shapes.append((f"{p}.post_attention_layernorm.weight", (h,)))
+        if config.architecture in GEMMA_ARCHITECTURES:  # the norms around the MLP
+            shapes.append((f"{p}.pre_feedforward_layernorm.weight", (h,)))
+            shapes.append((f"{p}.post_feedforward_layernorm.weight", (h,)))
         inter = config.intermediate_size
         if fused:
             shapes.append((f"{p}.mlp.gate_up_proj.weight", (2 * inter, h)))
@@ -149,8 +152,9 @@ def iter_dummy_weights(
     """Yield ``(hf_name, tensor)`` random weights for ``config``, one tensor at a time."""
     device = torch.device(device)
     for index, (name, shape) in enumerate(weight_shapes(config)):
-        if name.endswith("norm.weight"):
-            yield name, torch.ones(shape, dtype=dtype, device=device)
+        if name.endswith("norm.weight"):  # a norm of scale 1 (Gemma's norms scale by 1 + weight)
+            fill = torch.zeros if config.architecture in GEMMA_ARCHITECTURES else torch.ones
+            yield name, fill(shape, dtype=dtype, device=device)
         else:
             generator = torch.Generator(device=device)
             generator.manual_seed(seed * 1_000_003 + index)

@@ -1,10 +1,13 @@
 """How a server speculates (``--speculative-config``, vLLM's spelling) and how one request does.
 
-Server-wide: ``{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": ..,
-"prompt_lookup_max": .., "num_assistant_tokens_schedule": "heuristic" | "constant",
-"disable_by_batch_size": ..}``. Per request, transformers' names: ``prompt_lookup_num_tokens`` (prompt
+Server-wide: ``{"method": "ngram" | "early_exit" | "draft_model", "num_speculative_tokens": K,
+"prompt_lookup_min": .., "prompt_lookup_max": .., "num_layers": .. (early_exit), "model": .. (draft_model:
+what ``--model`` takes, with the target's vocabulary), "num_assistant_tokens_schedule": "heuristic" |
+"constant", "disable_by_batch_size": ..}``. Per request, transformers' names: ``prompt_lookup_num_tokens`` (prompt
 lookup for this request, server config or not; 0 turns speculation off for it), ``max_matching_ngram_size``,
-``num_assistant_tokens`` and ``num_assistant_tokens_schedule`` (over the server's method).
+``assistant_early_exit`` (self-speculation through that many layers, server config or not),
+``assistant_confidence_threshold`` (early exit: stop drafting below it), ``num_assistant_tokens`` and
+``num_assistant_tokens_schedule`` (over the server's method).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from engine.generation.speculation import (
     Speculation,
 )
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "early_exit", "draft_model")
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 # More running requests than this and nobody drafts: the step is compute-bound, verifying costs more than
 # it saves (measured in docs/BENCHMARKS.md, "Speculative decoding").
@@ -41,6 +44,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
+    num_layers: int | None = None  # early_exit: the layers that draft
+    model: str | None = None  # draft_model: the model that drafts (a path or a name --model takes)
+    load_format: str = "auto"  # draft_model: how to read it ("dummy": random weights of a preset)
     num_assistant_tokens_schedule: str = "heuristic"
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
 
@@ -71,6 +77,16 @@ class SpeculativeConfig:
         _check_int("prompt_lookup_min", self.prompt_lookup_min, 1, 64)
         _check_int("prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min, 64)
         _check_int("disable_by_batch_size", self.disable_by_batch_size, 1, 1 << 20)
+        if self.method == "early_exit":
+            if self.num_layers is None:
+                raise SpeculativeConfigError("the early_exit method needs num_layers: the layers that draft")
+            _check_int("num_layers", self.num_layers, 1, 1 << 10)
+        elif self.num_layers is not None:
+            raise SpeculativeConfigError(f"num_layers applies to the early_exit method, not {self.method!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise SpeculativeConfigError(
+                "the draft_model method, and it alone, needs model: the model that drafts"
+            )
         if self.num_assistant_tokens_schedule not in SCHEDULES:
             raise SpeculativeConfigError(
                 f"num_assistant_tokens_schedule must be one of {', '.join(SCHEDULES)}, "
@@ -84,28 +100,37 @@ def _check_int(name: str, value: Any, low: int, high: int) -> None:
 
 
 def speculation_for(config: GenerationConfig, server: SpeculativeConfig | None) -> Speculation | None:
-    """How a request speculates: prompt lookup when it asks (``prompt_lookup_num_tokens``), else the
-    server's method with the request's overrides, else not at all. DoLa requests do not speculate.
-    Raises ``GenerationConfigError`` for overrides a server without speculation cannot honour."""
+    """How a request speculates: prompt lookup or early exit when it asks (``prompt_lookup_num_tokens``,
+    ``assistant_early_exit``), else the server's method with the request's overrides, else not at all.
+    DoLa requests do not speculate. Raises ``GenerationConfigError`` for overrides a server without
+    speculation cannot honour."""
     schedule = config.num_assistant_tokens_schedule or (
         server.num_assistant_tokens_schedule if server else None
     )
     ngram = server is not None and server.method == "ngram"
+    if config.prompt_lookup_num_tokens == 0:
+        return None
+    threshold = config.assistant_confidence_threshold or 0.0
+    num_tokens = config.num_assistant_tokens or (server.num_speculative_tokens if server else None)
     if config.prompt_lookup_num_tokens is not None:
-        if config.prompt_lookup_num_tokens == 0:
-            return None
         max_n = config.max_matching_ngram_size or (
             server.prompt_lookup_max if server is not None and ngram else DEFAULT_MAX_MATCHING_NGRAM_SIZE
         )
         min_n = min(server.prompt_lookup_min if server is not None and ngram else 1, max_n)
         return Speculation("ngram", config.prompt_lookup_num_tokens, min_n, max_n, schedule or "heuristic")
+    if config.assistant_early_exit is not None:
+        k = num_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS
+        return Speculation(
+            "early_exit", k, schedule=schedule or "heuristic", num_layers=config.assistant_early_exit,
+            confidence_threshold=threshold,
+        )  # fmt: skip
     if server is None:
-        for name in ("num_assistant_tokens", "num_assistant_tokens_schedule", "max_matching_ngram_size"):
+        for name in _NEEDS_A_SERVER_METHOD:
             if getattr(config, name) is not None:
                 raise GenerationConfigError(
                     name,
-                    "this server does not speculate (--speculative-config); prompt_lookup_num_tokens turns "
-                    "prompt lookup on for one request",
+                    "this server does not speculate (--speculative-config); prompt_lookup_num_tokens or "
+                    "assistant_early_exit turn speculation on for one request",
                 )
         return None
     if config.dola_layers is not None:
@@ -113,8 +138,18 @@ def speculation_for(config: GenerationConfig, server: SpeculativeConfig | None) 
     max_n = config.max_matching_ngram_size or server.prompt_lookup_max
     return Speculation(
         server.method,
-        config.num_assistant_tokens or server.num_speculative_tokens,
+        num_tokens or server.num_speculative_tokens,
         min(server.prompt_lookup_min, max_n),
         max_n,
         schedule or server.num_assistant_tokens_schedule,
+        num_layers=server.num_layers,
+        confidence_threshold=threshold,
     )
+
+
+_NEEDS_A_SERVER_METHOD = (
+    "num_assistant_tokens",
+    "num_assistant_tokens_schedule",
+    "max_matching_ngram_size",
+    "assistant_confidence_threshold",
+)

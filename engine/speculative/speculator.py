@@ -2,19 +2,24 @@
 
 After each step the engine asks ``propose`` for the drafts of the running sequences that speculate: each
 decoding sequence gets up to its draft length (``DraftLength``: the seeds' ``num_assistant_tokens_schedule``)
-from its method, and the scheduler verifies them in the next step. With more than ``disable_by_batch_size``
+from its method (prompt lookup: ngram.py; the model's first layers or a draft model, one decode row per
+position: early_exit.py), and the scheduler verifies them in the next step. With more than ``disable_by_batch_size``
 running requests nobody drafts: the step is compute-bound and verifying would cost more than it saves.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.generation.speculation import MAX_SPECULATIVE_TOKENS, DraftLength
+from engine.generation.speculation import MAX_SPECULATIVE_TOKENS, DraftLength, Speculation
 from engine.speculative.config import DEFAULT_DISABLE_BY_BATCH_SIZE
+from engine.speculative.early_exit import EarlyExitProposer
 from engine.speculative.ngram import propose_ngram
 from scheduler.request import Request
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -42,27 +47,67 @@ class SpecDecodeStats:
 class Speculator:
     """The drafts of each step's speculating sequences; ``stats`` counts their fate."""
 
-    def __init__(self, disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE) -> None:
+    def __init__(
+        self,
+        disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE,
+        early_exit: EarlyExitProposer | None = None,
+        draft_model: EarlyExitProposer | None = None,
+    ) -> None:
         self.disable_by_batch_size = disable_by_batch_size
+        self.early_exit = early_exit  # None: the model cannot draft with its first layers
+        self.draft_model = draft_model  # None: no draft model is loaded
         self.stats = SpecDecodeStats()
 
-    def propose(self, running: Sequence[Request]) -> None:
-        """Set ``draft_ids`` on the running requests that decode and speculate."""
+    def propose(self, running: Sequence[Request]) -> list[tuple[Request, str]]:
+        """Set ``draft_ids`` on the running requests that decode and speculate. Returns the requests whose
+        proposer failed, and why: the engine fails them, and only them."""
         if len(running) > self.disable_by_batch_size:
-            return
+            return []
+        wanted: dict[str, list[tuple[Request, int, Speculation]]] = {"early_exit": [], "draft_model": []}
         for req in running:
-            speculation = req.payload.group.speculation
+            speculation: Speculation | None = req.payload.group.speculation
             if speculation is None or req.num_uncomputed_tokens != 1 or req.wants_prompt_logits:
                 continue
-            seq = req.payload
-            if seq.draft_length is None:
-                seq.draft_length = DraftLength(speculation)
-            num_tokens = min(seq.draft_length.value, req.max_new_tokens - len(req.output_ids) - 1)
+            num_tokens = min(
+                self._draft_length(req, speculation), req.max_new_tokens - len(req.output_ids) - 1
+            )
             if num_tokens < 1:
                 continue
-            req.draft_ids = propose_ngram(
-                req.all_token_ids, speculation.prompt_lookup_min, speculation.prompt_lookup_max, num_tokens
-            )
+            if speculation.method == "ngram":
+                req.draft_ids = propose_ngram(
+                    req.all_token_ids,
+                    speculation.prompt_lookup_min,
+                    speculation.prompt_lookup_max,
+                    num_tokens,
+                )
+            else:
+                wanted[speculation.method].append((req, num_tokens, speculation))
+        failed: list[tuple[Request, str]] = []
+        for method, proposer in (("early_exit", self.early_exit), ("draft_model", self.draft_model)):
+            if not wanted[method] or proposer is None:
+                continue
+            try:
+                drafts = proposer.propose(wanted[method])
+            except Exception as exc:  # NOTE: a failing draft forward fails the requests it drafted for.
+                logger.exception("the %s proposer failed", method)
+                failed.extend(
+                    (req, f"speculative decoding ({method}) failed: {exc!r}") for req, _, _ in wanted[method]
+                )
+                continue
+            for req, _, _ in wanted[method]:
+                req.draft_ids = drafts.get(req.request_id, [])
+        for req in running:
+            grammar = req.payload.gen.grammar
+            if req.draft_ids and grammar is not None:  # a constrained output: drafts the grammar allows only
+                del req.draft_ids[grammar.valid_prefix(req.draft_ids) :]
+        return failed
+
+    @staticmethod
+    def _draft_length(req: Request, speculation: Speculation) -> int:
+        seq = req.payload
+        if seq.draft_length is None:
+            seq.draft_length = DraftLength(speculation)
+        return int(seq.draft_length.value)
 
     def record(self, draft_length: DraftLength | None, num_drafts: int, num_accepted: int) -> None:
         """A verify chunk's outcome: counted, and its sequence's draft length adapted."""

@@ -75,6 +75,26 @@ def test_the_triton_kernel_says_which_shapes_it_cannot_run() -> None:
     assert "query heads" in str(kernel.unsupported(128, 16, 128, torch.bfloat16))
 
 
+def test_soft_capped_models_decode_in_the_pytorch_path_on_cuda(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Gemma 2's soft cap of attention scores is not in the Triton kernel: ``auto`` leaves decode to the
+    PyTorch path (which computes it, tests/model/test_paged_attention.py) and says why; ``triton`` refuses at
+    start. The CPU kernel takes it. Asking needs no GPU: the kernel object is never launched."""
+    kernel = object.__new__(triton_decode.TritonDecodeKernel)  # NOTE: no compiled kernels behind it
+    monkeypatch.setattr(triton_decode, "load", lambda: kernel)
+    assert select_decode_kernel("auto", CUDA, torch.bfloat16, 128, 16, 4) is kernel
+    with caplog.at_level(logging.WARNING, logger=backend.__name__):
+        assert select_decode_kernel("auto", CUDA, torch.bfloat16, 128, 16, 4, softcap=50.0) is None
+    assert "attention logit soft-capping (softcap=50.0)" in caplog.text
+    with pytest.raises(ValueError, match="'triton' cannot run here: attention logit soft-capping"):
+        select_decode_kernel("triton", CUDA, torch.bfloat16, 128, 16, 4, softcap=50.0)
+    with pytest.raises(ValueError, match="does not soft-cap"):
+        kernel(*[torch.empty(0)] * 5, 0.1, None, 50.0)
+    cpu = cpu_kernel_or_skip()
+    assert select_decode_kernel("cpu", CPU, torch.float32, 64, 16, 2, softcap=50.0) is cpu
+
+
 def test_a_machine_without_a_compiler_serves_with_sdpa(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

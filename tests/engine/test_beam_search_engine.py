@@ -174,6 +174,7 @@ def test_cancelling_a_search_frees_every_beam(engine: Engine) -> None:
         (dict(num_beams=2, max_time=1.0), "max_time"),
         (dict(num_beams=100), "num_beams"),
         (dict(num_beams=2, prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens"),
+        (dict(num_beams=2, assistant_early_exit=1), "assistant_early_exit"),
     ],
 )
 def test_what_beams_cannot_do_is_refused(engine: Engine, options: dict[str, Any], field: str) -> None:

@@ -96,6 +96,19 @@ def test_copy_is_independent_and_rollback_restores(tokenizer: Tokenizer, compile
     assert allowed(matcher, tokenizer.vocab_size) == start
 
 
+def test_valid_prefix_cuts_drafts_where_the_grammar_stops_allowing_them(
+    tokenizer: Tokenizer, compiler: GrammarCompiler
+) -> None:
+    matcher = compiler.compile(GrammarSpec.regex(r"The quick brown fox [a-z ]{1,40}\.")).matcher()
+    good = tokenizer.encode("The quick brown", add_special_tokens=False)
+    bad = tokenizer.encode(" slow", add_special_tokens=False)
+    start = allowed(matcher, tokenizer.vocab_size)
+    assert matcher.valid_prefix(good) == len(good)
+    assert matcher.valid_prefix(good + bad) == len(good)
+    assert matcher.valid_prefix(bad) == 0
+    assert allowed(matcher, tokenizer.vocab_size) == start  # looking does not move the matcher
+
+
 def test_compiled_grammars_are_cached_with_a_bound(compiler: GrammarCompiler) -> None:
     a = compiler.compile(GrammarSpec.regex("a+"))
     assert compiler.compile(GrammarSpec.regex("a+", "guided_regex")) is a  # the field is not in the key

@@ -66,11 +66,7 @@ def plain_and_speculative(
     engine: Engine, prompts: list[list[int]], server: SpeculativeConfig | None = None, **kw: Any
 ) -> tuple[list[GenerationOutput], list[GenerationOutput], ContinuousBatchingManager]:
     plain = run(engine.init_continuous_batching(), prompts, **kw)
-    engine.speculative_config = server
-    try:
-        manager = engine.init_continuous_batching()
-    finally:
-        engine.speculative_config = None
+    manager = engine.init_continuous_batching(speculative_config=server)
     spec_kw = kw if server is not None else {**kw, "prompt_lookup_num_tokens": 4}
     return plain, run(manager, prompts, **spec_kw), manager
 
@@ -107,14 +103,50 @@ def test_server_wide_ngram_with_sixteen_concurrent_requests(engine: Engine) -> N
     assert manager.stats().spec_num_accepted_tokens > 0
 
 
+def test_early_exit_drafts_with_the_first_layers_and_changes_nothing(engine: Engine) -> None:
+    prompts = [chat(engine, PASSAGE), engine.tokenizer.encode("The capital of France is")]
+    plain = run(engine.init_continuous_batching(), prompts, max_new_tokens=24)
+    manager = engine.init_continuous_batching()
+    same(plain, run(manager, prompts, max_new_tokens=24, assistant_early_exit=24))
+    stats = manager.stats()
+    assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0
+    server = SpeculativeConfig.from_dict(
+        {"method": "early_exit", "num_layers": 20, "num_speculative_tokens": 2}
+    )
+    seeded = {"max_new_tokens": 16, "do_sample": True, "seed": 11}
+    plain = run(engine.init_continuous_batching(), prompts, **seeded)
+    manager = engine.init_continuous_batching(speculative_config=server)
+    same(plain, run(manager, prompts, **seeded))
+    assert manager.stats().spec_num_drafts > 0
+    manager = engine.init_continuous_batching()
+    manager.start()
+    try:
+        with pytest.raises(GenerationConfigError, match="drafting layers must be 1 to 29"):
+            manager.add_request(prompts[1], assistant_early_exit=30)
+    finally:
+        manager.stop(timeout=30)
+
+
+def test_a_draft_model_follows_every_batch_and_drafts(engine: Engine) -> None:
+    prompts = [chat(engine, PASSAGE), engine.tokenizer.encode("The capital of France is")]
+    plain = run(engine.init_continuous_batching(), prompts, max_new_tokens=24)
+    itself = {"method": "draft_model", "model": "default", "num_speculative_tokens": 4}
+    manager = engine.init_continuous_batching(speculative_config=itself)
+    same(plain, run(manager, prompts, max_new_tokens=24))
+    stats = manager.stats()  # the target drafting for itself: every greedy draft is accepted
+    assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+    random_draft = {"method": "draft_model", "model": "smollm2-135m", "load_format": "dummy"}
+    seeded = {"max_new_tokens": 16, "do_sample": True, "seed": 5}
+    plain = run(engine.init_continuous_batching(), prompts, **seeded)
+    manager = engine.init_continuous_batching(speculative_config=random_draft)
+    same(plain, run(manager, prompts, **seeded))
+    assert manager.stats().spec_num_drafts > 0
+
+
 def test_speculation_turns_off_above_its_batch_size(engine: Engine) -> None:
     server = SpeculativeConfig.from_dict({"method": "ngram", "disable_by_batch_size": 2})
     prompts = [chat(engine, PASSAGE)] * 4
-    engine.speculative_config = server
-    try:
-        manager = engine.init_continuous_batching()
-    finally:
-        engine.speculative_config = None
+    manager = engine.init_continuous_batching(speculative_config=server)
     run(manager, prompts, max_new_tokens=12, min_new_tokens=12)
     stats = manager.stats()
     # four requests run together until they all end on the same step: none ever drafted
@@ -201,6 +233,34 @@ def test_cancelling_speculating_streams_leaves_nothing(engine: Engine) -> None:
     assert manager.scheduler.kv_manager.request_ids == set()
 
 
+class BrokenDrafter:
+    def draft(self, *args: object) -> None:
+        raise RuntimeError("the draft forward broke")
+
+
+def test_a_failing_proposer_fails_only_the_requests_it_drafts_for(engine: Engine) -> None:
+    manager = engine.init_continuous_batching()
+    assert manager.loop.speculator.early_exit is not None
+    manager.loop.speculator.early_exit.runner = BrokenDrafter()
+    manager.start()
+    try:
+        drafting = manager.add_request(chat(engine, PASSAGE), max_new_tokens=12, assistant_early_exit=20)
+        plain = manager.add_request(chat(engine, PASSAGE), max_new_tokens=12)
+        finals: dict[str, GenerationOutput] = {}
+        deadline = time.monotonic() + 120
+        while len(finals) < 2 and time.monotonic() < deadline:
+            out = manager.get_result(timeout=1.0)
+            if out is not None and out.is_finished:
+                finals[out.request_id] = out
+    finally:
+        manager.stop(timeout=30)
+    assert finals[drafting].status is RequestStatus.FAILED
+    assert "speculative decoding (early_exit) failed" in (finals[drafting].error or "")
+    assert finals[plain].status is RequestStatus.FINISHED and len(finals[plain].generated_ids) == 12
+    manager.check_integrity()
+    assert manager.scheduler.kv_manager.request_ids == set()
+
+
 def test_bad_speculation_options_are_refused(engine: Engine) -> None:
     manager = engine.init_continuous_batching()
     manager.start()
@@ -220,6 +280,10 @@ def test_bad_speculation_options_are_refused(engine: Engine) -> None:
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_max"),
         ({"method": "ngram", "typo": 1}, "unknown speculative config field 'typo'"),
+        ({"method": "early_exit"}, "needs num_layers"),
+        ({"method": "ngram", "num_layers": 3}, "num_layers applies to the early_exit method"),
+        ({"method": "draft_model"}, "needs model"),
+        ({"method": "ngram", "model": "default"}, "needs model"),
     ):
         with pytest.raises(SpeculativeConfigError, match=match):
             SpeculativeConfig.from_dict(bad)

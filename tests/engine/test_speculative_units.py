@@ -81,6 +81,16 @@ def test_request_speculation_over_the_servers() -> None:
     fewer = GenerationConfig(num_assistant_tokens=2, num_assistant_tokens_schedule="constant")
     assert speculation_for(fewer, ngram) == Speculation("ngram", 2, 1, 4, "constant")
     assert speculation_for(GenerationConfig(dola_layers="high"), ngram) is None
+    early = GenerationConfig(assistant_early_exit=6, assistant_confidence_threshold=0.3)
+    assert speculation_for(early, None) == Speculation(
+        "early_exit", 4, num_layers=6, confidence_threshold=0.3
+    )
+    server = SpeculativeConfig.from_dict(
+        {"method": "early_exit", "num_layers": 9, "num_speculative_tokens": 3}
+    )
+    assert speculation_for(GenerationConfig(), server) == Speculation("early_exit", 3, 1, 3, num_layers=9)
+    with pytest.raises(GenerationConfigError, match="cannot be combined"):
+        GenerationConfig(assistant_early_exit=6, prompt_lookup_num_tokens=2).validate()
     with pytest.raises(GenerationConfigError, match="does not speculate"):
         speculation_for(GenerationConfig(num_assistant_tokens=2), None)
     with pytest.raises(GenerationConfigError, match="num_assistant_tokens_schedule"):

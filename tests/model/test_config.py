@@ -6,9 +6,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from engine.errors import ModelLoadError, UnsupportedArchitectureError
+from engine.executor.models.registry import choose_model_impl, native_config_error
 from engine.loader.gguf import config_from_gguf
 from engine.model_config import ModelConfig
 
@@ -28,7 +29,8 @@ TINY: dict[str, Any] = dict(
 
 def _hf(config: Any) -> dict[str, Any]:
     d = config.to_dict()
-    d["architectures"] = [type(config).__name__.replace("Config", "ForCausalLM")]
+    name = type(config).__name__.replace("Config", "ForCausalLM")
+    d["architectures"] = [name.replace("Gemma3TextForCausalLM", "Gemma3ForCausalLM")]
     return d
 
 
@@ -54,8 +56,13 @@ def test_from_smollm2_gguf_equals_transformers_config(
 
 
 def test_from_tiny_llama_dict() -> None:
-    c = ModelConfig.from_hf_dict(_hf(LlamaConfig(**TINY, rope_parameters={"rope_type": "default", "rope_theta": 5e5},
-                                                tie_word_embeddings=True)))
+    c = ModelConfig.from_hf_dict(
+        _hf(
+            LlamaConfig(
+                **TINY, rope_parameters={"rope_type": "default", "rope_theta": 5e5}, tie_word_embeddings=True
+            )
+        )
+    )
     assert c.architecture == "llama" and c.head_dim == 16 and c.num_queries_per_kv == 2
     assert c.rope_theta == 5e5 and c.tie_word_embeddings and not c.attention_bias and not c.qk_norm
     assert c.eos_token_ids == (2,) and c.bos_token_id == 1
@@ -74,8 +81,10 @@ def test_from_llama3_rope_scaling_5x_and_4x_styles() -> None:
     c5 = ModelConfig.from_hf_dict(five)
     # transformers 4.x writes rope_theta and rope_scaling (with the legacy "type" key) at top level
     four = {k: v for k, v in five.items() if k != "rope_parameters"}
-    four.update(rope_theta=5e5, rope_scaling={**{k: v for k, v in scaling.items() if k != "rope_type"},
-                                              "type": "llama3"})
+    four.update(
+        rope_theta=5e5,
+        rope_scaling={**{k: v for k, v in scaling.items() if k != "rope_type"}, "type": "llama3"},
+    )
     c4 = ModelConfig.from_hf_dict(four)
     assert c5 == c4
     assert c5.rope_theta == 5e5 and c5.rope_scaling == scaling
@@ -95,7 +104,9 @@ def test_from_mistral_keeps_sliding_window_and_eos_list() -> None:
     assert c.architecture == "mistral" and c.sliding_window == 32 and c.eos_token_ids == (2, 3)
 
 
-@pytest.mark.parametrize("cls", [LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config])
+@pytest.mark.parametrize(
+    "cls", [LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Gemma2Config, Gemma3TextConfig]
+)
 def test_to_hf_dict_round_trips_through_us_and_transformers(cls: Any) -> None:
     from transformers import AutoConfig
 
@@ -116,6 +127,56 @@ def test_unsupported_architecture_names_the_supported_ones() -> None:
         assert name in message
     with pytest.raises(UnsupportedArchitectureError, match="llama, mistral, qwen2, qwen3"):
         ModelConfig(architecture="gpt2", **_fields())
+
+
+def test_from_gemma2_dict() -> None:
+    c = ModelConfig.from_hf_dict(_hf(Gemma2Config(**TINY, head_dim=16, sliding_window=32)))
+    assert c.architecture == "gemma2" and not c.qk_norm and c.local_rope_theta is None
+    assert c.embedding_multiplier == 8.0 and c.attention_scale == 256**-0.5  # query_pre_attn_scalar 256
+    assert (c.attn_logit_softcapping, c.final_logit_softcapping) == (50.0, 30.0)
+    assert [c.layer_window(i) for i in range(2)] == [32, None]  # sliding, then global
+
+
+def test_from_gemma3_rope_5x_and_4x_styles() -> None:
+    """5.x: a RoPE per layer type; 4.x (the Hub's configs): rope_theta, rope_local_base_freq, rope_scaling
+    and sliding_window_pattern at top level."""
+    rope = {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    }
+    five = _hf(Gemma3TextConfig(**{**TINY, "num_hidden_layers": 6}, head_dim=16, rope_parameters=rope))
+    four = {k: v for k, v in five.items() if k not in ("rope_parameters", "layer_types")}
+    four.update(rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                sliding_window_pattern=6)  # fmt: skip
+    c5, c4 = ModelConfig.from_hf_dict(five), ModelConfig.from_hf_dict(four)
+    assert c5 == c4
+    assert c5.architecture == "gemma3_text" and c5.qk_norm and c5.full_attention_layers == (5,)
+    assert c5.rope_theta == 1e6 and c5.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert c5.local_rope_theta == 1e4 and c5.attn_logit_softcapping is None
+    assert ModelConfig.from_hf_dict({**four, "architectures": [], "model_type": "gemma3_text"}) == c4
+
+
+@pytest.mark.parametrize(
+    ("cls", "fields", "edit", "reason"),
+    [
+        (Gemma2Config, {"hidden_activation": "gelu"}, {}, "activation 'gelu'"),
+        (Gemma3TextConfig, {"use_bidirectional_attention": True}, {}, "bidirectional attention"),
+        (Gemma2Config, {}, {"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types"),
+        (
+            Gemma3TextConfig,
+            {},
+            {"rope_parameters": {"sliding_attention": {"rope_type": "yarn"}}},
+            "sliding layers",
+        ),
+    ],
+)
+def test_gemma_variants_the_native_code_does_not_compute_go_to_the_backend(
+    cls: Any, fields: dict[str, Any], edit: dict[str, Any], reason: str
+) -> None:
+    d = {**_hf(cls(**TINY, head_dim=16, **fields)), **edit}
+    assert reason in str(native_config_error(d))
+    assert choose_model_impl(d) == "transformers"
+    assert choose_model_impl(_hf(cls(**TINY, head_dim=16))) == "native"
 
 
 def test_model_type_alone_is_enough() -> None:
@@ -151,6 +212,9 @@ def _fields(**changes: Any) -> dict[str, Any]:
         ({"rope_theta": -1.0}, "rope_theta must be > 0"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' is not supported"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks low_freq_factor"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 0.0}}, "linear rope_scaling needs a factor"),
+        ({"attn_logit_softcapping": 0.0}, "attn_logit_softcapping must be > 0"),
+        ({"full_attention_layers": (2,)}, "full_attention_layers names a layer outside 0..1"),
         ({"eos_token_ids": (500,)}, "outside the vocabulary"),
         ({"sliding_window": 0}, "sliding_window must be positive"),
     ],

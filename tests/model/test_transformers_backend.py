@@ -85,6 +85,8 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     ),  # fmt: skip
     "smollm3_nope": ("SmolLM3Config", {"no_rope_layer_interval": 2}),
     "phi3_fused": ("Phi3Config", {}),
+    # (and gemma3_text above) engine/executor/models/gemma.py; the backend soft-caps scores in paged attention
+    "gemma2_softcap": ("Gemma2Config", {"sliding_window": 4, "attn_logit_softcapping": 0.5}),
     # head_dim 64: the CPU decode and prefill kernels run (head_dim 16 falls back to SDPA), with a window
     "gemma2_hd64": (
         "Gemma2Config",
@@ -229,16 +231,17 @@ def test_native_and_transformers_agree_on_llama_weights(folders: dict[str, Path]
     ]
 
 
-NATIVE_FAMILIES = ["granite_multipliers", "smollm3_nope", "phi3_fused"]
+NATIVE_FAMILIES = ["granite_multipliers", "smollm3_nope", "phi3_fused", "gemma2_softcap", "gemma3_text"]
 
 
 @pytest.mark.parametrize("arch", NATIVE_FAMILIES)
 def test_native_families_equal_transformers_and_the_backend(
     arch: str, folders: dict[str, Path], oracle: dict[str, list[list[int]]]
 ) -> None:
-    """Granite, SmolLM3 and Phi-3 run cbserve's own model code under ``auto`` (with the CPU fast paths): the
-    same greedy tokens as transformers' ``generate()`` and as the backend, alone, batched, in prefill chunks
-    of 8 beside decode steps, under preemption and from the prefix cache."""
+    """Granite, SmolLM3, Phi-3, Gemma 2 (soft caps, windows of 4 under prompts of up to 40 tokens) and Gemma 3
+    run cbserve's own model code under ``auto`` (with the CPU fast paths): the same greedy tokens as
+    transformers' ``generate()`` and as the backend, alone, batched, in prefill chunks of 8 beside decode
+    steps, under preemption and from the prefix cache."""
     native = Engine.from_pretrained(str(folders[arch]), device="cpu", dtype="float32", num_blocks=64)
     assert not isinstance(native.model, TransformersForCausalLM)
     alone = [run(native.init_continuous_batching(), [p])[0].generated_ids for p in PROMPTS]
@@ -259,13 +262,17 @@ def test_native_families_equal_transformers_and_the_backend(
     assert again.num_cached_tokens >= 32 and again.generated_ids == first.generated_ids == oracle[arch][2]
 
 
-def test_auto_serves_native_variants_it_cannot_compute_through_the_backend(folders: dict[str, Path]) -> None:
-    """A Phi-3 with partial rotary embeddings is a family cbserve implements, in a variant it does not:
-    ``auto`` serves it through transformers; ``native`` refuses it, saying why."""
-    engine = Engine.from_pretrained(str(folders["phi3"]), device="cpu", num_blocks=8)
-    assert isinstance(engine.model, TransformersForCausalLM)
-    with pytest.raises(ModelLoadError, match="partial rotary"):
-        Engine.from_pretrained(str(folders["phi3"]), device="cpu", model_impl="native")
+def test_auto_serves_native_variants_it_cannot_compute_through_the_backend(
+    folders: dict[str, Path], tmp_path: Path
+) -> None:
+    """A Phi-3 with partial rotary embeddings, a Gemma 2 with exact GELU: families cbserve implements, in
+    variants it does not: ``auto`` serves them through transformers; ``native`` refuses them, saying why."""
+    gelu = save_tiny(tmp_path / "gemma2_gelu", "Gemma2Config", {"hidden_activation": "gelu"})
+    for folder, reason in ((folders["phi3"], "partial rotary"), (gelu, "activation 'gelu'")):
+        engine = Engine.from_pretrained(str(folder), device="cpu", num_blocks=8)
+        assert isinstance(engine.model, TransformersForCausalLM)
+        with pytest.raises(ModelLoadError, match=reason):
+            Engine.from_pretrained(str(folder), device="cpu", model_impl="native")
 
 
 def test_auto_picks_native_for_llama_and_transformers_for_the_rest(folders: dict[str, Path]) -> None:
@@ -318,24 +325,34 @@ def test_dummy_weights_for_any_architecture(name: str, tmp_path: Path) -> None:
     assert all(len(o.generated_ids) == MAX_NEW for o in out)
 
 
-def test_a_non_llama_model_over_http(folders: dict[str, Path], oracle: dict[str, list[list[int]]]) -> None:
+@pytest.mark.parametrize(
+    ("arch", "model_impl"), [("gemma3_text", "transformers"), ("gemma2_softcap", "native")]
+)
+def test_a_non_llama_model_over_http(
+    arch: str, model_impl: str, folders: dict[str, Path], oracle: dict[str, list[list[int]]]
+) -> None:
+    """Gemma 3 through the backend, Gemma 2 (soft caps, windows) on the native code: the official client's
+    greedy completion is transformers' ``generate()``."""
     import openai
     from server_fixtures import serve_in_thread
 
     from server.app import build_app
     from server.config import ServerConfig
 
-    engine = serve(folders["gemma3_text"])
-    app = build_app(engine, ServerConfig(served_model_name="tiny-gemma3"))
-    with serve_in_thread(app, "tiny-gemma3") as base_url:
+    engine = Engine.from_pretrained(
+        str(folders[arch]), device="cpu", dtype="float32", model_impl=model_impl, num_blocks=64
+    )
+    assert isinstance(engine.model, TransformersForCausalLM) == (model_impl == "transformers")
+    app = build_app(engine, ServerConfig(served_model_name="tiny-gemma"))
+    with serve_in_thread(app, "tiny-gemma") as base_url:
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=60)
-        assert [m.id for m in client.models.list().data] == ["tiny-gemma3"]
+        assert [m.id for m in client.models.list().data] == ["tiny-gemma"]
         reply = client.completions.create(
-            model="tiny-gemma3", prompt=PROMPTS[0], max_tokens=MAX_NEW, temperature=0.0,
+            model="tiny-gemma", prompt=PROMPTS[0], max_tokens=MAX_NEW, temperature=0.0,
             extra_body={"ignore_eos": True},
         )  # fmt: skip
     assert reply.usage is not None and reply.usage.completion_tokens == MAX_NEW
-    assert reply.choices[0].text == engine.tokenizer.decode(oracle["gemma3_text"][0])
+    assert reply.choices[0].text == engine.tokenizer.decode(oracle[arch][0])
 
 
 # ---------------------------------------------------------------------- refused at start
@@ -376,7 +393,6 @@ def test_unknown_encoder_decoder_and_encoder_only_models_are_refused(tmp_path: P
 
 def test_attention_the_paged_kernels_cannot_compute_is_refused(tmp_path: Path) -> None:
     cases = [
-        ("Gemma2Config", {"attn_logit_softcapping": 50.0}, r"soft-capping \(softcap=50.0\)"),
         ("GptOssConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}, "attention sinks"),
         ("BloomConfig", {"n_head": 4}, "does not go through transformers' AttentionInterface"),
         ("FalconConfig", {"alibi": True, "head_dim": None}, "picks attention classes of its own"),

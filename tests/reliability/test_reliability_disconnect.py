@@ -215,6 +215,35 @@ def test_disconnect_storm_on_constrained_and_tool_streams(live_server: LiveServe
     assert resp.status_code == 200, resp.text
 
 
+NUM_SPECULATIVE_STREAMS = 40
+
+
+def speculative_body(rng: random.Random, i: int) -> tuple[str, dict[str, Any]]:
+    """A speculating stream: prompt lookup (the repeated dragon gives it n-grams) or early exit."""
+    route, body = request_body(rng, i)
+    return route, body | ({"prompt_lookup_num_tokens": 4} if i % 2 else {"assistant_early_exit": 20})
+
+
+def test_disconnect_storm_on_speculating_streams(live_server: LiveServer) -> None:
+    assert live_server.wait_idle(timeout=30)
+    drafts_before = spec_drafts(live_server.base_url)
+    stats = asyncio.run(storm(live_server, NUM_SPECULATIVE_STREAMS, speculative_body))
+    assert sum(stats.values()) == NUM_SPECULATIVE_STREAMS, stats
+    assert stats["cut-mid-stream"] >= NUM_SPECULATIVE_STREAMS // 4, stats
+    assert spec_drafts(live_server.base_url) > drafts_before  # the streams really speculated
+    assert_all_released(live_server)  # no block, no request left; the drafts' slots rolled back
+
+
+def spec_drafts(base_url: str) -> float:
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "cbserve:spec_decode_num_drafts_total"
+    )
+
+
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 def test_non_streaming_clients_that_leave(live_server: LiveServer, route: str) -> None:
     """Several non-streaming requests (n = 2, and a two-prompt one) whose clients give up long before the

@@ -13,6 +13,7 @@ import pytest
 
 from cli.main import _subparser, apply_env_defaults, build_parser, main
 from engine.generation.watermark_config import GreenlistWatermark, SynthIDWatermark
+from engine.speculative.config import SpeculativeConfig
 from server.config import parse_bytes
 
 
@@ -88,6 +89,7 @@ def test_every_flag_reads_the_environment() -> None:
         "CBSERVE_TOOL_CALL_PARSER": "mistral",
         "CBSERVE_WATERMARKING_CONFIG": '{"bias": 3, "seeding_scheme": "selfhash"}',
         "CBSERVE_LOGITS_PROCESSORS": "user_processor_fixtures:BanToken, user_processor_fixtures:WrongShape",
+        "CBSERVE_SPECULATIVE_CONFIG": '{"method": "ngram", "num_speculative_tokens": 5}',
     }
     args = parse(["serve"], env)
     assert args.model == "/models/x.gguf" and args.host == "0.0.0.0" and args.port == 9001
@@ -114,6 +116,7 @@ def test_every_flag_reads_the_environment() -> None:
         "user_processor_fixtures:BanToken",
         "user_processor_fixtures:WrongShape",
     ]
+    assert args.speculative_config == SpeculativeConfig("ngram", num_speculative_tokens=5)
     # every serve flag has its variable in this test
     serve_flags = {a.dest for a in _subparser(build_parser(), "serve")._actions}
     assert {f"CBSERVE_{d.upper()}" for d in serve_flags - {"help", "handler"}} == set(env)
@@ -154,6 +157,22 @@ def test_watermarking_config_flag(capsys: pytest.CaptureFixture[str]) -> None:
     ):
         with pytest.raises(SystemExit) as exc:
             parse(["serve", "--watermarking-config", bad])
+        assert exc.value.code == 2
+        assert why in capsys.readouterr().err
+
+
+def test_speculative_config_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse(["serve", "--speculative-config", '{"method": "ngram", "prompt_lookup_max": 4}'])
+    assert args.speculative_config == SpeculativeConfig("ngram", prompt_lookup_max=4)
+    assert parse(["serve"]).speculative_config is None
+    for bad, why in (
+        ("[1]", "must be a JSON object"),
+        ("{method: ngram}", "expected a JSON object"),
+        ('{"method": "medusa"}', "unknown speculative method 'medusa'"),
+        ('{"method": "ngram", "num_speculative_tokens": 99}', "num_speculative_tokens must be an integer"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            parse(["serve", "--speculative-config", bad])
         assert exc.value.code == 2
         assert why in capsys.readouterr().err
 

@@ -34,9 +34,11 @@ def select_decode_kernel(
     head_dim: int,
     block_size: int,
     num_queries_per_kv: int,
+    softcap: float | None = None,
 ) -> DecodeKernel | None:
     """The kernel ``backend`` picks, ``None`` for SDPA. Raises ``ValueError`` for an unknown backend, or
-    for ``cpu``/``triton`` when that kernel cannot run this model here."""
+    for ``cpu``/``triton`` when that kernel cannot run this model here (``softcap``: the model's attention
+    logit soft-capping, which the Triton kernel does not compute)."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(
             f"unknown attention backend {backend!r}; expected one of {', '.join(ATTENTION_BACKENDS)}"
@@ -50,7 +52,7 @@ def select_decode_kernel(
     else:
         try:
             kernel = cpu_kernel.load() if wanted == "cpu" else triton_decode.load()
-            reason = kernel.unsupported(head_dim, block_size, num_queries_per_kv, dtype)
+            reason = kernel.unsupported(head_dim, block_size, num_queries_per_kv, dtype, softcap)
         except KernelUnavailable as e:
             reason = str(e)
     if reason is None:

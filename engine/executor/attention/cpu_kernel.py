@@ -51,7 +51,7 @@ class PagedDecodeKernel:
         fn.restype = ctypes.c_int
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ptr, ptr, i64, ptr, ptr, ctypes.c_int, ptr, i64, ptr, i64, i64, i64, i64, i64]
-        fn.argtypes += [ctypes.c_float, i64]
+        fn.argtypes += [ctypes.c_float, i64, ctypes.c_float]
         self._fn = fn
         write = self._lib.cbserve_write_kv
         write.restype = ctypes.c_int
@@ -59,15 +59,34 @@ class PagedDecodeKernel:
         self._write = write
         prefill = self._lib.cbserve_paged_prefill_attention
         prefill.restype = ctypes.c_int
-        prefill.argtypes = [ptr, ptr, i64, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64]
-        prefill.argtypes += [ctypes.c_float, i64]
+        prefill.argtypes = [
+            ptr,
+            ptr,
+            i64,
+            ptr,
+            ptr,
+            ctypes.c_int,
+            ptr,
+            i64,
+            ptr,
+            ptr,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+        ]
+        prefill.argtypes += [ctypes.c_float, i64, ctypes.c_float]
         self._prefill = prefill
         self.lanes = int(self._lib.cbserve_lanes())
         self.max_group = int(self._lib.cbserve_max_group())
         self.max_head_dim = int(self._lib.cbserve_max_head_dim())
 
-    def unsupported(self, head_dim: int, block_size: int, group: int, dtype: torch.dtype) -> str | None:
-        """Why this configuration cannot use the kernel, or None when it can."""
+    def unsupported(
+        self, head_dim: int, block_size: int, group: int, dtype: torch.dtype, softcap: float | None = None
+    ) -> str | None:
+        """Why this configuration cannot use the kernel, or None when it can (any ``softcap``: the kernels
+        soft-cap the scores)."""
         if dtype not in SUPPORTED_DTYPES:
             return f"dtype {dtype} (supported: float32, bfloat16)"
         if head_dim % self.lanes or head_dim > self.max_head_dim:
@@ -87,9 +106,10 @@ class PagedDecodeKernel:
         seq_lens: torch.Tensor,  # [num_seqs] int64, >= 1
         scale: float,
         sliding_window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Attention of each sequence's query over its pages: ``[num_seqs, num_heads, head_dim]`` in q's
-        dtype."""
+        dtype. ``softcap``: scores become ``softcap * tanh(score / softcap)`` before the softmax."""
         num_seqs, num_heads, head_dim = q.shape
         num_blocks, num_kv_heads, _, block_size = k_cache.shape
         qf, tables = _checked_inputs(q, k_cache, v_cache, block_tables, seq_lens)
@@ -112,6 +132,7 @@ class PagedDecodeKernel:
             block_size,
             scale,
             sliding_window or 0,
+            softcap or 0.0,
         )
         _raise_for(rc, "decode", q.shape, k_cache.shape)
         return out if q.dtype == torch.float32 else out.to(q.dtype)
@@ -126,10 +147,11 @@ class PagedDecodeKernel:
         seq_lens: torch.Tensor,  # [num_seqs] int64: KV length with the new tokens (already in the cache)
         scale: float,
         sliding_window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Causal attention of each sequence's new queries over its pages (the query of row ``i`` of a
         sequence of ``q_len`` new tokens sits at position ``seq_len - q_len + i``): ``[num_tokens, num_heads,
-        head_dim]`` in q's dtype."""
+        head_dim]`` in q's dtype. ``softcap`` as in ``__call__``."""
         num_tokens, num_heads, head_dim = q.shape
         num_blocks, num_kv_heads, _, block_size = k_cache.shape
         num_seqs = seq_lens.shape[0]
@@ -146,6 +168,7 @@ class PagedDecodeKernel:
             out.data_ptr(), qf.data_ptr(), qf.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
             int(k_cache.dtype == torch.bfloat16), tables.data_ptr(), tables.stride(0), starts.data_ptr(),
             lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window or 0,
+            softcap or 0.0,
         )  # fmt: skip
         if rc == -5:
             raise ValueError("a sequence's query count or length does not fit its length or block table")
@@ -186,7 +209,11 @@ class PagedDecodeKernel:
 
 
 def _checked_inputs(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What both attention kernels check and pass: float32 queries with contiguous heads, contiguous caches
     of one dtype, int64 tables (rows contiguous) and lengths. Returns (queries, tables)."""

@@ -13,8 +13,11 @@ import torch
 class DecodeKernel(Protocol):
     name: str  # the --attention-backend value that picks it
 
-    def unsupported(self, head_dim: int, block_size: int, group: int, dtype: torch.dtype) -> str | None:
-        """Why this configuration cannot use the kernel, or None when it can."""
+    def unsupported(
+        self, head_dim: int, block_size: int, group: int, dtype: torch.dtype, softcap: float | None = None
+    ) -> str | None:
+        """Why this configuration cannot use the kernel, or None when it can (``softcap``: the model's
+        attention logit soft-capping, Gemma 2's)."""
         ...
 
     def write_kv(
@@ -37,8 +40,10 @@ class DecodeKernel(Protocol):
         seq_lens: torch.Tensor,  # [num_seqs] int64, >= 1
         scale: float,
         sliding_window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """``[num_seqs, num_heads, head_dim]`` in q's dtype."""
+        """``[num_seqs, num_heads, head_dim]`` in q's dtype; with ``softcap`` the scores become
+        ``softcap * tanh(score / softcap)`` before the softmax."""
         ...
 
 
@@ -54,6 +59,7 @@ class PrefillKernel(Protocol):
         seq_lens: torch.Tensor,  # [num_seqs] int64: KV length with the new tokens (already in the cache)
         scale: float,
         sliding_window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Causal attention of each sequence's new queries over its pages: ``[num_tokens, num_heads,
         head_dim]`` in q's dtype."""

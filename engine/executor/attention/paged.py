@@ -16,6 +16,10 @@ The batch has two parts (``BatchInputs`` lays the decoding sequences out first):
   query at position ``p`` iff ``j <= p`` and ``j`` is a real key (and ``j > p - sliding_window`` when the
   model has one).
 
+Soft-capped attention logits (Gemma 2: ``softcap * tanh(score / softcap)`` before the softmax) are computed
+by the CPU kernels; SDPA has no such option, so where it would run, the scores are computed in plain
+PyTorch instead (``_attend``).
+
 The split matters: padding every decode query to the longest prefill chunk of a mixed batch would multiply
 the attention work by that chunk's length. The new tokens' K/V are written into their slots first (by the
 kernel's ``write_kv`` where a kernel runs, else by ``index_put_``).
@@ -158,7 +162,9 @@ class PagedAttentionMetadata:
         With ``decode_kernel`` the decode part runs in that kernel, unpadded."""
         block_size = inputs.block_size
         decode = _decode_parts(inputs, dtype, sliding_window, decode_kernel is not None)
-        prefill_part = _prefill_part(inputs, decode_kernel) if isinstance(decode_kernel, PrefillKernel) else None
+        prefill_part = (
+            _prefill_part(inputs, decode_kernel) if isinstance(decode_kernel, PrefillKernel) else None
+        )
         prefill = [] if prefill_part is not None else _prefill_seqs(inputs, dtype, sliding_window)
         slots = inputs.slot_mapping
         return cls(
@@ -283,11 +289,13 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: PagedAttentionMetadata,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of the batch's new tokens over their sequences' pages.
 
     ``q``: ``[num_tokens, num_heads, head_dim]``; ``k``, ``v``: ``[num_tokens, num_kv_heads, head_dim]`` (the
     new tokens, written into the cache first); caches in the layout of engine/executor/kv_cache.py.
+    ``softcap``: the scores become ``softcap * tanh(scale * q.k / softcap)`` before the softmax.
     Returns ``[num_tokens, num_heads, head_dim]``.
     """
     group = meta.num_queries_per_kv
@@ -297,27 +305,30 @@ def paged_attention(
     else:
         write_kv(k_cache, v_cache, meta.slot_blocks, meta.slot_offsets, k, v)
     parts = [
-        kernel(q[p.start : p.end], k_cache, v_cache, p.block_tables, p.seq_lens, scale, window)
+        kernel(q[p.start : p.end], k_cache, v_cache, p.block_tables, p.seq_lens, scale, window, softcap)
         if kernel is not None
-        else _decode_attention(q[p.start : p.end], k_cache, v_cache, p, group, scale)
+        else _decode_attention(q[p.start : p.end], k_cache, v_cache, p, group, scale, softcap)
         for p in meta.decode
     ]
     if meta.prefill_part is not None:
         part = meta.prefill_part
-        parts.append(
-            part.kernel.prefill(
-                q[part.start : part.end], k_cache, v_cache, part.block_tables, part.query_starts,
-                part.seq_lens, scale, window,
-            )  # fmt: skip
-        )
+        queries = q[part.start : part.end]
+        args = (part.block_tables, part.query_starts, part.seq_lens, scale, window, softcap)
+        parts.append(part.kernel.prefill(queries, k_cache, v_cache, *args))
     for p in meta.prefill:
         rows = slice(p.start, p.end)
-        parts.append(_prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, p, scale))
+        parts.append(_prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, p, scale, softcap))
     return parts[0] if len(parts) == 1 else torch.cat(parts)  # [num_tokens, num_heads, head_dim]
 
 
 def _decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, part: DecodePart, group: int, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    part: DecodePart,
+    group: int,
+    scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query per sequence, so the group of query heads sharing a KV head is the query axis."""
     num_tokens, num_heads, head_dim = q.shape
@@ -326,7 +337,7 @@ def _decode_attention(
     queries = q.view(
         part.num_seqs, num_heads // group, group, head_dim
     )  # [num_seqs, kv_heads, group, head_dim]
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=part.attn_bias, scale=scale)
+    out = _attend(queries, keys, values, part.attn_bias, scale, softcap)
     return out.reshape(num_tokens, num_heads, head_dim)  # [num_tokens, num_heads, head_dim]
 
 
@@ -338,6 +349,7 @@ def _prefill_attention(
     v_cache: torch.Tensor,
     seq: PrefillSeq,
     scale: float,
+    softcap: float | None,
 ) -> torch.Tensor:
     """One sequence's chunk; the query heads sharing a KV head use it as is (``enable_gqa``)."""
     queries = q.transpose(0, 1)[None]  # [1, num_heads, q_len, head_dim]
@@ -346,6 +358,11 @@ def _prefill_attention(
     else:
         keys = _gather_keys(k_cache, seq.block_tables)  # [1, kv_heads, kv_len, head_dim]
         values = _gather_values(v_cache, seq.block_tables)
+    if softcap is not None:
+        group = queries.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+        out = _attend(queries, keys, values, seq.attn_bias, scale, softcap)  # [1, num_heads, q_len, head_dim]
+        return out[0].transpose(0, 1)  # [q_len, num_heads, head_dim]
     out = F.scaled_dot_product_attention(
         queries,
         keys,
@@ -356,3 +373,27 @@ def _prefill_attention(
         enable_gqa=True,
     )  # [1, num_heads, q_len, head_dim]
     return out[0].transpose(0, 1)  # [q_len, num_heads, head_dim]
+
+
+def _attend(
+    queries: torch.Tensor,  # [..., q_len, head_dim]
+    keys: torch.Tensor,  # [..., kv_len, head_dim]
+    values: torch.Tensor,  # [..., kv_len, head_dim]
+    bias: torch.Tensor | None,  # additive [..., q_len, kv_len]; None: causal over q_len == kv_len
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """SDPA, or where the scores are soft-capped (which SDPA cannot do) the same in plain PyTorch:
+    ``softmax(softcap * tanh(scale * q k^T / softcap) + bias) v`` in float32."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=bias, is_causal=bias is None, scale=scale
+        )
+    scores = torch.matmul(queries.float(), keys.float().transpose(-1, -2)) * scale  # [..., q_len, kv_len]
+    scores = torch.tanh(scores / softcap) * softcap
+    if bias is None:
+        q_len, kv_len = scores.shape[-2:]
+        bias = torch.ones(q_len, kv_len, dtype=torch.bool, device=scores.device).tril_(kv_len - q_len)
+        bias = torch.zeros(q_len, kv_len, device=scores.device).masked_fill_(~bias, float("-inf"))
+    probs = torch.softmax(scores + bias.float(), dim=-1)  # [..., q_len, kv_len]
+    return torch.matmul(probs, values.float()).to(queries.dtype)  # [..., q_len, head_dim]

@@ -230,8 +230,12 @@ class TritonDecodeKernel:
         except ImportError as e:
             raise KernelUnavailable(f"Triton is not installed ({e})") from e
 
-    def unsupported(self, head_dim: int, block_size: int, group: int, dtype: torch.dtype) -> str | None:
+    def unsupported(
+        self, head_dim: int, block_size: int, group: int, dtype: torch.dtype, softcap: float | None = None
+    ) -> str | None:
         """Why this configuration cannot use the kernel, or None when it can."""
+        if softcap is not None:  # NOTE: not in the kernel; SDPA's path computes it (paged.py)
+            return f"attention logit soft-capping (softcap={softcap})"
         if dtype not in SUPPORTED_DTYPES:
             return f"dtype {dtype} (supported: float32, bfloat16, float16)"
         if not _power_of_two(head_dim) or head_dim < 16:
@@ -290,10 +294,13 @@ class TritonDecodeKernel:
         seq_lens: torch.Tensor,  # [num_seqs] int64
         scale: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """``[num_seqs, num_heads, head_dim]``: each query over its sequence's first ``seq_lens`` tokens (the
         last ``sliding_window`` of them when set). The table's width (pages of the longest sequence) sizes
-        the splits."""
+        the splits. ``softcap`` is refused (``unsupported`` says so at start)."""
+        if softcap is not None:
+            raise ValueError("the Triton decode kernel does not soft-cap attention logits")
         num_seqs, num_heads, head_dim = q.shape
         _, num_kv_heads, _, block_size = k_cache.shape
         group = num_heads // num_kv_heads

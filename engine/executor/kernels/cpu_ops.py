@@ -1,5 +1,5 @@
 """Fused element-wise ops of the decoder layer on the CPU (``csrc/cpu_ops.c``): RMSNorm with the residual
-add, SiLU-and-multiply, and rotary embedding in place.
+add, SiLU-and-multiply (GELU-tanh-and-multiply for Gemma), and rotary embedding in place.
 
 Why: a decode step of a small model on a few cores spends as much time in the element-wise steps as in
 the matmuls -- each is five to eight torch calls, each call a dispatch and a temporary. Fused, a layer's
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -43,6 +44,9 @@ class CpuOps:
         self._silu_and_mul = lib.cbserve_silu_and_mul
         self._silu_and_mul.argtypes = [ptr, ptr, i64, i64, i64, i32]
         self._silu_and_mul.restype = None
+        self._gelu_tanh_and_mul = lib.cbserve_gelu_tanh_and_mul
+        self._gelu_tanh_and_mul.argtypes = [ptr, ptr, i64, i64, i64, i32]
+        self._gelu_tanh_and_mul.restype = None
         self._rotary = lib.cbserve_rotary
         self._rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, i32]
         self._rotary.restype = None
@@ -74,17 +78,26 @@ class CpuOps:
             raise ValueError("the residual must be a contiguous tensor of x's shape")
         out = torch.empty(rows, cols, dtype=x.dtype)
         res_ptr = None if residual is None else residual.data_ptr()
-        self._rms_norm(out.data_ptr(), cols, res_ptr, x.data_ptr(), x_stride, weight.data_ptr(), rows, cols, eps, bf16)
+        self._rms_norm(
+            out.data_ptr(), cols, res_ptr, x.data_ptr(), x_stride, weight.data_ptr(), rows, cols, eps, bf16
+        )
         return out
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` for ``gate_up`` ``[rows, 2 * inter]`` (gate first) -> ``[rows, inter]``."""
+        return self._gated(self._silu_and_mul, gate_up)
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gelu_tanh(gate) * up`` (Gemma's MLP), as ``silu_and_mul``."""
+        return self._gated(self._gelu_tanh_and_mul, gate_up)
+
+    def _gated(self, fn: Any, gate_up: torch.Tensor) -> torch.Tensor:
         bf16 = self._check(gate_up)
         rows, cols, stride = _rows_of(gate_up)
         if cols % 2:
             raise ValueError(f"gate_up needs an even number of columns, got {cols}")
         out = torch.empty(rows, cols // 2, dtype=gate_up.dtype)
-        self._silu_and_mul(out.data_ptr(), gate_up.data_ptr(), stride, rows, cols // 2, bf16)
+        fn(out.data_ptr(), gate_up.data_ptr(), stride, rows, cols // 2, bf16)
         return out
 
     def rotary(

@@ -9,6 +9,7 @@
     FusedRMSNorm          RMSNorm with its residual add in one C call (cpu_ops.py)
     FusedRotaryEmbedding  q and k rotated in place in one C call
     FusedSiLUMul          SwiGLU's ``silu(gate) * up`` in one C call
+    FusedGeluTanhMul      Gemma's ``gelu_tanh(gate) * up`` in one C call
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ class AmxLinear(nn.Module):
 
 class FusedRMSNorm(RMSNorm):
     """``RMSNorm`` of rows in one C call, and ``add_and_norm`` with the residual updated in place. Per-head
-    norms (Qwen3's q/k: 3-D) stay on the PyTorch path."""
+    norms (Qwen3's and Gemma 3's q/k: 3-D) norm each head as a row (the decode stack's C layer does the
+    same, so both give the same bits)."""
 
     def __init__(self, norm: RMSNorm, ops: CpuOps) -> None:
         super().__init__(0, norm.eps, norm.weight.dtype, norm.weight.device)
@@ -122,6 +124,9 @@ class FusedRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.stride(1) == 1:
             return self.ops.rms_norm(x, self.weight, self.eps)  # [rows, hidden]
+        if x.dim() == 3 and x.shape[-1] == self.weight.shape[0]:  # [tokens, heads, head_dim]
+            heads = x.reshape(-1, x.shape[-1])  # [tokens * heads, head_dim]; a copy of a strided view
+            return self.ops.rms_norm(heads, self.weight, self.eps).view(x.shape)
         return super().forward(x)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,3 +167,14 @@ class FusedSiLUMul(nn.Module):
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.ops.silu_and_mul(gate_up)  # [rows, inter]
+
+
+class FusedGeluTanhMul(nn.Module):
+    """``GeluTanhAndMul`` (Gemma) in one C call: ``gate_up`` ``[rows, 2 * inter]`` -> ``[rows, inter]``."""
+
+    def __init__(self, ops: CpuOps) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.ops.gelu_tanh_and_mul(gate_up)  # [rows, inter]

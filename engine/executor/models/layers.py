@@ -1,5 +1,5 @@
 """Building blocks shared by the decoder-only models: a bias-optional linear layer, RMSNorm, rotary embedding
-(default and llama3 scaling), and the gated MLP with gate and up fused into one matmul.
+(default, llama3 and linear scaling), and the gated MLP with gate and up fused into one matmul.
 
 Parameters are created with ``torch.empty`` directly in the model's dtype and device (no random init, no fp32
 copy): every value comes from the checkpoint (``load_weights``).
@@ -69,13 +69,18 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """Inverse frequencies ``[head_dim // 2]`` (fp32), with Llama 3.1's frequency-dependent scaling when
-    ``scaling`` says ``rope_type: llama3``. Raises ``ValueError`` for other scaling types."""
+    ``scaling`` says ``rope_type: llama3``, every one divided by ``factor`` for ``linear`` (positions
+    interpolated: Gemma 3's global layers). Raises ``ValueError`` for other scaling types."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if scaling is None or rope_type == "default":
         return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
     if rope_type != "llama3":
-        raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: 'default', 'llama3'")
+        raise ValueError(
+            f"unsupported rope scaling type {rope_type!r}; supported: 'default', 'llama3', 'linear'"
+        )
     try:
         factor = float(scaling["factor"])
         low_freq_factor = float(scaling["low_freq_factor"])
@@ -168,15 +173,30 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up  # [num_tokens, inter]
 
 
+class GeluTanhAndMul(nn.Module):
+    """GeGLU's gate (Gemma's MLP): ``gelu_tanh(gate) * up`` for ``gate_up`` ``[num_tokens, 2 * inter]``."""
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)  # 2 x [num_tokens, inter]
+        return F.gelu(gate, approximate="tanh") * up  # [num_tokens, inter]
+
+
 class GatedMLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused into one ``[2 * inter, hidden]`` matmul
-    (rows ``[0, inter)`` gate, ``[inter, 2 * inter)`` up)."""
+    (rows ``[0, inter)`` gate, ``[inter, 2 * inter)`` up); ``act_fn`` another gate (Gemma's GELU-tanh)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        act_fn: nn.Module | None = None,
+    ):
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False, dtype=dtype, device=device)
-        self.act_fn = SiluAndMul()
+        self.act_fn = act_fn if act_fn is not None else SiluAndMul()
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

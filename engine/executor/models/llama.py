@@ -60,6 +60,7 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = config.attention_scale
+        self.softcap = config.attn_logit_softcapping  # Gemma 2's
         self.rotates = layer_index not in config.no_rope_layers  # SmolLM3's NoPE layers do not
         hidden = config.hidden_size
         # Rows of qkv_proj: [0, q_size) q, then k, then v (filled from q_proj/k_proj/v_proj).
@@ -94,7 +95,9 @@ class Attention(nn.Module):
         if self.rotates:
             qk = rotary.rotate_with(qk, rotation)  # [num_tokens, heads + kv_heads, head_dim]
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [num_tokens, heads, head_dim]
+        out = paged_attention(
+            q, k, v, k_cache, v_cache, meta, self.scale, self.softcap
+        )  # [num_tokens, heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))  # [num_tokens, hidden]
 
 
@@ -146,8 +149,11 @@ class LlamaModel(nn.Module):
 
 @dataclass(frozen=True)
 class LayerModules:
-    """One decoder layer's modules in the order they run, as loaded or as swapped (without Qwen3's
-    per-head norms)."""
+    """One decoder layer's modules in the order they run, as loaded or as swapped.
+    ``post_norm`` is the norm before the MLP (Gemma's pre-feedforward norm); Gemma also norms the
+    attention's and the MLP's outputs (``post_attn_norm``, ``post_ff_norm``); Qwen3 and Gemma 3 norm q and k
+    per head (``q_norm``, ``k_norm``); ``rotary``: the layer's own rotary embedding (Gemma 3's local
+    layers), None for the model's."""
 
     input_norm: nn.Module
     qkv_proj: nn.Module
@@ -157,6 +163,12 @@ class LayerModules:
     act_fn: nn.Module
     down_proj: nn.Module
     rotates: bool = True  # False: attention without rotary embeddings (SmolLM3's NoPE layers)
+    sliding_window: int | None = None  # the layer's window (None: the whole context)
+    post_attn_norm: nn.Module | None = None
+    post_ff_norm: nn.Module | None = None
+    q_norm: nn.Module | None = None
+    k_norm: nn.Module | None = None
+    rotary: nn.Module | None = None
 
 
 @dataclass(frozen=True)
@@ -204,11 +216,18 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, inputs: BatchInputs, kv_cache: KVCache, decode_kernel: DecodeKernel | None = None
+        self,
+        inputs: BatchInputs,
+        kv_cache: KVCache,
+        decode_kernel: DecodeKernel | None = None,
+        num_layers: int | None = None,
     ) -> torch.Tensor:
         """Compute the batch's new tokens, writing their K/V into ``inputs.slot_mapping`` slots, and return
         fp32 logits ``[len(inputs.logits_indices), vocab_size]`` for the ``logits_indices`` rows only.
-        ``decode_kernel``: the decode-attention kernel (engine/executor/attention/backend.py), or None for SDPA."""
+        ``decode_kernel``: the decode-attention kernel (engine/executor/attention/backend.py), or None for SDPA.
+        ``num_layers``: only the first layers, then the final norm and the head (self-speculative drafting,
+        LayerSkip's early exit; their K/V only is written)."""
+        layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
         rows = inputs.logits_indices
         exits = ExitTaps(inputs.early_exits, rows)
         meta = PagedAttentionMetadata.build(
@@ -219,9 +238,9 @@ class LlamaForCausalLM(nn.Module):
         residual: torch.Tensor | None = None
         # Past the last layer's attention only the rows that need logits matter (llama.cpp's "skip unused
         # tokens"): a prefill chunk's other rows skip its o_proj and MLP.
-        pruned = rows.shape[0] < inputs.input_ids.shape[0] and len(self.model.layers) > 0
-        last = len(self.model.layers) - 1
-        for i, layer in enumerate(self.model.layers):
+        pruned = rows.shape[0] < inputs.input_ids.shape[0] and len(layers) > 0
+        last = len(layers) - 1
+        for i, layer in enumerate(layers):
             exits.tap(i, x, residual)  # DoLa: the stream entering layer i, for the rows that contrast it
             layer_rows = rows if pruned and i == last else None
             x, residual = layer(
@@ -255,7 +274,8 @@ class LlamaForCausalLM(nn.Module):
             layers.append(
                 LayerModules(
                     layer.input_layernorm, attn.qkv_proj, attn.o_proj, layer.post_attention_layernorm,
-                    mlp.gate_up_proj, mlp.act_fn, mlp.down_proj, attn.rotates,
+                    mlp.gate_up_proj, mlp.act_fn, mlp.down_proj, attn.rotates, self.config.sliding_window,
+                    q_norm=attn.q_norm, k_norm=attn.k_norm,
                 )
             )  # fmt: skip
         return DecoderTable(tuple(layers), self.model.norm, self.rotary)
@@ -277,30 +297,8 @@ class LlamaForCausalLM(nn.Module):
         for i, module in enumerate(self.model.layers):
             layer = cast(DecoderLayer, module)
             p = f"model.layers.{i}."
-            attn = layer.self_attn
-            qkv_proj, o_proj = _dense(attn.qkv_proj), _dense(attn.o_proj)
-            gate_up_proj, down_proj = _dense(layer.mlp.gate_up_proj), _dense(layer.mlp.down_proj)
-            q, kv = attn.q_size, attn.kv_size
-            qkv_rows = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
-            if cfg.checkpoint_fuses_projections:
-                qkv_rows = {"qkv": (0, q + 2 * kv)}
-            for proj, (start, end) in qkv_rows.items():
-                slots[f"{p}self_attn.{proj}_proj.weight"] = (qkv_proj.weight, start, end)
-                if qkv_proj.bias is not None:
-                    slots[f"{p}self_attn.{proj}_proj.bias"] = (qkv_proj.bias, start, end)
-            whole(f"{p}self_attn.o_proj.weight", o_proj.weight)
-            if o_proj.bias is not None:
-                whole(f"{p}self_attn.o_proj.bias", o_proj.bias)
-            if attn.q_norm is not None and attn.k_norm is not None:
-                whole(f"{p}self_attn.q_norm.weight", attn.q_norm.weight)
-                whole(f"{p}self_attn.k_norm.weight", attn.k_norm.weight)
-            inter = layer.mlp.intermediate_size
-            if cfg.checkpoint_fuses_projections:
-                whole(f"{p}mlp.gate_up_proj.weight", gate_up_proj.weight)  # gate rows, then up rows
-            else:
-                slots[f"{p}mlp.gate_proj.weight"] = (gate_up_proj.weight, 0, inter)
-                slots[f"{p}mlp.up_proj.weight"] = (gate_up_proj.weight, inter, 2 * inter)
-            whole(f"{p}mlp.down_proj.weight", down_proj.weight)
+            slots.update(attention_slots(p, layer.self_attn, cfg.checkpoint_fuses_projections))
+            slots.update(mlp_slots(p, layer.mlp, cfg.checkpoint_fuses_projections))
             whole(f"{p}input_layernorm.weight", layer.input_layernorm.weight)
             whole(f"{p}post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
         return slots
@@ -312,37 +310,8 @@ class LlamaForCausalLM(nn.Module):
         missing, unexpected, duplicated or mis-shaped one; ``RuntimeError`` once the fast paths replaced the
         projections (engine/executor/fast_paths.py). Rotary ``inv_freq`` buffers are ignored (rebuilt from the config), as is ``lm_head.weight`` when the
         embeddings are tied."""
-        slots = self.weight_slots()
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq"):
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                expected = tuple(self.model.embed_tokens.shape)
-                if tuple(tensor.shape) != expected:
-                    raise WeightMismatchError(
-                        f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}"
-                    )
-                continue
-            if name not in slots:
-                raise WeightMismatchError(
-                    f"unexpected tensor {name!r} for a {self.config.architecture} model with "
-                    f"{self.config.num_hidden_layers} layers"
-                )
-            if name in loaded:
-                raise WeightMismatchError(f"tensor {name!r} appears twice in the checkpoint")
-            param, start, end = slots[name]
-            target = param.data[start:end]
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise WeightMismatchError(
-                    f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
-                )
-            target.copy_(tensor)
-            loaded.add(name)
-        missing = sorted(set(slots) - loaded)
-        if missing:
-            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-            raise WeightMismatchError(f"missing tensors in the checkpoint: {', '.join(missing[:5])}{more}")
+        tied = self.model.embed_tokens if self.config.tie_word_embeddings else None
+        copy_weights(self.weight_slots(), weights, self.config, tied)
         self._fold_residual_multiplier()
 
     def _fold_residual_multiplier(self) -> None:
@@ -358,6 +327,89 @@ class LlamaForCausalLM(nn.Module):
                 proj.weight.mul_(multiplier)
                 if proj.bias is not None:
                     proj.bias.mul_(multiplier)
+
+
+def attention_slots(prefix: str, attn: Attention, fused: bool) -> dict[str, tuple[torch.Tensor, int, int]]:
+    """The checkpoint names (under ``prefix``, "model.layers.{i}.") of ``attn``'s tensors -> (parameter,
+    first row, end row): q/k/v (or Phi-3's ``qkv_proj``: ``fused``) into the fused qkv_proj, o_proj, the
+    q/k norms."""
+    qkv_proj, o_proj = _dense(attn.qkv_proj), _dense(attn.o_proj)
+    q, kv = attn.q_size, attn.kv_size
+    qkv_rows = (
+        {"qkv": (0, q + 2 * kv)} if fused else {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
+    )
+    slots: dict[str, tuple[torch.Tensor, int, int]] = {}
+    for proj, (start, end) in qkv_rows.items():
+        slots[f"{prefix}self_attn.{proj}_proj.weight"] = (qkv_proj.weight, start, end)
+        if qkv_proj.bias is not None:
+            slots[f"{prefix}self_attn.{proj}_proj.bias"] = (qkv_proj.bias, start, end)
+    params = {"o_proj.weight": o_proj.weight, "o_proj.bias": o_proj.bias}
+    if attn.q_norm is not None and attn.k_norm is not None:
+        params.update({"q_norm.weight": attn.q_norm.weight, "k_norm.weight": attn.k_norm.weight})
+    for name, param in params.items():
+        if param is not None:
+            slots[f"{prefix}self_attn.{name}"] = (param, 0, param.shape[0])
+    return slots
+
+
+def mlp_slots(prefix: str, mlp: GatedMLP, fused: bool) -> dict[str, tuple[torch.Tensor, int, int]]:
+    """As ``attention_slots`` for the MLP: gate and up (or Phi-3's ``gate_up_proj``) into the fused
+    gate_up_proj, and down_proj."""
+    gate_up, down, inter = (
+        _dense(mlp.gate_up_proj).weight,
+        _dense(mlp.down_proj).weight,
+        mlp.intermediate_size,
+    )
+    slots: dict[str, tuple[torch.Tensor, int, int]] = {
+        f"{prefix}mlp.down_proj.weight": (down, 0, down.shape[0])
+    }
+    if fused:
+        slots[f"{prefix}mlp.gate_up_proj.weight"] = (gate_up, 0, 2 * inter)  # gate rows, then up rows
+    else:
+        slots[f"{prefix}mlp.gate_proj.weight"] = (gate_up, 0, inter)
+        slots[f"{prefix}mlp.up_proj.weight"] = (gate_up, inter, 2 * inter)
+    return slots
+
+
+def copy_weights(
+    slots: dict[str, tuple[torch.Tensor, int, int]],
+    weights: Iterable[tuple[str, torch.Tensor]],
+    config: ModelConfig,
+    tied_embedding: torch.Tensor | None,
+) -> None:
+    """Copy HF-named ``weights`` into their ``slots`` (converting dtype and device). Raises
+    ``WeightMismatchError`` naming the tensor on a missing, unexpected, duplicated or mis-shaped one. Rotary
+    ``inv_freq`` buffers are skipped, as is ``lm_head.weight`` when the head reads ``tied_embedding``."""
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        if name == "lm_head.weight" and tied_embedding is not None:
+            expected = tuple(tied_embedding.shape)
+            if tuple(tensor.shape) != expected:
+                raise WeightMismatchError(
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}"
+                )
+            continue
+        if name not in slots:
+            raise WeightMismatchError(
+                f"unexpected tensor {name!r} for a {config.architecture} model with "
+                f"{config.num_hidden_layers} layers"
+            )
+        if name in loaded:
+            raise WeightMismatchError(f"tensor {name!r} appears twice in the checkpoint")
+        param, start, end = slots[name]
+        target = param.data[start:end]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise WeightMismatchError(
+                f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+            )
+        target.copy_(tensor)
+        loaded.add(name)
+    missing = sorted(set(slots) - loaded)
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise WeightMismatchError(f"missing tensors in the checkpoint: {', '.join(missing[:5])}{more}")
 
 
 class ExitTaps:

@@ -8,13 +8,17 @@ from typing import Any
 import torch
 
 from engine.errors import ModelLoadError, UnsupportedArchitectureError
+from engine.executor.models.gemma import GemmaForCausalLM
 from engine.executor.models.llama import LlamaForCausalLM
 from engine.model_config import HF_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelConfig
 
+# The native models: what fast_paths, the loaders and the engine take.
+NativeModel = LlamaForCausalLM | GemmaForCausalLM
+
 # Every architecture of the Llama family shares one implementation; the differences (biases, q/k norm,
 # rope scaling, sliding window, Granite's multipliers, SmolLM3's NoPE layers, Phi-3's fused checkpoint
-# tensors) are read from the config.
-MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+# tensors) are read from the config. Gemma 2 and 3 have their own layers (sandwich norms, GELU-tanh).
+MODEL_CLASSES: dict[str, type[NativeModel]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
@@ -22,6 +26,8 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "granite": LlamaForCausalLM,
     "smollm3": LlamaForCausalLM,
     "phi3": LlamaForCausalLM,
+    "gemma2": GemmaForCausalLM,
+    "gemma3_text": GemmaForCausalLM,
 }
 
 
@@ -62,7 +68,7 @@ def native_config_error(hf_config: dict[str, Any]) -> str | None:
 
 def build_model(
     config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
-) -> LlamaForCausalLM:
+) -> NativeModel:
     """An eval-mode model whose parameters are allocated (uninitialised, directly in ``dtype`` on ``device``:
     no fp32 copy, no random init) and wait for ``load_weights``. Raises ``UnsupportedArchitectureError``
     naming the supported architectures."""

@@ -122,8 +122,6 @@ def paged_attention_forward(
         )
     if context is None:
         raise RuntimeError(f"the {ATTN_IMPLEMENTATION} attention runs only inside cbserve's forward")
-    if softcap is not None:  # NOTE: refused at start (transformers_backend.py); never attend without it
-        raise RuntimeError(f"{ATTN_IMPLEMENTATION}: attention logit soft-capping is not supported")
     layer = context.kv_layers[_layer_idx(module)]
     cache = context.kv_cache
     k_cache, v_cache = cache.k_caches[layer], cache.v_caches[layer]
@@ -134,7 +132,9 @@ def paged_attention_forward(
     )  # [num_tokens, num_kv_heads, head_dim]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     meta = context.metadata(sliding_window)
-    out = paged_attention(q, k, v, k_cache, v_cache, meta, scale)  # [num_tokens, num_heads, head_dim]
+    out = paged_attention(
+        q, k, v, k_cache, v_cache, meta, scale, softcap
+    )  # [num_tokens, num_heads, head_dim]
     return out.to(query.dtype)[None], None  # [1, num_tokens, num_heads, head_dim]
 
 

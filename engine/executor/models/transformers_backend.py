@@ -6,11 +6,12 @@ as vLLM's Transformers backend does.
                       logits_to_keep=logits_indices, cbserve=PagedStep(...)).logits[0]
 
 Every architecture quirk (embedding scales, QK norms, partial rotary, logit soft-capping of the head, MoE
-routing, biases) is transformers' code; cbserve owns the attention over its pages. ``wrap`` runs the model
+routing, biases) is transformers' code; cbserve owns the attention over its pages (soft-capped attention
+scores included: the paged attention computes them, engine/executor/attention/paged.py). ``wrap`` runs the model
 once on a few tokens first (with an ``AttentionProbe``) to learn its attention layers, and refuses at start what the
 paged kernels cannot compute: attention outside transformers' attention interface, a mask of the model's
-own (ALiBi, chunked attention), soft-capped attention logits, attention sinks, non-causal attention, layers
-of different head sizes or KV head counts, non-attention layers (state-space, linear attention).
+own (ALiBi, chunked attention), attention sinks, non-causal attention, layers of different head sizes, KV
+head counts or soft caps, non-attention layers (state-space, linear attention).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class TransformersForCausalLM(nn.Module):
             num_key_value_heads=first.num_kv_heads,
             head_dim=first.head_dim,
             sliding_windows=tuple(call.sliding_window for call in calls),
+            attn_logit_softcapping=first.softcap,
             **text_fields(hf_config, model),
         )
         return cls(hf_model, config, kv_layers)
@@ -131,6 +133,8 @@ def _check_layout(calls: list[AttentionCall], num_layers: int, model: str) -> At
             model,
             f"only {len(calls)} of its {num_layers} layers are attention layers; cbserve runs only attention",
         )
+    if len({c.softcap for c in calls}) > 1:
+        raise UnsupportedModelError(model, "its layers soft-cap attention scores differently")
     shapes = {(c.num_heads, c.num_kv_heads, c.head_dim) for c in calls}
     if len(shapes) > 1:
         raise UnsupportedModelError(
@@ -148,8 +152,6 @@ def _unsupported(call: AttentionCall) -> str | None:
         return "the attention is not causal"
     if call.has_mask:
         return "the model builds an attention mask of its own (ALiBi, chunked or custom), which the paged kernels cannot apply"
-    if call.softcap is not None:
-        return f"attention logit soft-capping (softcap={call.softcap}) is not computed by the paged attention kernels"
     if call.has_sinks:
         return "attention sinks are not computed by the paged attention kernels"
     if call.value_head_dim != call.head_dim:

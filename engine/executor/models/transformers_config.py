@@ -89,6 +89,7 @@ class TransformersModelConfig:
     head_dim: int
     max_position_embeddings: int
     sliding_windows: tuple[int | None, ...] = ()
+    attn_logit_softcapping: float | None = None  # the layers' soft cap of attention scores (Gemma 2's)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 

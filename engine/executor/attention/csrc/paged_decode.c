@@ -6,6 +6,7 @@
  * the group (GQA without repeating K/V), and the next page is prefetched while one is computed:
  *
  *   s[g, j] = scale * <q[g], K[j]>        for the visible keys j of the sequence
+ *   s[g, j] = softcap * tanh(s[g, j] / softcap)   where the model soft-caps its attention logits (Gemma 2)
  *   p[g, j] = softmax_j(s[g, j])
  *   o[g]    = sum_j p[g, j] * V[j]
  *
@@ -84,13 +85,19 @@ static inline void prefetch_page(const void *cache, int64_t index, int bf16, int
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
+/* s[j] = softcap * tanh(s[j] / softcap) for j in [lo, hi): Gemma 2's soft-capped attention logits. */
+static inline void soft_cap(float *s, int64_t lo, int64_t hi, float softcap) {
+    const float inv = 1.0f / softcap;
+    for (int64_t j = lo; j < hi; j++) s[j] = softcap * tanhf(s[j] * inv);
+}
+
 /* One (sequence, KV head). Inlined into each call site: where `head_dim` and `group` are literals, the
  * loops unroll and the group's accumulators stay in registers. Each K and V vector is loaded (and widened
  * from bfloat16) once and used by all `group` query heads. */
 static inline __attribute__((always_inline)) void attend(
     float *out, const float *q, const void *k_cache, const void *v_cache, int bf16, const int64_t *table,
     int64_t first, int64_t seq_len, const int64_t group, const int64_t head_dim, int64_t block_size,
-    int64_t block_stride, int64_t head_offset, float scale, float *scores) {
+    int64_t block_stride, int64_t head_offset, float scale, float softcap, float *scores) {
     const int64_t b_first = first / block_size, b_end = (seq_len + block_size - 1) / block_size;
     const int64_t padded = (b_end - b_first) * block_size; /* scores row length per query head */
     const int64_t lo = first - b_first * block_size, hi = seq_len - b_first * block_size; /* valid [lo, hi) */
@@ -121,10 +128,11 @@ static inline __attribute__((always_inline)) void attend(
     }
     prefetch_page(v_cache, table[b_first] * block_stride + head_offset, bf16, page);
 
-    /* p[g, j] = exp(s[g, j] - max) / sum; the max is a visible score, so the sum is >= 1 */
+    /* p[g, j] = exp(s[g, j] - max) / sum (after the soft cap, if any); the max is a visible score, so the sum is >= 1 */
     float inv_sum[MAX_GROUP];
     for (int64_t g = 0; g < group; g++) {
         float *s = scores + g * padded;
+        if (softcap > 0.0f) soft_cap(s, lo, hi, softcap);
         float max = s[lo], sum = 0.0f;
         for (int64_t j = lo + 1; j < hi; j++) max = s[j] > max ? s[j] : max;
         for (int64_t j = lo; j < hi; j++) {
@@ -179,7 +187,7 @@ static int64_t scores_size(int64_t group, int64_t seq_len, int64_t block_size) {
 NOIPA void attend_item(float *out, const float *q, int64_t q_seq_stride, const void *k_cache, const void *v_cache,
                         int kv_is_bf16, const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                        int64_t sliding_window, int64_t s, int64_t h, float *scores) {
+                        int64_t sliding_window, float softcap, int64_t s, int64_t h, float *scores) {
     const int64_t group = num_heads / num_kv_heads, seq_len = seq_lens[s];
     const int64_t block_stride = num_kv_heads * head_dim * block_size, head_stride = head_dim * block_size;
     const int64_t first = sliding_window > 0 && seq_len > sliding_window ? seq_len - sliding_window : 0;
@@ -188,7 +196,7 @@ NOIPA void attend_item(float *out, const float *q, int64_t q_seq_stride, const v
     const int64_t *table = block_tables + s * table_stride;
 #define ATTEND(GROUP, HEAD_DIM)                                                                       \
     attend(os, qs, k_cache, v_cache, kv_is_bf16, table, first, seq_len, GROUP, HEAD_DIM, block_size,      \
-           block_stride, h * head_stride, scale, scores)
+           block_stride, h * head_stride, scale, softcap, scores)
 #define ATTEND_GROUPS(HEAD_DIM)                                                                       \
     switch (group) {                                                                                  \
     case 1: ATTEND(1, HEAD_DIM); break;                                                               \
@@ -220,7 +228,7 @@ int cbserve_paged_decode_attention(
     int64_t table_stride,
     const int64_t *seq_lens,     /* [num_seqs], KV length including the new token, >= 1 */
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-    float scale, int64_t sliding_window /* <= 0: none */) {
+    float scale, int64_t sliding_window /* <= 0: none */, float softcap /* <= 0: none */) {
     if (!supported(num_heads, num_kv_heads, head_dim, block_size)) return -2;
     const int64_t group = num_heads / num_kv_heads;
     int failed = 0;
@@ -234,7 +242,7 @@ int cbserve_paged_decode_attention(
             continue;
         }
         attend_item(out, q, q_seq_stride, k_cache, v_cache, kv_is_bf16, block_tables, table_stride, seq_lens,
-                    num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window, s, h, scores);
+                    num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window, softcap, s, h, scores);
         free(scores);
     }
     return failed ? -1 : 0;

@@ -6,6 +6,7 @@
  * over the pages:
  *
  *   S[r, j] = scale * <q[r], K[j]>     for the keys j the tile can see   (rows x pages of 16 keys)
+ *   S[r, j] = softcap * tanh(S[r, j] / softcap)   where the model soft-caps its attention logits (Gemma 2)
  *   P[r, j] = softmax over the keys row r may see (j <= its position, and inside the sliding window)
  *   O[r]    = sum_j P[r, j] V[j]
  *
@@ -98,7 +99,7 @@ static inline __attribute__((always_inline)) void weigh_values(v8 acc[PV_ROWS][P
 static inline __attribute__((always_inline)) void attend_tile(float *out, const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                         int bf16, const int64_t *table, int64_t base, int64_t i0, int64_t i1, int64_t h,
                         int64_t num_heads, int64_t group, int64_t head_dim, int64_t block_size,
-                        int64_t block_stride, float scale, int64_t window, float *scores) {
+                        int64_t block_stride, float scale, int64_t window, float softcap, float *scores) {
     const int64_t rows = (i1 - i0) * group, head_page = h * head_dim * block_size;
     /* key range of the tile: from the first query's first key to the last query's own key */
     const int64_t first_pos = base + i0, last_pos = base + i1 - 1;
@@ -132,6 +133,7 @@ static inline __attribute__((always_inline)) void attend_tile(float *out, const 
         const int64_t pos = base + i0 + r / group;
         const int64_t lo = (window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0) - k0, hi = pos + 1 - k0;
         float *s = scores + r * ld;
+        if (softcap > 0.0f) soft_cap(s, lo, hi, softcap);
         float max = s[lo], sum = 0.0f;
         for (int64_t j = lo + 1; j < hi; j++) max = s[j] > max ? s[j] : max;
         for (int64_t j = lo; j < hi; j++) {
@@ -181,10 +183,10 @@ static inline __attribute__((always_inline)) void attend_tile(float *out, const 
 #define TILE_ARGS                                                                                           \
     float *out, const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, const int64_t *table, \
         int64_t base, int64_t i0, int64_t i1, int64_t h, int64_t num_heads, int64_t group, int64_t head_dim,     \
-        int64_t block_size, int64_t block_stride, float scale, int64_t window, float *scores
+        int64_t block_size, int64_t block_stride, float scale, int64_t window, float softcap, float *scores
 #define TILE_CALL(BF16)                                                                                       \
     attend_tile(out, q, q_stride, k_cache, v_cache, BF16, table, base, i0, i1, h, num_heads, group, head_dim,  \
-                block_size, block_stride, scale, window, scores)
+                block_size, block_stride, scale, window, softcap, scores)
 static void attend_tile_f32(TILE_ARGS) { TILE_CALL(0); }
 static void attend_tile_bf16(TILE_ARGS) { TILE_CALL(1); }
 #undef TILE_CALL
@@ -204,7 +206,7 @@ int cbserve_paged_prefill_attention(
     const int64_t *query_starts, /* [num_seqs + 1]: sequence s's queries are tokens [starts[s], starts[s+1]) */
     const int64_t *seq_lens,     /* [num_seqs]: KV length including the new tokens */
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-    float scale, int64_t sliding_window /* <= 0: none */) {
+    float scale, int64_t sliding_window /* <= 0: none */, float softcap /* <= 0: none */) {
     if (!supported(num_heads, num_kv_heads, head_dim, block_size)) return -2;
     const int64_t group = num_heads / num_kv_heads;
     const int64_t block_stride = num_kv_heads * head_dim * block_size;
@@ -242,7 +244,7 @@ int cbserve_paged_prefill_attention(
             (kv_is_bf16 ? attend_tile_bf16 : attend_tile_f32)(
                 out + start * num_heads * head_dim, q + start * q_stride, q_stride, k_cache, v_cache,
                 block_tables + s * table_stride, seq_lens[s] - q_len, i0, i1, h, num_heads, group, head_dim,
-                block_size, block_stride, scale, sliding_window, mine);
+                block_size, block_stride, scale, sliding_window, softcap, mine);
         }
     }
     free(scores);

@@ -3,13 +3,14 @@
  *
  *   rms_norm      [residual += x;]  out = weight * (h / sqrt(mean(h^2) + eps)),  h = residual or x
  *   silu_and_mul  out = silu(gate) * up          over the [gate | up] halves of the fused projection
+ *   gelu_tanh_and_mul  out = gelu_tanh(gate) * up   the same for Gemma's GeGLU (tanh approximation)
  *   rotary        x = x * cos + rotate_half(x) * sin   in place, per token and head ("rotate half" layout)
  *
  * Arithmetic in float32. For bfloat16 tensors every intermediate that PyTorch rounds to bfloat16 is rounded
  * here at the same point (round to nearest even), so the results are those of the PyTorch path in
  * engine/executor/models/layers.py up to the order of the float32 sums (and libm's expf against torch's exp):
  *   rms_norm:     residual = bf16(residual + x); out = bf16(weight * bf16(h * inv_rms))
- *   silu_and_mul: out = bf16(bf16(silu(gate)) * up)
+ *   silu_and_mul: out = bf16(bf16(silu(gate)) * up)      (gelu_tanh_and_mul likewise)
  *   rotary:       out = bf16(bf16(x * cos) + rolled * sin_signed)     (torch.addcmul rounds once)
  * Rows are split over threads with OpenMP when there are enough of them to pay for it.
  */
@@ -156,6 +157,25 @@ INLINE void silu_and_mul_row(void *out, const void *gate, const void *up, int64_
     }
 }
 
+/* gelu_tanh(g) = g / 2 * (1 + tanh(sqrt(2 / pi) * (g + 0.044715 g^3))), PyTorch's approximate="tanh" */
+INLINE float gelu_tanh(float g) { return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))); }
+
+INLINE v16f gelu_tanh16(v16f g) { /* lane by lane: tanhf has no SIMD form the compiler can rely on */
+    v16f r;
+    for (int j = 0; j < LANES; j++) r[j] = gelu_tanh(g[j]);
+    return r;
+}
+
+INLINE void gelu_tanh_and_mul_row(void *out, const void *gate, const void *up, int64_t inter, const int bf16) {
+    const int64_t vec_end = inter - inter % LANES;
+    for (int64_t i = 0; i < vec_end; i += LANES) {
+        v16f act = round16(gelu_tanh16(load16(gate, i, bf16)), bf16);
+        store16(out, i, act * load16(up, i, bf16), bf16);
+    }
+    for (int64_t i = vec_end; i < inter; i++)
+        store(out, i, round_to(gelu_tanh(load(gate, i, bf16)), bf16) * load(up, i, bf16), bf16);
+}
+
 /* one head: x[0:half] and x[half:] against cos/sin rows c, s */
 INLINE void rotary_head(void *x, const void *c, const void *s, int64_t half, const int bf16) {
     const int64_t vec_end = half - half % LANES;
@@ -182,6 +202,10 @@ NOIPA void rms_norm_f32(float *out, float *residual, const float *x, const float
 
 NOIPA void silu_and_mul_f32(float *out, const float *gate, const float *up, int64_t inter) {
     silu_and_mul_row(out, gate, up, inter, 0);
+}
+
+NOIPA void gelu_tanh_and_mul_f32(float *out, const float *gate, const float *up, int64_t inter) {
+    gelu_tanh_and_mul_row(out, gate, up, inter, 0);
 }
 
 NOIPA void rotary_f32(float *x, const float *c, const float *s, int64_t half) { rotary_head(x, c, s, half, 0); }
@@ -213,6 +237,19 @@ void cbserve_silu_and_mul(void *out, const void *gate_up, int64_t gu_stride, int
             silu_and_mul_row(AT(out, r * inter), g, u, inter, 1);
         else
             silu_and_mul_f32((float *)out + r * inter, g, u, inter);
+    }
+}
+
+/* as cbserve_silu_and_mul, with gelu_tanh (Gemma's MLP) */
+void cbserve_gelu_tanh_and_mul(void *out, const void *gate_up, int64_t gu_stride, int64_t rows, int64_t inter,
+                               int bf16) {
+#pragma omp parallel for schedule(static) if (rows * inter >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const void *g = CAT(gate_up, r * gu_stride), *u = CAT(gate_up, r * gu_stride + inter);
+        if (bf16)
+            gelu_tanh_and_mul_row(AT(out, r * inter), g, u, inter, 1);
+        else
+            gelu_tanh_and_mul_f32((float *)out + r * inter, g, u, inter);
     }
 }
 

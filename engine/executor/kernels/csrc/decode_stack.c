@@ -1,5 +1,5 @@
-/* A decode step's decoder layers in one call: every layer of a float32 Llama-family model for a batch of
- * sequences that each compute one new token, inside one OpenMP parallel region.
+/* A decode step's decoder layers in one call: every layer of a float32 Llama-family (or Gemma 2) model for a
+ * batch of sequences that each compute one new token, inside one OpenMP parallel region.
  *
  * Why: run layer by layer from Python, a decode step makes hundreds of calls into C (a matmul, an
  * attention, a norm...); between them the main thread runs Python and PyTorch glue while the other
@@ -10,11 +10,13 @@
  *
  *   residual += y;  n = input_norm(residual)           (layer 0: residual = x, the embeddings)
  *   qkv = n Wqkv^T (+ b)                                small_gemm.c's panels
- *   rotate q and k; store k and v in their cache slots  cpu_ops.c, paged_decode.c
- *   a = attention(q, pages)                             paged_decode.c, one item per (sequence, KV head)
- *   y = a Wo^T (+ b)
- *   residual += y;  n = post_attention_norm(residual)
- *   g = n Wgate_up^T;  m = silu(gate) * up;  y = m Wdown^T
+ *   [Qwen3, Gemma 3: q and k normed per head]
+ *   rotate q and k (the layer's table); store k and v   cpu_ops.c, paged_decode.c
+ *   a = attention(q, pages)                             paged_decode.c, one item per (sequence, KV head),
+ *                                                       in the layer's window, scores soft-capped (Gemma 2)
+ *   y = a Wo^T (+ b)                                    [Gemma: y = post_attention_norm(y)]
+ *   residual += y;  n = post_norm(residual)             (Gemma: its pre-feedforward norm)
+ *   g = n Wgate_up^T;  m = silu(gate) * up;  y = m Wdown^T   [Gemma: gelu_tanh; y = post_feedforward_norm(y)]
  *
  * and at the end out = final_norm(residual + y), the rows the output head takes. Each phase splits its
  * work over the threads (rows, output panels or attention items) and ends in a barrier.
@@ -41,13 +43,17 @@ typedef struct {
     const uint8_t *qkv_q, *o_q, *gate_up_q, *down_q; /* quantized panels or NULL */
     int64_t qkv_q_offsets, o_q_offsets, gate_up_q_offsets, down_q_offsets; /* 1: d * q + m, 0: d * q */
     int64_t rotate;             /* 1: q and k take the rotary embedding; 0: a NoPE layer (SmolLM3) */
+    int64_t sliding_window;     /* this layer's window, <= 0: none */
+    const float *post_attn_norm, *post_ff_norm; /* [hidden]: Gemma's norms of each block's output, or NULL */
+    int64_t gelu;               /* 1: m = gelu_tanh(gate) * up (Gemma); 0: silu */
+    const float *q_norm, *k_norm; /* [head_dim]: per-head norms of q and k before the rotation, or NULL */
+    const float *cos, *sin_signed; /* [max_positions, head_dim]: the layer's rotary tables of cpu_ops.c */
 } cbserve_layer;
 
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
-    int64_t num_blocks, block_size, sliding_window /* <= 0: none */, max_positions;
-    float eps, scale;
-    const float *cos, *sin_signed; /* [max_positions, head_dim]: the rotary tables of cpu_ops.c */
+    int64_t num_blocks, block_size, max_positions;
+    float eps, scale, softcap /* <= 0: none */;
     const float *final_norm;       /* [hidden] */
 } cbserve_model;
 
@@ -125,7 +131,12 @@ int cbserve_decode_stack(const cbserve_model *m, const cbserve_layer *layers,
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < S; t++) {
                 float *row = qkv + t * qkv_size;
-                const float *c = m->cos + positions[t] * hd, *sn = m->sin_signed + positions[t] * hd;
+                if (w->q_norm != NULL)
+                    for (int64_t h = 0; h < nh; h++) rms_norm_f32(row + h * hd, NULL, row + h * hd, w->q_norm, hd, m->eps);
+                if (w->k_norm != NULL)
+                    for (int64_t h = nh; h < nh + nkv; h++)
+                        rms_norm_f32(row + h * hd, NULL, row + h * hd, w->k_norm, hd, m->eps);
+                const float *c = w->cos + positions[t] * hd, *sn = w->sin_signed + positions[t] * hd;
                 if (w->rotate)
                     for (int64_t h = 0; h < nh + nkv; h++) rotary_f32(row + h * hd, c, sn, hd / 2);
                 write_token_kv(w->k_cache, w->v_cache, row + q_size, row + q_size + kv_size, slots[t], nkv, hd,
@@ -134,16 +145,31 @@ int cbserve_decode_stack(const cbserve_model *m, const cbserve_layer *layers,
 #pragma omp for schedule(dynamic, 1)
             for (int64_t item = 0; item < S * nkv; item++)
                 attend_item(attn, qkv, qkv_size, w->k_cache, w->v_cache, 0, block_tables, table_stride, seq_lens,
-                            nh, nkv, hd, bs, m->scale, m->sliding_window, item / nkv, item % nkv, my_scores);
+                            nh, nkv, hd, bs, m->scale, w->sliding_window, m->softcap, item / nkv, item % nkv,
+                            my_scores);
             gemm_shared(y, H, attn, q_size, w->o, w->o_q, w->o_q_offsets, w->o_bias, S, H, q_size);
+            if (w->post_attn_norm != NULL) {
+#pragma omp for schedule(static)
+                for (int64_t r = 0; r < S; r++)
+                    rms_norm_f32(y + r * H, NULL, y + r * H, w->post_attn_norm, H, m->eps);
+            }
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < S; r++)
                 rms_norm_f32(normed + r * H, residual + r * H, y + r * H, w->post_norm, H, m->eps);
             gemm_shared(gate_up, 2 * I, normed, H, w->gate_up, w->gate_up_q, w->gate_up_q_offsets, NULL, S, 2 * I, H);
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < S; r++)
-                silu_and_mul_f32(act + r * I, gate_up + r * 2 * I, gate_up + r * 2 * I + I, I);
+            for (int64_t r = 0; r < S; r++) {
+                if (w->gelu)
+                    gelu_tanh_and_mul_f32(act + r * I, gate_up + r * 2 * I, gate_up + r * 2 * I + I, I);
+                else
+                    silu_and_mul_f32(act + r * I, gate_up + r * 2 * I, gate_up + r * 2 * I + I, I);
+            }
             gemm_shared(y, H, act, I, w->down, w->down_q, w->down_q_offsets, NULL, S, H, I);
+            if (w->post_ff_norm != NULL) {
+#pragma omp for schedule(static)
+                for (int64_t r = 0; r < S; r++)
+                    rms_norm_f32(y + r * H, NULL, y + r * H, w->post_ff_norm, H, m->eps);
+            }
         }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < S; r++) {

@@ -1,0 +1,236 @@
+"""Gemma 2 and Gemma 3 (text) as one decoder-only transformer, as the papers draw it:
+
+    h = embed(ids) * sqrt(hidden_size)
+    for each layer:  h = h + post_attn_norm(attn(input_norm(h)))
+                     h = h + post_ff_norm(mlp(pre_ff_norm(h)))           mlp: down(gelu_tanh(gate) * up)
+    logits = softcap(lm_head(norm(h[logits_indices])), final_logit_softcapping)
+
+with every norm an RMSNorm scaled by ``(1 + weight)``, q.k scaled by ``query_pre_attn_scalar ** -0.5``, and
+``softcap(x, c) = c * tanh(x / c)``. Layers are local (a sliding window) or global (the whole context):
+Gemma 2 alternates them, Gemma 3 has five local layers to one global (``layer_types``), rotates the local
+ones with their own RoPE base (``local_rope_theta``) and normalises q and k per head before the rotation.
+Gemma 2 also soft-caps the attention scores (``attn_logit_softcapping``, inside the paged attention: the
+CPU kernels compute it, and the PyTorch path where SDPA would run).
+
+The attention, the projections, the MLP and the paged KV cache are the Llama code's
+(engine/executor/models/llama.py); the batch is the same flattened ragged ``BatchInputs``. Each layer reads
+the attention metadata of its window, built once per forward for each window the model has. The CPU fast
+paths swap the same modules (engine/executor/fast_paths.py, the GELU gate too); the float32 decode stack
+(engine/executor/decode_stack.py) runs the layers from ``decoder_table``.
+
+NOTE: the ``(1 + weight)`` of the norms is added to the loaded weights once (``_fold_norm_offsets``), so the
+norms are the Llama code's ``RMSNorm`` and take the fused CPU op. In float32 that is the same arithmetic as
+transformers'; in bfloat16 the sum is rounded once at load.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.executor.attention.decode_kernel import DecodeKernel
+from engine.executor.attention.paged import PagedAttentionMetadata
+from engine.executor.inputs import BatchInputs
+from engine.executor.kv_cache import KVCache
+from engine.executor.models.layers import (
+    GatedMLP,
+    GeluTanhAndMul,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    RotaryInputs,
+    empty_param,
+)
+from engine.executor.models.llama import (
+    Attention,
+    DecoderTable,
+    LayerModules,
+    attention_slots,
+    copy_weights,
+    mlp_slots,
+)
+from engine.model_config import ModelConfig
+
+
+class GemmaDecoderLayer(nn.Module):
+    """One layer: attention and MLP, each between a norm before and a norm after ("sandwich" norms)."""
+
+    def __init__(
+        self, config: ModelConfig, layer_index: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.window = config.layer_window(layer_index)  # None: a global layer
+        self.input_layernorm = RMSNorm(hidden, eps, dtype, device)
+        self.self_attn = Attention(config, layer_index, dtype, device)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device)
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps, dtype, device)
+        self.mlp = GatedMLP(hidden, config.intermediate_size, dtype, device, GeluTanhAndMul())
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps, dtype, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]: the previous layer's normed MLP output (embeddings at layer 0)
+        residual: torch.Tensor | None,  # [num_tokens, hidden]: h before it (None at layer 0)
+        rotary: RotaryEmbedding,
+        rotation: RotaryInputs,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: PagedAttentionMetadata,
+        rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's normed MLP output, h before it), as the Llama layer does; ``rows`` too."""
+        if residual is None:
+            normed, h = self.input_layernorm(x), x
+        else:
+            normed, h = self.input_layernorm.add_and_norm(x, residual)  # h = residual + x
+        attn = self.self_attn(normed, rotary, rotation, k_cache, v_cache, meta)
+        if rows is not None:
+            attn, h = attn[rows], h[rows]
+        # h = h + post_attn_norm(attn), then its pre-feedforward norm, in one step
+        normed, h = self.pre_feedforward_layernorm.add_and_norm(self.post_attention_layernorm(attn), h)
+        return self.post_feedforward_layernorm(self.mlp(normed)), h
+
+
+class GemmaModel(nn.Module):
+    """The decoder stack without the output head (named as in HF checkpoints: ``model.*``)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.embed_tokens = empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            GemmaDecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+
+class GemmaForCausalLM(nn.Module):
+    """``forward(inputs, kv_cache) -> logits [num_logits, vocab]`` (fp32) over one ragged batch."""
+
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    ) -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.model = GemmaModel(config, dtype, device)
+        tied = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device, weight=tied)
+        # NOTE: transformers multiplies by sqrt(hidden_size) rounded to the model's dtype; so does this
+        self.embed_scale: torch.Tensor
+        scale = torch.tensor(math.sqrt(config.hidden_size), dtype=dtype, device=device)
+        self.register_buffer("embed_scale", scale, persistent=False)
+        rotary = (config.head_dim, config.max_position_embeddings)
+        self.rotary = RotaryEmbedding(*rotary, config.rope_theta, config.rope_scaling, dtype, device)
+        # Gemma 3's local layers: their own base, no scaling (None: Gemma 2's rotate as the global ones)
+        self.local_rotary: RotaryEmbedding | None = None
+        if config.local_rope_theta is not None:
+            self.local_rotary = RotaryEmbedding(*rotary, config.local_rope_theta, None, dtype, device)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.model.embed_tokens) * self.embed_scale  # [num_tokens, hidden]
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(h).float()  # [num_logits, vocab]
+        cap = self.config.final_logit_softcapping  # Gemma 2's
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    @torch.inference_mode()
+    def forward(
+        self, inputs: BatchInputs, kv_cache: KVCache, decode_kernel: DecodeKernel | None = None
+    ) -> torch.Tensor:
+        """As ``LlamaForCausalLM.forward``: the batch's new tokens' K/V written, fp32 logits
+        ``[len(inputs.logits_indices), vocab_size]`` returned for the ``logits_indices`` rows."""
+        rows = inputs.logits_indices
+        layers = [cast(GemmaDecoderLayer, layer) for layer in self.model.layers]
+        metas = {
+            window: PagedAttentionMetadata.build(
+                inputs, self.config.num_queries_per_kv, self.dtype, window, decode_kernel
+            )
+            for window in {layer.window for layer in layers}
+        }
+        global_rotation = self.rotary.prepare(inputs.positions)
+        local_rotation = None if self.local_rotary is None else self.local_rotary.prepare(inputs.positions)
+        x = self.embed(inputs.input_ids)  # [num_tokens, hidden]
+        residual: torch.Tensor | None = None
+        # past the last layer's attention only the logits rows matter (as in the Llama code)
+        pruned = rows.shape[0] < inputs.input_ids.shape[0] and len(layers) > 0
+        for i, layer in enumerate(layers):
+            rotary, rotation = self.rotary, global_rotation
+            if layer.window is not None and self.local_rotary is not None and local_rotation is not None:
+                rotary, rotation = self.local_rotary, local_rotation
+            x, residual = layer(
+                x, residual, rotary, rotation, kv_cache.k_caches[i], kv_cache.v_caches[i], metas[layer.window],
+                rows if pruned and i == len(layers) - 1 else None,
+            )  # fmt: skip
+        if not pruned:
+            x, residual = x[rows], None if residual is None else residual[rows]
+        if residual is None:  # no layers
+            h = self.model.norm(x)
+        else:
+            h, _ = self.model.norm.add_and_norm(x, residual)  # [num_logits, hidden]
+        return self.compute_logits(h)  # [num_logits, vocab]
+
+    def decoder_table(self) -> DecoderTable:
+        """The decoder's modules, flat (see ``llama.DecoderTable``): the pre-feedforward norm as the norm
+        before the MLP, the norms of the attention's and the MLP's outputs beside, the local layers' rotary
+        embedding (Gemma 3's)."""
+        layers = []
+        for module in self.model.layers:
+            layer = cast(GemmaDecoderLayer, module)
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append(
+                LayerModules(
+                    layer.input_layernorm, attn.qkv_proj, attn.o_proj, layer.pre_feedforward_layernorm,
+                    mlp.gate_up_proj, mlp.act_fn, mlp.down_proj, attn.rotates, layer.window,
+                    layer.post_attention_layernorm, layer.post_feedforward_layernorm, attn.q_norm, attn.k_norm,
+                    self.local_rotary if layer.window is not None else None,
+                )
+            )  # fmt: skip
+        return DecoderTable(tuple(layers), self.model.norm, self.rotary)
+
+    # DoLa's layer taps are the Llama code's only (``dola_layers`` is a 400 here)
+    supports_early_exits = False
+
+    # ------------------------------------------------------------------ weights
+    def weight_slots(self) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """HF tensor name -> (our parameter, first row, end row) it fills (see ``LlamaForCausalLM``)."""
+        slots: dict[str, tuple[torch.Tensor, int, int]] = {}
+
+        def whole(name: str, param: torch.Tensor) -> None:
+            slots[name] = (param, 0, param.shape[0])
+
+        whole("model.embed_tokens.weight", self.model.embed_tokens)
+        whole("model.norm.weight", self.model.norm.weight)
+        if not self.config.tie_word_embeddings:
+            whole("lm_head.weight", cast(Linear, self.lm_head).weight)
+        for i, module in enumerate(self.model.layers):
+            layer = cast(GemmaDecoderLayer, module)
+            p = f"model.layers.{i}."
+            slots.update(attention_slots(p, layer.self_attn, fused=False))
+            slots.update(mlp_slots(p, layer.mlp, fused=False))
+            for norm in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
+                whole(f"{p}{norm}_layernorm.weight", getattr(layer, f"{norm}_layernorm").weight)
+        return slots
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the model (see ``llama.copy_weights`` for the errors), then add the
+        norms' 1."""
+        tied = self.model.embed_tokens if self.config.tie_word_embeddings else None
+        copy_weights(self.weight_slots(), weights, self.config, tied)
+        self._fold_norm_offsets()
+
+    def _fold_norm_offsets(self) -> None:
+        """Gemma's RMSNorms scale by ``1 + weight`` (checkpoints store the offset from 1): the 1 is added
+        here, once, so the norms are plain RMSNorms (and the fused CPU op takes them)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.add_(1.0)
