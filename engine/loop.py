@@ -3,8 +3,10 @@
     batch = scheduler.schedule(); plan = SamplingPlan.of(batch)
     with sampler.masks_ahead(plan.rows) as masks:     # grammar masks on a worker, during the forward
         logits = executor.execute(batch); tokens = plan.sample(sampler, logits, masks)
+        beams.search(logits)                          # beam searches: engine/beam_group.py
     step = outputs.accept_step(batch, tokens); verify_drafts(...)   # speculating rows accept their drafts
-    scheduler.update(batch, step...); outputs.publish(...); speculator.propose(running)  # next step's drafts
+    scheduler.update(batch, step..., beams...); outputs.publish(...); speculator.propose(running)
+    beams.apply(scheduler)                            # forks and prunes; finished searches published
 
 between draining its inbox (new requests, cancellations, evictions, cache resets) and flushing the step's
 outputs to their sinks in one hand-over; the KV-cache events of the step (kvcache/events.py), when recorded,
@@ -23,6 +25,7 @@ from typing import Protocol
 
 import torch
 
+from engine.beam_group import BeamSteps, publish_results
 from engine.errors import ExecutorFailedError
 from engine.generation.mask_prefetch import PendingMasks
 from engine.generation.sampler import SampledToken, Sampler, SamplingRow
@@ -81,7 +84,7 @@ class SamplingPlan:
     def sample(self, sampler: Sampler, logits: torch.Tensor, masks: PendingMasks) -> list[list[SampledToken]]:
         """Per chunk that ``needs_sample``, its SampledTokens, from ``logits`` (one row per such chunk)."""
         if not self.rows:
-            return []
+            return [[] for _ in self.spans]
         if self.row_logits != list(range(logits.shape[0])):  # forks repeat a row; skipped rows drop one
             logits = logits.index_select(0, torch.tensor(self.row_logits, device=logits.device))
         tokens = sampler.sample(logits, self.rows, masks)
@@ -137,11 +140,13 @@ class EngineLoop:
             self._idle(STALLED_WAIT_S)
             return
         plan = SamplingPlan.of(batch)
+        beams = BeamSteps.of(batch)
         with self.sampler.masks_ahead(plan.rows) as masks:
             try:
                 logits = self.executor.execute(batch)
                 logits, runs = self._take_draft_logits(batch, self._take_prompt_logits(batch, logits))
                 sampled = plan.sample(self.sampler, logits, masks)
+                beams.search(logits, self.sampler.vocab_size, self.sampler.eos_token_ids)
             except ExecutorFailedError:
                 raise  # NOTE: no step can run any more: the loop dies (run() fails every request).
             except Exception as exc:  # NOTE: a failed forward fails its step's requests, not the engine.
@@ -152,13 +157,15 @@ class EngineLoop:
             verify_drafts(self.sampler, self.outputs, runs, step)
             for run in runs:
                 self.speculator.record(run.seq.draft_length, len(run.drafts), num_accepted(run, step))
-        for failure in step.failed:
+        for failure in [*step.failed, *beams.failed]:
             self._fail(failure.seq, failure.error, failure.code)
-        self.scheduler.update(batch, step.new_tokens, step.finished)
+        self.scheduler.update(batch, {**step.new_tokens, **beams.new_tokens}, step.finished)
         for parent, children in step.forks:
             self._fork(parent, children, step.now)
         for seq in step.accepted:
             self.outputs.publish(seq)
+        for group in beams.apply(self.scheduler):
+            publish_results(group, self.outputs, step.now)
         for req, error in self.speculator.propose(self.scheduler.running_requests):
             self._fail(req.payload, error)
         self._end_step(batch)
@@ -294,19 +301,31 @@ class EngineLoop:
             if seq.request is not None:
                 self.scheduler.finish_request(seq.scheduler_id, FinishReason.ABORT)
             self.outputs.cancel(seq)
+        self._end_search(group, FinishReason.ABORT)
         for seq in group.never_started():
             self.outputs.cancel(seq)
 
     # ------------------------------------------------------------------ failing
     def _fail(self, seq: Sequence, error: str, error_code: str | None = None) -> None:
-        """Fail one sequence (and the siblings it has not forked yet)."""
+        """Fail one sequence (and the siblings it has not forked yet; a beam: its whole search)."""
         if seq.finished:
+            return
+        if seq in seq.group.searching():
+            self._end_search(seq.group, FinishReason.ERROR)
+            for output in seq.group.never_started():
+                self.outputs.fail(output, error, error_code)
             return
         if seq.request is not None and not seq.request.is_finished:
             self.scheduler.finish_request(seq.scheduler_id, FinishReason.ERROR)
         self.outputs.fail(seq, error, error_code)
         for sibling in seq.group.unforked_siblings(seq):
             self.outputs.fail(sibling, error, error_code)
+
+    def _end_search(self, group: SequenceGroup, reason: FinishReason) -> None:
+        """Finish a beam search's running beams (they publish nothing of their own)."""
+        for beam in group.searching():
+            beam.finished = True
+            self.scheduler.finish_request(beam.scheduler_id, reason)
 
     def _fail_step(self, batch: ScheduledBatch, exc: Exception) -> None:
         logger.exception("forward failed; failing the %d requests of this step", len(batch), exc_info=exc)
@@ -322,7 +341,7 @@ class EngineLoop:
             elif isinstance(message, ResetPrefixCache):  # its caller waits for an answer
                 message.done.set_result(False)
         for group in list(self.outputs.groups.values()):
-            for seq in list(group.sequences):
+            for seq in [*group.sequences, *group.searching()]:
                 try:
                     self._fail(seq, error)
                 except Exception:  # NOTE: the scheduler may be broken too; the client must still hear.

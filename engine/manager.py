@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from engine.admission import RequestLimits, check_prompt
+from engine.beam_group import BeamSearchGroup
 from engine.errors import EngineDeadError, ExecutorFailedError, QueueFullError
 from engine.executor.dola import LayerContrast
 from engine.executor.draft_model import DraftModel
@@ -40,6 +41,7 @@ from engine.stats import EngineStats
 from engine.streamer_sink import StreamerSink
 from kvcache.events import KVCacheEvent
 from scheduler.base import Scheduler
+from scheduler.errors import RequestTooLargeError
 
 
 class ContinuousBatchingManager:
@@ -190,9 +192,10 @@ class ContinuousBatchingManager:
         if streamer is None:
             group = self._new_group(input_ids, config, rid, sink, streaming, record_timestamps, hooks=hooks)
         else:
-            if config.num_return_sequences != 1:
+            if config.num_return_sequences != 1 or config.is_beam_search:
                 raise GenerationConfigError(
-                    "streamer", "a streamer follows one sequence: num_return_sequences must be 1"
+                    "streamer",
+                    "a streamer follows one sequence: num_return_sequences and num_beams must be 1",
                 )
             fed = StreamerSink(sink, streamer, pass_every_output=streaming)
             group = self._new_group(input_ids, config, rid, fed, True, record_timestamps, hooks=hooks)
@@ -314,9 +317,14 @@ class ContinuousBatchingManager:
         self.limits.check_fits(len(prompt_ids), max_new, rid)
         grammar = self._grammar_of(config, grammar)
         exit_layers = self._dola_layers(config)
-        speculation = speculation_for(config, self.speculative_config)
+        beams = config.is_beam_search
+        if beams:
+            self._check_beams(config, len(prompt_ids), max_new, rid, hooks)
+        # NOTE: a beam continues by its score only: no beam drafts
+        speculation = None if beams else speculation_for(config, self.speculative_config)
         self._check_speculation(speculation, "assistant_early_exit")
-        return SequenceGroup(
+        group_class = BeamSearchGroup if beams else SequenceGroup
+        return group_class(
             rid,
             prompt_ids,
             config,
@@ -331,6 +339,32 @@ class ContinuousBatchingManager:
             exit_layers=exit_layers,
             speculation=speculation,
         )
+
+    def _check_beams(
+        self, config: GenerationConfig, prompt_len: int, max_new: int, rid: str, hooks: RequestHooks | None
+    ) -> None:
+        """A beam search runs only when all its beams fit one step and, each at full length, the cache."""
+        if hooks is not None:
+            raise GenerationConfigError(
+                "logits_processor", "a request's own processors and stopping criteria cannot run with beams"
+            )
+        if config.num_beams > self.scheduler.config.max_num_seqs:
+            raise GenerationConfigError(
+                "num_beams",
+                f"({config.num_beams}) must not exceed the engine's max_num_seqs "
+                f"({self.scheduler.config.max_num_seqs}): every beam runs in the same step",
+            )
+        # NOTE: conservative (beams share their prefix): it makes sure a preempted search can come back.
+        beam_blocks = config.num_beams * -(-(prompt_len + max_new) // self.limits.block_size)
+        if beam_blocks > self.limits.num_blocks:
+            raise RequestTooLargeError(
+                rid,
+                prompt_len + max_new,
+                beam_blocks,
+                self.limits.num_blocks,
+                f"{config.num_beams} beams of {prompt_len} prompt tokens + {max_new} new tokens need "
+                f"{beam_blocks} KV blocks, but the cache holds only {self.limits.num_blocks} blocks",
+            )
 
     def _check_speculation(self, speculation: Speculation | None, field: str) -> None:
         """Early exit needs a model that gives its layers' logits, through fewer layers than it has; a draft

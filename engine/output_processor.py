@@ -73,6 +73,8 @@ class OutputProcessor:
             if not chunk.needs_sample:
                 continue
             tokens = next(rows)
+            if not tokens:  # a beam: its group scores it (engine/beam_group.py)
+                continue
             seq: Sequence = chunk.request.payload
             reason = self.accept(seq, tokens[0], now)
             if isinstance(reason, Failure):
@@ -197,6 +199,7 @@ class OutputProcessor:
             finish_time=time.monotonic() if status is not RequestStatus.RUNNING else None,
             num_cached_tokens=req.num_cached_tokens if req is not None else 0,
             num_preemptions=req.num_preemptions if req is not None else 0,
+            sequence_score=seq.score,
         )
         seq.sent_ids = len(ids)
         seq.pending_text = ""

@@ -44,6 +44,9 @@ class GenerationOutput:
     timestamps: list[float] | None = None  # monotonic time of each generated token, when asked
     # one per prompt token (None for the first), once every prompt position is computed, when asked
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # beam search: the hypothesis' score, sum of log-probabilities / length ** length_penalty
+    # (transformers' ``sequences_scores``)
+    sequence_score: float | None = None
     # monotonic timestamps for metrics
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None

@@ -108,6 +108,11 @@ class SequenceGroup:
         self.sequences.extend(missing)
         return missing
 
+    def searching(self) -> list[Sequence]:
+        """The sequences that hold scheduler requests but publish no output of their own: a beam
+        search's running beams (engine/beam_group.py); none for samples."""
+        return []
+
     def on_final_output(self) -> bool:
         """Count one sequence's final output; True once the whole group is done."""
         self.num_finished += 1
@@ -172,6 +177,7 @@ class Sequence:
     sent_logprobs: int = 0
     finished: bool = False
     draft_length: DraftLength | None = None  # speculative decoding: drafts per step (set at its first)
+    score: float | None = None  # a beam search's returned hypothesis: its score
 
     @property
     def scheduler_id(self) -> str:

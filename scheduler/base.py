@@ -16,7 +16,8 @@ Budgets of one step: ``max_batch_tokens`` tokens, ``max_num_seqs`` requests, and
 A request gets, block by block, the blocks for every token it computes this step. When a running request
 cannot get a block, the most recently admitted running request is preempted by recompute (its blocks are
 freed, it goes back to the front of the waiting queue with ``num_computed_tokens = 0`` and its output kept,
-to be recomputed like a prompt); if that is the request itself, it yields. Waiting requests are admitted
+to be recomputed like a prompt), together with the running requests of its ``gang`` (a beam search's
+beams); if that preempted the request itself, it yields. Waiting requests are admitted
 in arrival order (no skipping ahead) while blocks, the safety margin, the token budget and ``max_num_seqs``
 allow, and not in a step that preempted (admitting then would only thrash).
 
@@ -179,13 +180,13 @@ class Scheduler(ABC):
             if drafts and not self.kv_manager.can_allocate_slots(req.request_id, num_tokens):
                 num_new, num_tokens, drafts = num_new - len(drafts), num_tokens - len(drafts), ()
             while not self.kv_manager.can_allocate_slots(req.request_id, num_tokens):
-                victim = self._running[-1]
-                dropped = chunks.pop(victim.request_id, None)
-                if dropped is not None:
-                    budget += dropped.num_tokens
-                self._preempt(victim, batch)
+                for victim in self._gang_of(self._running[-1]):
+                    dropped = chunks.pop(victim.request_id, None)
+                    if dropped is not None:
+                        budget += dropped.num_tokens
+                    self._preempt(victim, batch)
                 preempted = True
-                if victim is req:
+                if req.status is RequestStatus.WAITING:
                     break
             if req.status is RequestStatus.WAITING:
                 continue
@@ -365,6 +366,12 @@ class Scheduler(ABC):
         self.num_preemptions += 1
         self._waiting.appendleft(req)
         batch.preempted_ids.append(req.request_id)
+
+    def _gang_of(self, req: Request) -> list[Request]:
+        """``req`` and the running requests of its gang, the most recently admitted first."""
+        if req.gang is None:
+            return [req]
+        return [r for r in reversed(self._running) if r.gang == req.gang]
 
     # ---- n > 1 ----------------------------------------------------------------------------------------
     def fork(self, parent_id: str, child: Request) -> Request:

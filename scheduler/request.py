@@ -52,6 +52,8 @@ class Request:
     # speculative decoding: tokens proposed to follow the known ones, verified (and accepted or rolled back)
     # in the next step that schedules them; never part of ``all_token_ids``
     draft_ids: list[int] = field(default_factory=list)
+    # requests preempted together (a beam search's beams, which all need their logits in the same step)
+    gang: str | None = None
     payload: Any = None
 
     @property

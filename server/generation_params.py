@@ -22,6 +22,7 @@ from engine.admission import check_context_length
 from engine.generation.config import GenerationConfig
 from engine.generation.grammar_spec import GrammarSpec
 from engine.generation.watermark_config import Watermark
+from server.beam_search_params import beam_search_options
 from server.errors import APIError
 from server.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
@@ -160,4 +161,5 @@ def build_generation_config(
     }
     if req.top_k is not None:
         overrides["top_k"] = max(req.top_k, 0)
+    overrides.update(beam_search_options(req))
     return defaults.merged(**overrides)

@@ -199,6 +199,30 @@ class SamplingRequest(RequestBody):
         None,
         description="A watermark on the output: WatermarkingConfig or SynthIDTextWatermarkingConfig fields.",
     )
+    # Beam search (server/beam_search_params.py): vLLM's fields, and transformers' num_beams as an extra.
+    use_beam_search: StrictBool = Field(False, description="vLLM: beam search with best_of beams.")
+    best_of: StrictInt | None = Field(
+        None, ge=1, le=64, description="With use_beam_search: the number of beams (default n)."
+    )
+    num_beams: StrictInt | None = Field(None, ge=1, le=64, description="transformers: beam search when > 1.")
+    num_beam_groups: StrictInt | None = Field(
+        None, ge=1, le=64, description="transformers: diverse beam search with the beams in this many groups."
+    )
+    diversity_penalty: Number | None = Field(
+        None, ge=0.0, description="Diverse beam search: subtracted per earlier group that chose the token."
+    )
+    force_words_ids: list[list[StrictInt] | list[list[StrictInt]]] | None = Field(
+        None,
+        max_length=64,
+        description="Constrained beam search: token ids the output must contain (a list of lists: one of them).",
+    )
+    length_penalty: Number | None = Field(
+        None, description="Beam search: a hypothesis scores sum(logprobs) / length ** length_penalty."
+    )
+    early_stopping: StrictBool | Literal["never"] | None = Field(
+        None,
+        description="Beam search: stop at num_beams finished hypotheses (true), by a heuristic (false), or never.",
+    )
     # The arguments of the server's --logits-processors for this request (engine/generation/user_processors.py).
     logits_processor_args: dict[str, Any] | None = Field(
         None, description="Per-request arguments of the server's logits processors (--logits-processors)."

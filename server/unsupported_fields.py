@@ -2,7 +2,7 @@
 a 200 that silently ignores what the client asked for.
 
 A field is refused only when its value asks for something: the neutral value a client library sends by
-default (``best_of`` equal to ``n``, ``use_beam_search: false``, ...) is accepted. Unknown fields that
+default (``include_stop_str_in_output: false``, ``modalities: ["text"]``, ...) is accepted. Unknown fields that
 are not listed here are still ignored and logged once (``serving_common.log_unknown_fields``).
 """
 
@@ -43,17 +43,6 @@ def _true(value: Any, body: SamplingRequest) -> bool:
 
 
 UNSUPPORTED_FIELDS: tuple[Unsupported, ...] = (
-    Unsupported(
-        "best_of",
-        lambda v, body: v is None or _same(v, body.n),
-        "cbserve returns every sample it generates; ask for n samples instead",
-    ),
-    Unsupported("use_beam_search", _false, "beam search is not implemented"),
-    Unsupported(
-        "length_penalty",
-        lambda v, body: v is None or (type(v) in (int, float) and v == 1),
-        "it only applies to beam search, which is not implemented",
-    ),
     Unsupported("allowed_token_ids", _absent, "use logit_bias or bad_words instead"),
     Unsupported("include_stop_str_in_output", _false, "the matched stop string is always cut off"),
     Unsupported("truncate_prompt_tokens", _absent, "prompts are never truncated"),

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from engine.generation.constraints import Constraint, constraints_of
 from engine.generation.errors import GenerationConfigError
 from engine.generation.grammar_spec import GrammarSpec
 from engine.generation.speculation import MAX_SPECULATIVE_TOKENS, SCHEDULES
@@ -36,6 +37,8 @@ _FLOAT_FIELDS = (
     "epsilon_cutoff",
     "eta_cutoff",
     "repetition_penalty",
+    "length_penalty",
+    "diversity_penalty",
     "max_time",
     "presence_penalty",
     "frequency_penalty",
@@ -46,6 +49,8 @@ _INT_FIELDS = (
     "top_k",
     "no_repeat_ngram_size",
     "num_return_sequences",
+    "num_beams",
+    "num_beam_groups",
     "top_logprobs",
     "seed",
     "prompt_logprobs",
@@ -108,6 +113,19 @@ class GenerationConfig:
     logits_processor_args: dict[str, Any] | None = None
     # DoLa (engine/executor/dola.py): contrast the last layer with "low" or "high" layers or a list of them.
     dola_layers: str | list[int] | None = None
+    # Beam search (engine/generation/beam_search.py): num_return_sequences of the num_beams best hypotheses.
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False  # True, False or "never"
+    # Diverse beam search (engine/generation/diverse_beam_search.py): the beams in groups, penalised for
+    # choosing the tokens the earlier groups chose at the same step.
+    num_beam_groups: int = 1
+    diversity_penalty: float = 0.0
+    # Constrained beam search (engine/generation/constrained_beam_search.py): words the output must contain,
+    # a list of token ids each (or a list of such lists: one of them), and/or constraint objects
+    # (engine/generation/constraints.py: PhrasalConstraint, DisjunctiveConstraint).
+    force_words_ids: list[Any] | None = None
+    constraints: list[Constraint] | None = None
     # Speculative decoding (engine/speculative/): prompt lookup for this request with up to this many drafts
     # a step (0: none, whatever the server does), n-grams of up to ``max_matching_ngram_size`` tokens; over
     # the server's --speculative-config, the drafts per step and how they adapt.
@@ -213,6 +231,7 @@ class GenerationConfig:
         self._validate_structured_output()
         self._validate_logits_processor_args()
         self._validate_dola_layers()
+        self._validate_beams()
         self._validate_speculation()
         if vocab_size is not None:
             self._validate_vocab(vocab_size)
@@ -246,6 +265,93 @@ class GenerationConfig:
             raise GenerationConfigError(
                 "dola_layers",
                 f"must be 'low', 'high' or a non-empty list of layer indices >= 0, got {layers!r}",
+            )
+
+    @property
+    def is_beam_search(self) -> bool:
+        return self.num_beams > 1
+
+    def _validate_beams(self) -> None:
+        """Beam search's own fields, and what it cannot be combined with."""
+        if self.num_beams < 1:
+            raise GenerationConfigError("num_beams", f"must be >= 1, got {self.num_beams}")
+        if self.early_stopping not in (True, False, "never") or type(self.early_stopping) not in (bool, str):
+            raise GenerationConfigError(
+                "early_stopping", f'must be true, false or "never", got {self.early_stopping!r}'
+            )
+        if self.num_beam_groups < 1:
+            raise GenerationConfigError("num_beam_groups", f"must be >= 1, got {self.num_beam_groups}")
+        if self.diversity_penalty < 0:
+            raise GenerationConfigError("diversity_penalty", f"must be >= 0, got {self.diversity_penalty}")
+        if self.num_beam_groups > 1:
+            self._validate_beam_groups()
+        if self.force_words_ids is not None or self.constraints is not None:
+            self._validate_constraints()
+        if not self.is_beam_search:
+            return
+        if self.num_return_sequences > self.num_beams:
+            raise GenerationConfigError(
+                "num_return_sequences",
+                f"({self.num_return_sequences}) must not exceed num_beams ({self.num_beams})",
+            )
+        # NOTE: a beam is pruned and forked by its score alone: what needs one sequence's own history
+        # (text, a grammar's state, a clock, another model's layers) is not carried across beams.
+        for name, value in (
+            ("stop_strings", self.stop_strings),
+            ("structured_output", self.structured_output),
+            ("watermarking_config", self.watermarking_config),
+            ("dola_layers", self.dola_layers),
+            ("max_time", self.max_time),
+            ("logits_processor_args", self.logits_processor_args),
+            ("prompt_lookup_num_tokens", self.prompt_lookup_num_tokens or None),
+            ("assistant_early_exit", self.assistant_early_exit),
+        ):
+            if value is not None:
+                raise GenerationConfigError(name, "cannot be combined with beam search (num_beams > 1)")
+
+    @property
+    def all_constraints(self) -> list[Constraint]:
+        """``constraints`` and the constraints of ``force_words_ids``."""
+        forced = constraints_of(self.force_words_ids) if self.force_words_ids is not None else []
+        return [*(self.constraints or []), *forced]
+
+    def _validate_constraints(self) -> None:
+        """Constrained beam search: beams, no groups, no sampling (as transformers requires)."""
+        if self.constraints is not None and (
+            not self.constraints or not all(isinstance(c, Constraint) for c in self.constraints)
+        ):
+            raise GenerationConfigError(
+                "constraints", "must be a non-empty list of PhrasalConstraint or DisjunctiveConstraint"
+            )
+        if self.force_words_ids is not None:
+            if not isinstance(self.force_words_ids, list):
+                raise GenerationConfigError(
+                    "force_words_ids", f"must be a list of token id lists, got {self.force_words_ids!r}"
+                )
+            try:
+                constraints_of(self.force_words_ids)
+            except (ValueError, TypeError, IndexError) as exc:
+                raise GenerationConfigError("force_words_ids", str(exc)) from None
+        field = "force_words_ids" if self.force_words_ids is not None else "constraints"
+        if not self.is_beam_search:
+            raise GenerationConfigError(field, "needs beam search (num_beams > 1)")
+        if self.num_beam_groups > 1 or not self.is_greedy:
+            raise GenerationConfigError(field, "cannot be combined with num_beam_groups > 1 or do_sample")
+
+    def _validate_beam_groups(self) -> None:
+        """Diverse beam search: groups that divide the beams, a penalty that makes them differ, no sampling
+        (as transformers' group beam search requires)."""
+        if self.num_beams % self.num_beam_groups:
+            raise GenerationConfigError(
+                "num_beam_groups", f"({self.num_beam_groups}) must divide num_beams ({self.num_beams})"
+            )
+        if self.diversity_penalty <= 0:
+            raise GenerationConfigError(
+                "diversity_penalty", "must be > 0 with num_beam_groups > 1 (else the groups are the same)"
+            )
+        if not self.is_greedy:
+            raise GenerationConfigError(
+                "do_sample", "diverse beam search (num_beam_groups > 1) does not sample"
             )
 
     def _validate_speculation(self) -> None:

@@ -1,0 +1,80 @@
+"""Beam search on the default model against transformers' ``generate(num_beams=...)`` on the same GGUF
+(dequantized, float32: the greedy parity tests' oracle), with and without EOS, alone and in one batch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from engine.engine import Engine
+from engine.outputs import GenerationOutput
+
+PROMPTS = ["The capital of France is", "Here is a short poem about the sea:", "def fibonacci(n):"]
+MAX_NEW = 16
+SEARCHES: list[dict[str, Any]] = [
+    dict(num_beams=4, num_return_sequences=2),
+    dict(num_beams=3, num_return_sequences=3, early_stopping=True, length_penalty=0.6),
+    dict(num_beams=2, early_stopping="never", length_penalty=1.5),
+]
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Engine]:
+    yield Engine.from_pretrained("default", device="cpu", dtype="float32", num_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def prompts(oracle_tokenizer: Any) -> list[list[int]]:
+    return [oracle_tokenizer(p)["input_ids"] for p in PROMPTS]
+
+
+@torch.no_grad()
+def reference(
+    oracle_model: Any, prompt: list[int], eos: int | None, search: dict[str, Any]
+) -> tuple[list[list[int]], list[float]]:
+    ids = torch.tensor([prompt])
+    out = oracle_model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=MAX_NEW,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_scores=True,
+        **search,
+    )
+    beams = []
+    for row, indices in zip(out.sequences, out.beam_indices, strict=True):
+        length = int((indices >= 0).sum())
+        beams.append(row[len(prompt) : len(prompt) + length].tolist())
+    return beams, out.sequences_scores.tolist()
+
+
+@pytest.mark.parametrize("with_eos", [False, True])
+@pytest.mark.parametrize("search", SEARCHES, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+def test_beams_equal_transformers_on_the_default_model(
+    engine: Engine, oracle_model: Any, prompts: list[list[int]], search: dict[str, Any], with_eos: bool
+) -> None:
+    # NOTE: the model's EOS rarely comes within a few tokens; "." (or ":" / "\n") ends hypotheses early
+    eos = engine.tokenizer.encode(".", add_special_tokens=False)[-1] if with_eos else None
+    res = engine.generate_batch(
+        prompts,
+        progress_bar=False,
+        max_new_tokens=MAX_NEW,
+        do_sample=False,
+        eos_token_id=eos,
+        ignore_eos=eos is None,
+        **search,
+    )
+    n = search.get("num_return_sequences", 1)
+    for i, prompt in enumerate(prompts):
+        outs: list[GenerationOutput] = [
+            res[f"batch_req_{i}" if j == 0 else f"batch_req_{i}/{j}"] for j in range(n)
+        ]
+        beams, scores = reference(oracle_model, prompt, eos, search)
+        assert [o.generated_ids for o in outs] == beams
+        assert [o.sequence_score for o in outs] == pytest.approx(scores, abs=1e-3)
