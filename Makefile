@@ -39,7 +39,7 @@ unit: install
 
 # Everything, as CI runs it.
 pytest: install
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 test: lint typecheck pytest
 

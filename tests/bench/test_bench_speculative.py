@@ -1,5 +1,5 @@
-"""bench/speculative.py runs plain decoding and each speculating system on both workloads and writes one
-row per system with its ratio to plain and its acceptance length."""
+"""bench/speculative.py runs plain decoding and each speculating system and writes one row per system with
+its ratio to plain and its acceptance length."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ pytestmark = pytest.mark.slow  # the default model
 
 def test_one_round_of_every_system(tmp_path: Path) -> None:
     out = tmp_path / "spec.json"
-    argv = ["--rounds", "1", "--num-seqs", "1", "--new-tokens", "12", "--systems", "ngram", "early_exit"]
+    argv = ["--rounds", "1", "--num-seqs", "1", "--new-tokens", "8", "--systems", "ngram", "early_exit"]
+    argv += ["--workloads", "grounded"]
     assert speculative.main([*argv, "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [(r["workload"], r["system"]) for r in rows] == [
-        (w, s) for w in ("grounded", "random") for s in ("plain", "ngram", "early_exit")
+        ("grounded", s) for s in ("plain", "ngram", "early_exit")
     ]
     for row in rows:
         assert row["tok_s"] > 0 and len(row["runs"]) == 1

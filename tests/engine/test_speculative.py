@@ -79,7 +79,7 @@ def same(a: list[GenerationOutput], b: list[GenerationOutput]) -> None:
 
 def test_greedy_prompt_lookup_equals_plain_decoding_and_accepts_drafts(engine: Engine) -> None:
     prompts = [chat(engine, PASSAGE), chat(engine, CODE)]
-    plain, spec, manager = plain_and_speculative(engine, prompts, max_new_tokens=64, output_logprobs=True)
+    plain, spec, manager = plain_and_speculative(engine, prompts, max_new_tokens=40, output_logprobs=True)
     same(plain, spec)
     for x, y in zip(plain, spec, strict=True):  # the target's logprobs, the same bits
         assert x.logprobs is not None and y.logprobs is not None
@@ -98,7 +98,7 @@ def test_server_wide_ngram_with_sixteen_concurrent_requests(engine: Engine) -> N
     server = SpeculativeConfig.from_dict(
         {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "disable_by_batch_size": 64}
     )
-    plain, spec, manager = plain_and_speculative(engine, prompts[:16], server, max_new_tokens=40)
+    plain, spec, manager = plain_and_speculative(engine, prompts[:16], server, max_new_tokens=24)
     same(plain, spec)
     assert manager.stats().spec_num_accepted_tokens > 0
 
