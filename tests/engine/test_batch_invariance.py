@@ -62,21 +62,20 @@ def test_logprobs_are_the_same_bits_whatever_shares_the_steps(dtype: str) -> Non
     decoding = [_random_prompt(rng, 20) for _ in range(15)]  # a full decode batch beside the prompt
     first_long = _random_prompt(rng, 1800)  # takes most of a step: the prompt after it is split in two
     greedy, seeded = {"do_sample": False}, {"do_sample": True, "seed": 7, "temperature": 1.0}
-    for prompt, sampling in ((prompts[0], greedy), (prompts[1], greedy), (prompts[1], seeded)):
-        if True:
-            alone_ids, alone = _first_output(engine, [prompt], 0, **sampling)
-            for batch, index in (
-                ([prompt, *long_prompts], 0),
-                ([prompt, *decoding], 0),
-                ([first_long, prompt], 1),
-            ):
-                ids, logprobs = _first_output(engine, batch, index, **sampling)
-                assert ids == alone_ids
-                assert torch.equal(logprobs, alone), (
-                    dtype,
-                    len(batch),
-                    (logprobs - alone).abs().max().item(),
-                )
+    for prompt, sampling in ((prompts[0], greedy), (prompts[1], seeded)):
+        alone_ids, alone = _first_output(engine, [prompt], 0, **sampling)
+        for batch, index in (
+            ([prompt, *long_prompts], 0),
+            ([prompt, *decoding], 0),
+            ([first_long, prompt], 1),
+        ):
+            ids, logprobs = _first_output(engine, batch, index, **sampling)
+            assert ids == alone_ids
+            assert torch.equal(logprobs, alone), (
+                dtype,
+                len(batch),
+                (logprobs - alone).abs().max().item(),
+            )
 
 
 def test_batch_invariance_is_refused_where_the_kernels_cannot_promise_it() -> None:
