@@ -2,6 +2,7 @@
 one process on one engine, so that a noisy machine's slow minutes hit both sides alike.
 
     python -m bench.decode_stack_ab [--runs 5] [--prompts 16] [--prompt-len 128] [--new-tokens 64]
+                                    [--dtype float32|bfloat16]
 
 Prints, for each side, the best and the median of ``--runs`` whole ``generate_batch`` runs (a prefill of
 ``--prompts`` random prompts, then greedy decode steps) and of ``3 * --runs`` single decode forwards of all
@@ -38,12 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    engine = Engine.from_pretrained(args.model, dtype="float32", device="cpu")
+    engine = Engine.from_pretrained(args.model, dtype=args.dtype, device="cpu")
     stack = engine.decode_stack
     if stack is None:
-        print("this model runs no decode stack here (not float32 on the CPU, or no C compiler)")
+        print("this model runs no decode stack here (bfloat16 without AMX, not on the CPU, or no C compiler)")
         return 1
     model = stack.model
     rng = random.Random(0)
@@ -56,7 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg, block = model.config, engine.kv_cache.block_size
     pages = -(-(args.prompt_len + 1) // block)
     cache = KVCache(
-        cfg.num_hidden_layers, 1 + args.prompts * pages, block, cfg.num_key_value_heads, cfg.head_dim
+        cfg.num_hidden_layers,
+        1 + args.prompts * pages,
+        block,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        model.dtype,
     )
     tables = [list(range(1 + i * pages, 1 + (i + 1) * pages)) for i in range(args.prompts)]
     ones = [True] * args.prompts

@@ -8,9 +8,11 @@ while the other waits in OpenMP's barrier. The stack runs the same kernels, in t
 layer in one parallel region: the result is that of the layer-by-layer path (tests/model/test_decode_stack.py).
 
 It reads its weights from the model's flat table (``decoder_table`` of the Llama or Gemma model) once the
-CPU fast paths are in (engine/executor/fast_paths.py): float32, every projection in the small kernel's
-panels, the fused ops (per-head q/k norms and each layer's rotary table included: Qwen3, Gemma 3). It runs steps where every sequence computes one token with the CPU
-decode kernel (``CpuDecodeStack.can_run``); everything else runs layer by layer.
+CPU fast paths are in (engine/executor/fast_paths.py): float32 with every projection in the small kernel's
+panels, or bfloat16 with every projection in the AMX kernel's tiles (CPUs with AMX-BF16), and the fused ops
+(per-head q/k norms and each layer's rotary table included: Qwen3, Gemma 3). It runs steps where every
+sequence computes one token with the CPU decode kernel (``CpuDecodeStack.can_run``); everything else runs
+layer by layer.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from engine.cpu.native_build import BuildOnce, KernelUnavailable
 from engine.executor.attention.decode_kernel import DecodeKernel
 from engine.executor.inputs import BatchInputs
 from engine.executor.kernels.modules import (
+    AmxLinear,
     FusedGeluTanhMul,
     FusedRMSNorm,
     FusedRotaryEmbedding,
@@ -77,6 +80,7 @@ class _Model(ctypes.Structure):
         ("scale", _f32),
         ("softcap", _f32),
         ("final_norm", _ptr),
+        ("bf16", _i64),
     ]
 
 
@@ -84,18 +88,31 @@ def _ptr_of(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _packed(m: Panels) -> torch.Tensor:
+    """A projection's weights as the stack's matmuls read them: float32 panels or bfloat16 AMX tiles."""
+    if isinstance(m, AmxLinear):
+        return m.tiles
+    return m.rest.panels if isinstance(m, QuantPanelLinear) else m.panels
+
+
 def _weight(norm: nn.Module | None) -> torch.Tensor | None:
     """A (fused) norm's weight; None for no norm."""
     return None if norm is None else cast(torch.Tensor, norm.weight)
 
 
-Panels = SmallGemmLinear | QuantPanelLinear
+Panels = SmallGemmLinear | QuantPanelLinear | AmxLinear
+# the projections the stack's matmuls read, per dtype
+_MATMULS: dict[torch.dtype, tuple[type, ...]] = {
+    torch.float32: (SmallGemmLinear, QuantPanelLinear),
+    torch.bfloat16: (AmxLinear,),
+}
 
 
 @dataclass(frozen=True)
 class StackLayer:
     """One layer's weights as the stack reads them: the norms' weights, and per projection its float32
-    panels, its bias and (where the checkpoint stored it in blocks) its quantized panels."""
+    panels (or bfloat16 AMX tiles), its bias and (where the checkpoint stored it in blocks) its quantized
+    panels."""
 
     input_norm: torch.Tensor
     qkv: Panels
@@ -137,7 +154,7 @@ class StackLayer:
 
     def struct(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> _Layer:
         projections = (self.qkv, self.o, self.gate_up, self.down)
-        floats = [m.rest.panels if isinstance(m, QuantPanelLinear) else m.panels for m in projections]
+        floats = [_packed(m) for m in projections]
         quantized = [m.qpanels if isinstance(m, QuantPanelLinear) else None for m in projections]
         return _Layer(
             _ptr_of(self.input_norm), _ptr_of(floats[0]), _ptr_of(self.qkv.bias), _ptr_of(floats[1]),
@@ -187,9 +204,10 @@ class CpuDecodeStack:
 
     @staticmethod
     def for_model(model: nn.Module) -> CpuDecodeStack | None:
-        """The stack for ``model``, or None where it does not apply (not a float32 Llama-family or Gemma model
-        with the CPU fast paths in) or cannot be built (the reason is logged)."""
-        if not isinstance(model, LlamaForCausalLM | GemmaForCausalLM) or model.dtype != torch.float32:
+        """The stack for ``model``, or None where it does not apply (not a Llama-family or Gemma model with
+        the CPU fast paths in: float32 on the small kernel's panels, bfloat16 on AMX tiles) or cannot be
+        built (the reason is logged)."""
+        if not isinstance(model, LlamaForCausalLM | GemmaForCausalLM) or model.dtype not in _MATMULS:
             return None
         table = model.decoder_table()
         layers = [StackLayer.of(layer, table.rotary) for layer in table.layers]
@@ -201,7 +219,9 @@ class CpuDecodeStack:
         ):
             return None
         stack_layers = [layer for layer in layers if layer is not None]
-        if len(stack_layers) < len(layers):
+        matmuls = _MATMULS[model.dtype]
+        projections = [p for layer in stack_layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        if len(stack_layers) < len(layers) or not all(isinstance(p, matmuls) for p in [*projections, head]):
             return None
         try:
             kernel = load()
@@ -245,8 +265,9 @@ class CpuDecodeStack:
         if self._tables is not None and self._tables[0] is kv_cache:
             return self._tables[1], self._tables[2]
         cfg = self.model.config
-        if kv_cache.dtype != torch.float32 or kv_cache.num_layers < len(self.layers):
-            raise ValueError("the decode stack needs a float32 KV cache with one K and V per layer")
+        dtype = self.model.dtype
+        if kv_cache.dtype != dtype or kv_cache.num_layers < len(self.layers):
+            raise ValueError(f"the decode stack needs a {dtype} KV cache with one K and V per layer")
         layers = (_Layer * len(self.layers))()
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache.k_caches[i], kv_cache.v_caches[i]
@@ -257,7 +278,7 @@ class CpuDecodeStack:
             len(self.layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.head_dim, cfg.intermediate_size, kv_cache.num_blocks, kv_cache.block_size,
             self.rotary.cos.shape[0], cfg.rms_norm_eps, cfg.attention_scale, cfg.attn_logit_softcapping or 0.0,
-            self.final_norm.weight.data_ptr(),
+            self.final_norm.weight.data_ptr(), int(dtype == torch.bfloat16),
         )  # fmt: skip
         self._tables = (kv_cache, desc, layers)
         return desc, layers
@@ -275,12 +296,12 @@ class CpuDecodeStack:
         num_seqs, hidden = x.shape
         if inputs.num_decode_seqs != num_seqs or inputs.num_seqs != num_seqs:
             raise ValueError("the decode stack takes batches of one new token per sequence")
-        if x.dtype != torch.float32 or not x.is_contiguous():
-            raise ValueError("the decode stack needs contiguous float32 embeddings")
+        if x.dtype != self.model.dtype or not x.is_contiguous():
+            raise ValueError(f"the decode stack needs contiguous {self.model.dtype} embeddings")
         tables = (
             inputs.block_tables if inputs.block_tables.stride(1) == 1 else inputs.block_tables.contiguous()
         )
-        out = torch.empty(num_seqs, hidden, dtype=torch.float32)
+        out = torch.empty(num_seqs, hidden, dtype=x.dtype)
         rc = self.kernel(
             ctypes.byref(desc), layers, out.data_ptr(), x.data_ptr(), inputs.positions.data_ptr(),
             inputs.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0), inputs.seq_lens.data_ptr(),

@@ -6,7 +6,9 @@ as gpt-fast's ``replace_linear_int4`` does: the model's code stays the architect
             float32, the small kernel built:  SmallGemmLinear (+ PackedLinear for more than MAX_ROWS rows,
                                               unless the kernel takes every batch), wrapped in a
                                               QuantPanelLinear where the checkpoint's blocks give W exactly
-            bfloat16, batch_invariant, AMX:   AmxLinear (every K a multiple of 32; else PackedLinear)
+            bfloat16, AMX:                    AmxLinear (every K a multiple of 32; else PackedLinear),
+                                              + PackedLinear for more than amx_gemm.MAX_ROWS rows
+                                              unless batch_invariant
             otherwise, where oneDNN packs:    PackedLinear
         RMSNorm -> FusedRMSNorm, RotaryEmbedding -> FusedRotaryEmbedding, SiluAndMul -> FusedSiLUMul,
         GeluTanhAndMul -> FusedGeluTanhMul
@@ -69,7 +71,8 @@ def apply_cpu_fast_paths(
     tensors by Hugging Face name (the GGUF loader's), kept as quantized panels where they give the loaded
     weight bit for bit. ``batch_invariant``: matmuls of every size on cbserve's kernels, never on oneDNN
     (whose kernel, and rounding, depend on the call's row count): float32 on the small kernel, bfloat16 on
-    the AMX kernel where the CPU has AMX-BF16 (slower than oneDNN at prefill sizes: docs/BENCHMARKS.md)."""
+    the AMX kernel where the CPU has AMX-BF16 (slower than oneDNN at prefill sizes: docs/BENCHMARKS.md;
+    without the flag it takes calls of up to ``amx_gemm.MAX_ROWS`` rows)."""
     small, invariant = swap_linears(model, blocks or {}, batch_invariant)
     ops = swap_fused_ops(model)
     return CpuFastPaths(not any(isinstance(m, Linear) for m in model.modules()), small, ops, invariant)
@@ -82,14 +85,15 @@ def swap_linears(
     kernel where it serves them, and whether every row takes one kernel whatever its batch."""
     if not prepacked.can_prepack(model.device, model.dtype):
         return None, False
-    amx = _amx(model) if batch_invariant else None
-    if amx is not None:  # bfloat16 with AMX: the tiles for every call
+    amx = _amx(model)
+    if amx is not None:  # bfloat16 with AMX: the tiles for decode-sized calls (every call if batch_invariant)
         fits = all(amx_gemm.fits(m.in_features) for m in model.modules() if isinstance(m, Linear))
         for parent, name, m in _children(model):
             if isinstance(m, Linear):
                 w = m.weight.detach()
-                setattr(parent, name, AmxLinear(amx, w, m.bias) if fits else PackedLinear(w, m.bias))
-        return None, fits
+                large = None if fits and batch_invariant else PackedLinear(w, m.bias)
+                setattr(parent, name, AmxLinear(amx, w, m.bias, large) if fits else large)
+        return None, fits and batch_invariant
     small: SmallGemm | None = None
     if small_gemm.supports(model.device, model.dtype):
         try:

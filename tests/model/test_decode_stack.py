@@ -1,7 +1,7 @@
-"""The decode stack (engine/executor/decode_stack.py): every decoder layer of a float32 CPU decode step in one C
-call gives the bits of the layer-by-layer path (the same kernels in the same order), writes the same K/V,
+"""The decode stack (engine/executor/decode_stack.py): every decoder layer of a CPU decode step in one C call
+(float32; bfloat16 where the CPU has AMX-BF16) gives the bits of the layer-by-layer path (the same kernels in the same order), writes the same K/V,
 keeps the caller's logits order, refuses bad slots and positions before writing anything, and runs
-exactly the steps it can: pure decode batches with the CPU decode kernel, float32 with the CPU fast paths in.
+exactly the steps it can: pure decode batches with the CPU decode kernel and the CPU fast paths in.
 Gemma 2's layers (four norms, GELU-tanh, soft caps, per-layer windows), Gemma 3's and Qwen3's per-head q/k
 norms and Gemma 3's second rotary table included.
 Its agreement with transformers is checked by tests/model/test_model_correctness.py (the "cpu" path)."""
@@ -20,11 +20,13 @@ import torch
 from model_harness import cpu_kernel_or_skip
 
 from engine.cpu import native_build
+from engine.cpu.native_build import KernelUnavailable
 from engine.engine import Engine
 from engine.executor.attention.cpu_kernel import PagedDecodeKernel
 from engine.executor.decode_stack import CpuDecodeStack
 from engine.executor.fast_paths import apply_cpu_fast_paths
 from engine.executor.inputs import BatchInputs
+from engine.executor.kernels import amx_gemm
 from engine.executor.kv_cache import KVCache
 from engine.executor.models import LlamaForCausalLM, build_model
 from engine.executor.models.registry import NativeModel
@@ -36,16 +38,18 @@ BLOCK = 16
 NUM_BLOCKS = 48
 
 
-def _model(cfg: ModelConfig, seed: int = 0) -> CpuDecodeStack:
+def _model(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> CpuDecodeStack:
     """``cfg`` with random weights, set up as the engine sets up a CPU model: its decode stack."""
-    model = build_model(cfg, torch.float32, CPU)
+    if dtype == torch.bfloat16:
+        _amx_or_skip()
+    model = build_model(cfg, dtype, CPU)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             scale = 1.0 if "norm" in name else 0.05
             p.copy_(torch.randn(p.shape, generator=gen) * scale + (1.0 if "norm" in name else 0.0))
     paths = apply_cpu_fast_paths(model)
-    if paths.small_gemm is None:
+    if paths.small_gemm is None and dtype == torch.float32:
         pytest.skip("this torch build cannot prepack weights (no oneDNN) or the small kernel cannot be built")
     if paths.fused_ops is None:
         pytest.skip("the fused CPU ops cannot be built here")
@@ -53,6 +57,13 @@ def _model(cfg: ModelConfig, seed: int = 0) -> CpuDecodeStack:
     if stack is None:
         pytest.skip("the decode stack cannot be built here")
     return stack
+
+
+def _amx_or_skip() -> None:
+    try:
+        amx_gemm.load()
+    except KernelUnavailable as e:
+        pytest.skip(f"the bfloat16 stack runs on AMX tiles: {e}")
 
 
 # SmolLM2-135M's layer shapes (9 query heads over 3 KV heads of 64: the kernel's unrolled attention), 2 layers
@@ -89,9 +100,9 @@ def kernel() -> PagedDecodeKernel:
     return cpu_kernel_or_skip()
 
 
-def _cache(cfg: ModelConfig) -> KVCache:
+def _cache(cfg: ModelConfig, dtype: torch.dtype) -> KVCache:
     return KVCache(
-        cfg.num_hidden_layers, NUM_BLOCKS, BLOCK, cfg.num_key_value_heads, cfg.head_dim, torch.float32, CPU
+        cfg.num_hidden_layers, NUM_BLOCKS, BLOCK, cfg.num_key_value_heads, cfg.head_dim, dtype, CPU
     )
 
 
@@ -111,7 +122,7 @@ def _prefilled(
     cfg = model.config
     vocab = cfg.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
-    caches = [_cache(cfg), _cache(cfg)]
+    caches = [_cache(cfg, model.dtype), _cache(cfg, model.dtype)]
     prefill = BatchInputs.build(prompts, [0] * len(lengths), tables, [True] * len(lengths), BLOCK)
     for cache in caches:
         model(prefill, cache, kernel)
@@ -146,12 +157,17 @@ def _count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     ],
 )
 @pytest.mark.parametrize("lengths", [[7], [1, 15, 16, 17, 40, 33, 90, 2]], ids=["one", "eight"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_the_same_bits_as_layer_by_layer(
-    kernel: PagedDecodeKernel, monkeypatch: pytest.MonkeyPatch, cfg: ModelConfig, lengths: list[int]
+    kernel: PagedDecodeKernel,
+    monkeypatch: pytest.MonkeyPatch,
+    cfg: ModelConfig,
+    lengths: list[int],
+    dtype: torch.dtype,
 ) -> None:
     """Logits and both caches' K/V are equal bit for bit; the sequences come in unsorted, so the batch is
     reordered by length and the logits must come back in the caller's order."""
-    stack = _model(cfg)
+    stack = _model(cfg, dtype=dtype)
     state = _prefilled(stack.model, kernel, lengths, seed=len(lengths))
     stacked_cache, layered_cache = state["caches"]
     calls = _count_calls(monkeypatch)
@@ -161,6 +177,19 @@ def test_the_same_bits_as_layer_by_layer(
     assert torch.equal(stacked, layered)
     assert torch.equal(stacked_cache.kv, layered_cache.kv)
     assert stacked.shape == (len(lengths), cfg.vocab_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_step_past_one_tile_of_rows_is_the_same_bits(kernel: PagedDecodeKernel, dtype: torch.dtype) -> None:
+    """20 sequences: in bfloat16 past one AMX tile of 16 rows (the matmuls run blocks of 32, zero-padded)."""
+    stack = _model(SMOL, dtype=dtype)
+    state = _prefilled(stack.model, kernel, [3 + (7 * i) % 12 for i in range(20)], seed=20)
+    stacked_cache, layered_cache = state["caches"]
+    assert stack.can_run(state["decode"], kernel)
+    stacked = stack.run(state["decode"], stacked_cache)
+    layered = stack.model(state["decode"], layered_cache, kernel)
+    assert torch.equal(stacked, layered)
+    assert torch.equal(stacked_cache.kv, layered_cache.kv)
 
 
 def test_an_early_exit_through_the_first_layers_is_the_same_as_layer_by_layer(
@@ -202,7 +231,7 @@ def test_bad_slots_and_positions_are_refused_before_anything_is_written(kernel: 
     assert torch.equal(cache.kv, before)
 
 
-def test_only_pure_float32_decode_steps_with_the_cpu_kernel_take_it(
+def test_only_pure_decode_steps_with_the_cpu_kernel_and_fast_paths_take_it(
     kernel: PagedDecodeKernel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     stack = _model(SMOL)
@@ -217,7 +246,12 @@ def test_only_pure_float32_decode_steps_with_the_cpu_kernel_take_it(
     assert calls == [2]
     bf16 = build_model(SMOL, torch.bfloat16, CPU)
     apply_cpu_fast_paths(bf16)
-    assert CpuDecodeStack.for_model(bf16) is None
+    try:
+        amx_gemm.load()
+        amx = True
+    except KernelUnavailable:
+        amx = False
+    assert (CpuDecodeStack.for_model(bf16) is not None) == amx  # bfloat16: on AMX tiles only
     assert CpuDecodeStack.for_model(build_model(SMOL, torch.float32, CPU)) is None  # no fast paths swapped in
 
 

@@ -6,7 +6,7 @@ it takes every batch); and that a swapped model's logits are the plain model's u
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -91,11 +91,14 @@ def test_a_bfloat16_model_gets_onednn_or_the_amx_kernel_and_the_fused_ops(batch_
     onednn = prepacked.can_prepack(CPU, torch.bfloat16)
     assert paths.prepacked == onednn
     try:
-        amx = batch_invariant and onednn and bool(amx_gemm.load())
+        amx = onednn and bool(amx_gemm.load())
     except KernelUnavailable:
         amx = False
     assert _types(model, Linear) == ({AmxLinear} if amx else {PackedLinear} if onednn else {Linear})
-    assert paths.batch_invariant == amx
+    assert paths.batch_invariant == (amx and batch_invariant)
+    if amx:  # decode-sized calls on the tiles; larger ones on oneDNN unless batch-invariant
+        head = cast(AmxLinear, model.lm_head)
+        assert head.takes(amx_gemm.MAX_ROWS) and head.takes(4096) == batch_invariant
     if paths.fused_ops is not None:
         assert _types(model, RMSNorm) == {FusedRMSNorm} and isinstance(model.rotary, FusedRotaryEmbedding)
 

@@ -1,14 +1,16 @@
 """bfloat16 matmuls on Intel AMX tiles in C (``csrc/amx_gemm.c``) over weights packed once into the tiles'
 layout: ``[N_pad / 16, K / 32, 16, 16, 2]`` (k-pairs of 16 outputs per 1 KB tile; N padded to 64).
 
-Why: a row's result must not depend on its batch (docs/GENERATION.md, "Batch invariance"). oneDNN picks
-its bfloat16 kernel and blocking by the call's row count, so a decode row computed alone and the same row
-beside a prefill chunk are rounded differently (up to 0.1 in a logprob on Sapphire Rapids). Here every
-output is one chain of tile products over ``k`` in order, whatever the rows around it, on the same AMX
-units oneDNN uses. With ``batch_invariant`` (engine/executor/fast_paths.py) it runs every bfloat16 ``Linear``
-on CPUs with AMX-BF16 (every ``K`` a multiple of 32). Speed against oneDNN (``python -m bench.cpu_matmul
---dtype bfloat16``, docs/BENCHMARKS.md): as fast or faster up to 64 rows, slower at prefill sizes -- so
-it is not the default.
+Why: decode-sized calls, and a row's result independent of its batch (docs/GENERATION.md, "Batch
+invariance"). Up to ``MAX_ROWS`` rows the kernel is as fast as oneDNN's or faster (``python -m
+bench.cpu_matmul --dtype bfloat16``, docs/BENCHMARKS.md), and the bfloat16 decode stack runs whole decode
+steps over its tiles (engine/executor/decode_stack.py). oneDNN picks its bfloat16 kernel and blocking by
+the call's row count, so a decode row computed alone and the same row beside a prefill chunk are rounded
+differently (up to 0.1 in a logprob on Sapphire Rapids); here every output is one chain of tile products
+over ``k`` in order, whatever the rows around it. So on CPUs with AMX-BF16 (every ``K`` a multiple of 32)
+every bfloat16 ``Linear`` holds its tiles (engine/executor/fast_paths.py): calls of up to ``MAX_ROWS`` rows
+run on them and larger ones on oneDNN, which is faster at prefill sizes; with ``batch_invariant`` the tiles
+take every call.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ SOURCE = Path(__file__).with_name("csrc") / "amx_gemm.c"
 TILE_N = 16
 TILE_K = 32
 GROUP_N = 64
+# calls of at most this many rows use the kernel where oneDNN holds the weights too: as fast as oneDNN or
+# faster up to here, slower at prefill sizes (python -m bench.cpu_matmul, docs/BENCHMARKS.md)
+MAX_ROWS = 64
 
 
 def supports(device: torch.device, dtype: torch.dtype) -> bool:

@@ -5,7 +5,7 @@
     PackedLinear          oneDNN over a weight reordered once into its blocked layout (prepacked.py)
     SmallGemmLinear       the float32 small-batch kernel's panels (small_gemm.py), oneDNN for larger calls
     QuantPanelLinear      a quantized checkpoint's blocks, expanded in registers, for calls of a few rows
-    AmxLinear             bfloat16 on AMX tiles, every call (amx_gemm.py): a row's bits never depend on its batch
+    AmxLinear             bfloat16 on AMX tiles (amx_gemm.py), oneDNN for larger calls unless it takes them all
     FusedRMSNorm          RMSNorm with its residual add in one C call (cpu_ops.py)
     FusedRotaryEmbedding  q and k rotated in place in one C call
     FusedSiLUMul          SwiGLU's ``silu(gate) * up`` in one C call
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.executor.kernels import prepacked, small_gemm
+from engine.executor.kernels import amx_gemm, prepacked, small_gemm
 from engine.executor.kernels.amx_gemm import AmxGemm
 from engine.executor.kernels.cpu_ops import CpuOps
 from engine.executor.kernels.small_gemm import SmallGemm
@@ -98,16 +98,27 @@ class QuantPanelLinear(nn.Module):
 
 
 class AmxLinear(nn.Module):
-    """``x W^T + b`` in bfloat16 with ``W`` in the AMX kernel's tiles (``AmxGemm.pack``), for every call."""
+    """``x W^T + b`` in bfloat16 with ``W`` in the AMX kernel's tiles (``AmxGemm.pack``). With ``large`` (the
+    weights also in oneDNN's layout), calls of more than ``amx_gemm.MAX_ROWS`` rows go there; without, the
+    tiles take every call, and a row's bits never depend on its batch."""
 
-    def __init__(self, amx: AmxGemm, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, amx: AmxGemm, weight: torch.Tensor, bias: torch.Tensor | None, large: PackedLinear | None = None
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.amx = amx
         self.tiles = amx.pack(weight)  # [ceil(out / 64) * 4, in / 32, 16, 16, 2]
         self.bias = bias
+        self.large = large
+
+    def takes(self, num_rows: int) -> bool:
+        """Whether a call of ``num_rows`` rows runs on the tiles."""
+        return self.large is None or num_rows <= amx_gemm.MAX_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.large is not None and x.numel() > amx_gemm.MAX_ROWS * self.in_features:
+            return self.large(x)
         return self.amx.linear(x, self.tiles, self.out_features, self.bias)  # [..., out_features]
 
 

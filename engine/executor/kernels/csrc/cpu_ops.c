@@ -210,9 +210,27 @@ NOIPA void gelu_tanh_and_mul_f32(float *out, const float *gate, const float *up,
 
 NOIPA void rotary_f32(float *x, const float *c, const float *s, int64_t half) { rotary_head(x, c, s, half, 0); }
 
+/* bfloat16 rows (uint16_t bits), for the decode stack and the entry points below alike */
+NOIPA void rms_norm_bf16(uint16_t *out, uint16_t *residual, const uint16_t *x, const uint16_t *weight, int64_t cols,
+                         float eps) {
+    rms_norm_row(out, residual, x, weight, cols, eps, 1);
+}
+
+NOIPA void silu_and_mul_bf16(uint16_t *out, const uint16_t *gate, const uint16_t *up, int64_t inter) {
+    silu_and_mul_row(out, gate, up, inter, 1);
+}
+
+NOIPA void gelu_tanh_and_mul_bf16(uint16_t *out, const uint16_t *gate, const uint16_t *up, int64_t inter) {
+    gelu_tanh_and_mul_row(out, gate, up, inter, 1);
+}
+
+NOIPA void rotary_bf16(uint16_t *x, const uint16_t *c, const uint16_t *s, int64_t half) {
+    rotary_head(x, c, s, half, 1);
+}
+
 /* byte offset of element i of a tensor of this dtype */
-#define AT(p, i) ((char *)(p) + (i) * (bf16 ? 2 : 4))
-#define CAT(p, i) ((const char *)(p) + (i) * (bf16 ? 2 : 4))
+#define AT(p, i) ((void *)((char *)(p) + (i) * (bf16 ? 2 : 4)))
+#define CAT(p, i) ((const void *)((const char *)(p) + (i) * (bf16 ? 2 : 4)))
 
 /* out, x: [rows, cols] with row strides; residual (NULL: none): [rows, cols] contiguous, updated in place */
 void cbserve_rms_norm(void *out, int64_t out_stride, void *residual, const void *x, int64_t x_stride,
@@ -221,7 +239,7 @@ void cbserve_rms_norm(void *out, int64_t out_stride, void *residual, const void 
     for (int64_t r = 0; r < rows; r++) {
         void *res = residual != NULL ? AT(residual, r * cols) : NULL;
         if (bf16)
-            rms_norm_row(AT(out, r * out_stride), res, CAT(x, r * x_stride), weight, cols, eps, 1);
+            rms_norm_bf16(AT(out, r * out_stride), res, CAT(x, r * x_stride), weight, cols, eps);
         else
             rms_norm_f32((float *)out + r * out_stride, res, (const float *)x + r * x_stride, weight, cols, eps);
     }
@@ -234,7 +252,7 @@ void cbserve_silu_and_mul(void *out, const void *gate_up, int64_t gu_stride, int
     for (int64_t r = 0; r < rows; r++) {
         const void *g = CAT(gate_up, r * gu_stride), *u = CAT(gate_up, r * gu_stride + inter);
         if (bf16)
-            silu_and_mul_row(AT(out, r * inter), g, u, inter, 1);
+            silu_and_mul_bf16(AT(out, r * inter), g, u, inter);
         else
             silu_and_mul_f32((float *)out + r * inter, g, u, inter);
     }
@@ -247,7 +265,7 @@ void cbserve_gelu_tanh_and_mul(void *out, const void *gate_up, int64_t gu_stride
     for (int64_t r = 0; r < rows; r++) {
         const void *g = CAT(gate_up, r * gu_stride), *u = CAT(gate_up, r * gu_stride + inter);
         if (bf16)
-            gelu_tanh_and_mul_row(AT(out, r * inter), g, u, inter, 1);
+            gelu_tanh_and_mul_bf16(AT(out, r * inter), g, u, inter);
         else
             gelu_tanh_and_mul_f32((float *)out + r * inter, g, u, inter);
     }
@@ -264,7 +282,7 @@ void cbserve_rotary(void *x, int64_t x_stride, int64_t tokens, int64_t heads, in
         for (int64_t h = 0; h < heads; h++) {
             void *xh = AT(x, t * x_stride + h * head_dim);
             if (bf16)
-                rotary_head(xh, c, s, head_dim / 2, 1);
+                rotary_bf16(xh, c, s, head_dim / 2);
             else
                 rotary_f32(xh, c, s, head_dim / 2);
         }

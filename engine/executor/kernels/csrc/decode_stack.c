@@ -1,5 +1,6 @@
-/* A decode step's decoder layers in one call: every layer of a float32 Llama-family (or Gemma 2) model for a
- * batch of sequences that each compute one new token, inside one OpenMP parallel region.
+/* A decode step's decoder layers in one call: every layer of a Llama-family (or Gemma) model for a batch of
+ * sequences that each compute one new token, inside one OpenMP parallel region. float32 (the matmuls on
+ * small_gemm.c's panels) or bfloat16 (on amx_gemm.c's AMX tiles, where the CPU has them).
  *
  * Why: run layer by layer from Python, a decode step makes hundreds of calls into C (a matmul, an
  * attention, a norm...); between them the main thread runs Python and PyTorch glue while the other
@@ -20,41 +21,50 @@
  *
  * and at the end out = final_norm(residual + y), the rows the output head takes. Each phase splits its
  * work over the threads (rows, output panels or attention items) and ends in a barrier.
+ *
+ * In bfloat16 the activations are bfloat16 where the layer-by-layer path holds bfloat16 tensors (cpu_ops.c
+ * rounds at the same points), the queries are widened to float32 for the attention, whose float32 output is
+ * rounded to bfloat16 for o, as engine/executor/attention/cpu_kernel.py does. The AMX kernel computes whole
+ * tiles of 16 (or blocks of 32) rows: the matmuls' input buffers carry zero rows up to that padded count, so
+ * no row is copied, and every row's result is that of a call of any size (amx_gemm.c).
  */
 #include "small_gemm.c"
 #include "cpu_ops.c"
+#include "amx_gemm.c"
 #include "../../attention/csrc/paged_decode.c"
 
 #include <omp.h>
 
-/* One decoder layer's weights, float32: matrices in small_gemm.c's packed panels; where the checkpoint
- * stored a matrix in blocks, its quantized panels too (else NULL), which steps of at most ROWS sequences use. */
+/* One decoder layer's weights, in the model's dtype (float32 or bfloat16 bits): matrices packed in
+ * small_gemm.c's panels (float32) or amx_gemm.c's tiles (bfloat16); where the checkpoint stored a float32
+ * matrix in blocks, its quantized panels too (else NULL), which steps of at most ROWS sequences use. */
 typedef struct {
-    const float *input_norm;    /* [hidden] */
-    const float *qkv;           /* [q_size + 2 * kv_size] x [hidden], packed */
-    const float *qkv_bias;      /* [q_size + 2 * kv_size] or NULL */
-    const float *o;             /* [hidden] x [q_size], packed */
-    const float *o_bias;        /* [hidden] or NULL */
-    const float *post_norm;     /* [hidden] */
-    const float *gate_up;       /* [2 * intermediate] x [hidden], packed (gate rows first) */
-    const float *down;          /* [hidden] x [intermediate], packed */
-    float *k_cache;             /* [num_blocks, num_kv_heads, head_dim, block_size] */
-    float *v_cache;             /* [num_blocks, num_kv_heads, block_size, head_dim] */
+    const void *input_norm;     /* [hidden] */
+    const void *qkv;            /* [q_size + 2 * kv_size] x [hidden], packed */
+    const void *qkv_bias;       /* [q_size + 2 * kv_size] or NULL */
+    const void *o;              /* [hidden] x [q_size], packed */
+    const void *o_bias;         /* [hidden] or NULL */
+    const void *post_norm;      /* [hidden] */
+    const void *gate_up;        /* [2 * intermediate] x [hidden], packed (gate rows first) */
+    const void *down;           /* [hidden] x [intermediate], packed */
+    void *k_cache;              /* [num_blocks, num_kv_heads, head_dim, block_size] */
+    void *v_cache;              /* [num_blocks, num_kv_heads, block_size, head_dim] */
     const uint8_t *qkv_q, *o_q, *gate_up_q, *down_q; /* quantized panels or NULL */
     int64_t qkv_q_offsets, o_q_offsets, gate_up_q_offsets, down_q_offsets; /* 1: d * q + m, 0: d * q */
     int64_t rotate;             /* 1: q and k take the rotary embedding; 0: a NoPE layer (SmolLM3) */
     int64_t sliding_window;     /* this layer's window, <= 0: none */
-    const float *post_attn_norm, *post_ff_norm; /* [hidden]: Gemma's norms of each block's output, or NULL */
+    const void *post_attn_norm, *post_ff_norm; /* [hidden]: Gemma's norms of each block's output, or NULL */
     int64_t gelu;               /* 1: m = gelu_tanh(gate) * up (Gemma); 0: silu */
-    const float *q_norm, *k_norm; /* [head_dim]: per-head norms of q and k before the rotation, or NULL */
-    const float *cos, *sin_signed; /* [max_positions, head_dim]: the layer's rotary tables of cpu_ops.c */
+    const void *q_norm, *k_norm; /* [head_dim]: per-head norms of q and k before the rotation, or NULL */
+    const void *cos, *sin_signed; /* [max_positions, head_dim]: the layer's rotary tables of cpu_ops.c */
 } cbserve_layer;
 
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
     int64_t num_blocks, block_size, max_positions;
     float eps, scale, softcap /* <= 0: none */;
-    const float *final_norm;       /* [hidden] */
+    const void *final_norm;        /* [hidden] */
+    int64_t bf16;                  /* 1: weights, activations and the KV cache in bfloat16; 0: float32 */
 } cbserve_model;
 
 /* y[:, 0:N] = x W^T (+ b) for M rows: the output panels shared out among the threads of the region; from
@@ -73,12 +83,74 @@ static void gemm_shared(float *out, int64_t ldo, const float *x, int64_t ldx, co
     }
 }
 
-/* Returns 0; -2: a shape the kernels do not take; -3: a slot outside the cache; -4: a position outside the
- * rotary table; -5: a sequence length below 1 or a table entry outside the cache; -1: out of memory.
- * Nothing is written unless it returns 0. */
+
+/* bfloat16: y[:, 0:N] = x W^T (+ b) for Mp rows (a whole number of AMX blocks: 16, or a multiple of 32), the
+ * groups of 64 outputs shared out among the threads of the region, which have configured their tiles */
+static void amx_shared(uint16_t *out, const uint16_t *x, const uint16_t *tiles, const uint16_t *bias, int64_t Mp,
+                       int64_t N, int64_t K, uint16_t *scratch) {
+#if HAVE_AMX
+    const int64_t groups = (N + GROUP_N - 1) / GROUP_N;
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; g++) rows_times_group(out, N, x, K, tiles, bias, 0, Mp, N, K, g, scratch);
+#else
+    (void)out, (void)x, (void)tiles, (void)bias, (void)Mp, (void)N, (void)K, (void)scratch;
+#endif
+}
+
+/* One step of the model's dtype: the element-wise ops (cpu_ops.c) and the matmuls, on rows of `es` bytes. */
+typedef struct {
+    int bf16;
+    int64_t es;     /* bytes per element: 2 or 4 */
+    int64_t rows;   /* the sequences */
+    int64_t padded; /* rows the bfloat16 matmuls compute (zero rows past `rows`); `rows` in float32 */
+    uint16_t *scratch; /* this thread's AMX scratch block (bfloat16) */
+} step;
+
+#define ROW(p, r, width) ((char *)(p) + ((r) * (width)) * st->es)
+
+static inline void norm(const step *st, void *out, void *residual, const void *x, const void *w, int64_t n,
+                        float eps) {
+    if (st->bf16)
+        rms_norm_bf16(out, residual, x, w, n, eps);
+    else
+        rms_norm_f32(out, residual, x, w, n, eps);
+}
+
+static inline void gate_mul(const step *st, void *out, const void *gate, const void *up, int64_t n, int gelu) {
+    if (st->bf16)
+        gelu ? gelu_tanh_and_mul_bf16(out, gate, up, n) : silu_and_mul_bf16(out, gate, up, n);
+    else
+        gelu ? gelu_tanh_and_mul_f32(out, gate, up, n) : silu_and_mul_f32(out, gate, up, n);
+}
+
+static inline void rotate(const step *st, void *x, const void *c, const void *s, int64_t half) {
+    if (st->bf16)
+        rotary_bf16(x, c, s, half);
+    else
+        rotary_f32(x, c, s, half);
+}
+
+/* y[:, 0:N] = x[:, 0:K] W^T (+ b), every row of the step */
+static inline void project(const step *st, void *out, const void *x, const void *w, const uint8_t *q, int64_t offsets,
+                           const void *bias, int64_t N, int64_t K) {
+    if (st->bf16)
+        amx_shared(out, x, w, bias, st->padded, N, K, st->scratch);
+    else
+        gemm_shared(out, N, x, K, w, q, offsets, bias, st->rows, N, K);
+}
+
+/* The rows of `m` that a bfloat16 step computes for S sequences: one AMX tile of 16, or blocks of 32. */
+static int64_t padded_rows(int64_t S, int bf16) {
+    if (!bf16) return S;
+    return S <= 16 ? 16 : (S + 31) / 32 * 32;
+}
+
+/* Returns 0; -2: a shape (or dtype) the kernels do not take; -3: a slot outside the cache; -4: a position
+ * outside the rotary table; -5: a sequence length below 1 or a table entry outside the cache; -1: out of
+ * memory. Nothing is written unless it returns 0. */
 int cbserve_decode_stack(const cbserve_model *m, const cbserve_layer *layers,
-                         float *out,                  /* [num_seqs, hidden]: the final norm's output */
-                         const float *x,              /* [num_seqs, hidden]: the new tokens' embeddings */
+                         void *out,                   /* [num_seqs, hidden]: the final norm's output */
+                         const void *x,               /* [num_seqs, hidden]: the new tokens' embeddings */
                          const int64_t *positions,    /* [num_seqs] */
                          const int64_t *slots,        /* [num_seqs] block * block_size + row */
                          const int64_t *block_tables, /* [num_seqs, table_stride] */
@@ -88,7 +160,9 @@ int cbserve_decode_stack(const cbserve_model *m, const cbserve_layer *layers,
     const int64_t S = num_seqs, H = m->hidden, hd = m->head_dim, nh = m->num_heads, nkv = m->num_kv_heads;
     const int64_t I = m->intermediate, bs = m->block_size;
     const int64_t q_size = nh * hd, kv_size = nkv * hd, qkv_size = q_size + 2 * kv_size;
-    if (!supported(nh, nkv, hd, bs)) return -2;
+    const int bf16 = m->bf16 != 0;
+    if (!supported(nh, nkv, hd, bs) || (bf16 && (!HAVE_AMX || H % TILE_K || q_size % TILE_K || I % TILE_K)))
+        return -2;
     const int64_t group = nh / nkv;
     int64_t max_len = 1;
     for (int64_t s = 0; s < S; s++) {
@@ -106,78 +180,104 @@ int cbserve_decode_stack(const cbserve_model *m, const cbserve_layer *layers,
             return -2;
     }
     const int threads = omp_get_max_threads();
+    const int64_t Sp = padded_rows(S, bf16), es = bf16 ? 2 : 4;
     const int64_t scratch = scores_size(group, max_len, bs);
-    float *buffer = malloc(sizeof(float) * (size_t)(S * (3 * H + qkv_size + q_size + 3 * I) + threads * scratch));
+    const int64_t widest = H > I ? (H > q_size ? H : q_size) : (I > q_size ? I : q_size);
+    /* the activations (model dtype, Sp rows), then float32: the queries and the attention's output
+     * (bfloat16 only), each thread's scores; then each thread's AMX scratch block (bfloat16 only) */
+    const size_t activations = (size_t)(Sp * (3 * H + qkv_size + q_size + 3 * I) * es);
+    const size_t floats = (size_t)((bf16 ? 2 * S * q_size : 0) + threads * scratch);
+    const size_t amx_scratch = bf16 ? (size_t)(BIG_ROWS * widest * 2) : 0;
+    char *buffer = malloc(activations + sizeof(float) * floats + threads * amx_scratch);
     if (buffer == NULL) return -1;
-    float *residual = buffer, *normed = residual + S * H, *y = normed + S * H, *qkv = y + S * H;
-    float *attn = qkv + S * qkv_size, *gate_up = attn + S * q_size, *act = gate_up + S * 2 * I;
-    float *scores = act + S * I;
+    char *residual = buffer, *normed = residual + Sp * H * es, *y = normed + Sp * H * es;
+    char *qkv = y + Sp * H * es, *attn = qkv + Sp * qkv_size * es, *gate_up = attn + Sp * q_size * es;
+    char *act = gate_up + Sp * 2 * I * es;
+    float *queries = (float *)(buffer + activations), *attn_out = queries + (bf16 ? S * q_size : 0);
+    float *scores = attn_out + (bf16 ? S * q_size : 0);
+    char *amx_scratches = (char *)(scores + threads * scratch);
+    if (Sp > S) { /* the matmuls' inputs: zero rows past the sequences */
+        memset(normed + S * H * es, 0, (size_t)((Sp - S) * H * es));
+        memset(attn + S * q_size * es, 0, (size_t)((Sp - S) * q_size * es));
+        memset(act + S * I * es, 0, (size_t)((Sp - S) * I * es));
+    }
 
 #pragma omp parallel num_threads(threads)
     {
-        float *my_scores = scores + omp_get_thread_num() * scratch;
+        const int me = omp_get_thread_num();
+        float *my_scores = scores + me * scratch;
+        const step st_ = {bf16, es, S, Sp, (uint16_t *)(amx_scratches + me * amx_scratch)}, *st = &st_;
+#if HAVE_AMX
+        if (bf16) configure_tiles();
+#endif
         for (int64_t l = 0; l < m->num_layers; l++) {
             const cbserve_layer *w = &layers[l];
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < S; r++) {
                 if (l == 0) {
-                    memcpy(residual + r * H, x + r * H, sizeof(float) * (size_t)H);
-                    rms_norm_f32(normed + r * H, NULL, x + r * H, w->input_norm, H, m->eps);
+                    memcpy(ROW(residual, r, H), ROW(x, r, H), (size_t)(H * es));
+                    norm(st, ROW(normed, r, H), NULL, ROW(x, r, H), w->input_norm, H, m->eps);
                 } else {
-                    rms_norm_f32(normed + r * H, residual + r * H, y + r * H, w->input_norm, H, m->eps);
+                    norm(st, ROW(normed, r, H), ROW(residual, r, H), ROW(y, r, H), w->input_norm, H, m->eps);
                 }
             }
-            gemm_shared(qkv, qkv_size, normed, H, w->qkv, w->qkv_q, w->qkv_q_offsets, w->qkv_bias, S, qkv_size, H);
+            project(st, qkv, normed, w->qkv, w->qkv_q, w->qkv_q_offsets, w->qkv_bias, qkv_size, H);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < S; t++) {
-                float *row = qkv + t * qkv_size;
+                char *row = ROW(qkv, t, qkv_size);
                 if (w->q_norm != NULL)
-                    for (int64_t h = 0; h < nh; h++) rms_norm_f32(row + h * hd, NULL, row + h * hd, w->q_norm, hd, m->eps);
+                    for (int64_t h = 0; h < nh; h++) norm(st, row + h * hd * es, NULL, row + h * hd * es, w->q_norm, hd, m->eps);
                 if (w->k_norm != NULL)
                     for (int64_t h = nh; h < nh + nkv; h++)
-                        rms_norm_f32(row + h * hd, NULL, row + h * hd, w->k_norm, hd, m->eps);
-                const float *c = w->cos + positions[t] * hd, *sn = w->sin_signed + positions[t] * hd;
+                        norm(st, row + h * hd * es, NULL, row + h * hd * es, w->k_norm, hd, m->eps);
+                const char *c = ROW(w->cos, positions[t], hd), *sn = ROW(w->sin_signed, positions[t], hd);
                 if (w->rotate)
-                    for (int64_t h = 0; h < nh + nkv; h++) rotary_f32(row + h * hd, c, sn, hd / 2);
-                write_token_kv(w->k_cache, w->v_cache, row + q_size, row + q_size + kv_size, slots[t], nkv, hd,
-                               bs, sizeof(float));
+                    for (int64_t h = 0; h < nh + nkv; h++) rotate(st, row + h * hd * es, c, sn, hd / 2);
+                write_token_kv(w->k_cache, w->v_cache, row + q_size * es, row + (q_size + kv_size) * es, slots[t],
+                               nkv, hd, bs, es);
+                if (bf16) /* the queries widened to float32, as the layer-by-layer path hands them over */
+                    for (int64_t i = 0; i < q_size; i++) queries[t * q_size + i] = load(row, i, 1);
             }
+            const float *q = bf16 ? queries : (const float *)qkv;
+            float *a = bf16 ? attn_out : (float *)attn;
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t item = 0; item < S * nkv; item++)
-                attend_item(attn, qkv, qkv_size, w->k_cache, w->v_cache, 0, block_tables, table_stride, seq_lens,
-                            nh, nkv, hd, bs, m->scale, w->sliding_window, m->softcap, item / nkv, item % nkv,
-                            my_scores);
-            gemm_shared(y, H, attn, q_size, w->o, w->o_q, w->o_q_offsets, w->o_bias, S, H, q_size);
+            for (int64_t item = 0; item < S * nkv; item++) {
+                const int64_t s = item / nkv, h = item % nkv;
+                attend_item(a, q, bf16 ? q_size : qkv_size, w->k_cache, w->v_cache, bf16, block_tables, table_stride,
+                            seq_lens, nh, nkv, hd, bs, m->scale, w->sliding_window, m->softcap, s, h, my_scores);
+                if (bf16) { /* this item's heads rounded to bfloat16 for o */
+                    const int64_t first = s * q_size + h * group * hd;
+                    for (int64_t i = first; i < first + group * hd; i++) store(attn, i, attn_out[i], 1);
+                }
+            }
+            project(st, y, attn, w->o, w->o_q, w->o_q_offsets, w->o_bias, H, q_size);
             if (w->post_attn_norm != NULL) {
 #pragma omp for schedule(static)
-                for (int64_t r = 0; r < S; r++)
-                    rms_norm_f32(y + r * H, NULL, y + r * H, w->post_attn_norm, H, m->eps);
+                for (int64_t r = 0; r < S; r++) norm(st, ROW(y, r, H), NULL, ROW(y, r, H), w->post_attn_norm, H, m->eps);
             }
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < S; r++)
-                rms_norm_f32(normed + r * H, residual + r * H, y + r * H, w->post_norm, H, m->eps);
-            gemm_shared(gate_up, 2 * I, normed, H, w->gate_up, w->gate_up_q, w->gate_up_q_offsets, NULL, S, 2 * I, H);
+                norm(st, ROW(normed, r, H), ROW(residual, r, H), ROW(y, r, H), w->post_norm, H, m->eps);
+            project(st, gate_up, normed, w->gate_up, w->gate_up_q, w->gate_up_q_offsets, NULL, 2 * I, H);
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < S; r++) {
-                if (w->gelu)
-                    gelu_tanh_and_mul_f32(act + r * I, gate_up + r * 2 * I, gate_up + r * 2 * I + I, I);
-                else
-                    silu_and_mul_f32(act + r * I, gate_up + r * 2 * I, gate_up + r * 2 * I + I, I);
-            }
-            gemm_shared(y, H, act, I, w->down, w->down_q, w->down_q_offsets, NULL, S, H, I);
+            for (int64_t r = 0; r < S; r++)
+                gate_mul(st, ROW(act, r, I), ROW(gate_up, r, 2 * I), ROW(gate_up, r, 2 * I) + I * es, I, (int)w->gelu);
+            project(st, y, act, w->down, w->down_q, w->down_q_offsets, NULL, H, I);
             if (w->post_ff_norm != NULL) {
 #pragma omp for schedule(static)
-                for (int64_t r = 0; r < S; r++)
-                    rms_norm_f32(y + r * H, NULL, y + r * H, w->post_ff_norm, H, m->eps);
+                for (int64_t r = 0; r < S; r++) norm(st, ROW(y, r, H), NULL, ROW(y, r, H), w->post_ff_norm, H, m->eps);
             }
         }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < S; r++) {
             if (m->num_layers == 0)
-                rms_norm_f32(out + r * H, NULL, x + r * H, m->final_norm, H, m->eps);
+                norm(st, ROW(out, r, H), NULL, ROW(x, r, H), m->final_norm, H, m->eps);
             else
-                rms_norm_f32(out + r * H, residual + r * H, y + r * H, m->final_norm, H, m->eps);
+                norm(st, ROW(out, r, H), ROW(residual, r, H), ROW(y, r, H), m->final_norm, H, m->eps);
         }
+#if HAVE_AMX
+        if (bf16) _tile_release();
+#endif
     }
     free(buffer);
     return 0;
