@@ -1,23 +1,28 @@
-"""The compute ceiling of a serving workload on this CPU: the output tokens/s that no float32 (or, with
-``--dtype bfloat16``, bfloat16) server can beat here, because the run's matrix multiplications alone, at this
-machine's multiply-add peak, take that long.
+"""The ceiling of a serving workload on this CPU: the output tokens/s that no float32 (or, with ``--dtype
+bfloat16``, bfloat16) server can beat here, because the run's matrix multiplications alone take that long at
+this machine's multiply-add peak, or its decode steps take that long to read the weights at this machine's
+memory bandwidth -- whichever binds.
 
     python -m bench.cpu_ceiling results/DIR/*.json          # saved runs (--save-result): each one's ceiling
     python -m bench.cpu_ceiling --num-prompts 32 --random-input-len 128 --random-output-len 64
     python -m bench.cpu_ceiling --dtype bfloat16 results/DIR/cbserve-bf16-*.json
 
-The bfloat16 peak is that of the CPU's widest bfloat16 instruction (bench/csrc/bf16_peak.c: AMX tiles where
-the CPU has AMX-BF16, AVX512-BF16 dot products where it has those), or the float32 one where it has neither.
-It is a compute bound only: a decode step that reads every weight for few rows is bound by the memory
-bandwidth well below it.
+Compute: the peak is measured, not looked up: a C loop of independent FMA chains in registers on every
+thread (bench/csrc/fma_peak.c), best of ``--rounds``. The bfloat16 peak is that of the CPU's widest bfloat16
+instruction (bench/csrc/bf16_peak.c: AMX tiles where the CPU has AMX-BF16, AVX512-BF16 dot products where it
+has those), or the float32 one where it has neither. The work is counted from the model's config and each
+request's prompt and output lengths, and only what any implementation must compute: every prompt token and
+every generated token but the last goes through every layer (in the last layer a prompt token that needs no
+logits needs only its key and value), one row of the output head per generated token, and causal attention.
 
-The peak is measured, not looked up: a C loop of independent FMA chains in registers on every thread
-(bench/csrc/fma_peak.c), best of ``--rounds``. The work is counted from the model's config and each request's
-prompt and output lengths, and only what any implementation must compute: every prompt token and every
-generated token but the last goes through every layer (in the last layer a prompt token that needs no logits
-needs only its key and value), one row of the output head per generated token, and causal attention. With
-``--times N`` each run also says what N times its own throughput would need, as a share of the ceiling:
-above 100% no float32 server can do it on this machine.
+Memory: with at most C requests in flight (the run's ``max_concurrency``), a step yields at most C output
+tokens, so the run takes at least ``output tokens / C`` forwards, and each reads every weight once (the
+layers' projections and the output head, in the dtype's bytes: a server holding its weights so). The
+bandwidth is measured as the best rate of streaming a buffer of that many bytes (from whichever level of
+the memory holds it: a large L3 may) through vector adds on ``--threads`` threads (bench/csrc/mem_read.c). KV-cache reads are left out, so the bound stays a bound.
+
+With ``--times N`` each run also says what N times its own throughput would need, as a share of the
+ceiling: above 100% no server in this precision can do it on this machine.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from engine.model_config import ModelConfig
 
 SOURCE = Path(__file__).parent / "csrc" / "fma_peak.c"
 BF16_SOURCE = Path(__file__).parent / "csrc" / "bf16_peak.c"
+MEM_SOURCE = Path(__file__).parent / "csrc" / "mem_read.c"
 BF16_KINDS = {1: "AVX512-BF16 dot products", 2: "AMX-BF16 tiles"}
 
 
@@ -58,8 +64,16 @@ def _bind_bf16(path: Path) -> ctypes.CDLL:
     return lib
 
 
+def _bind_mem(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    lib.mem_read_run.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_long, ctypes.c_int]
+    lib.mem_read_run.restype = ctypes.c_double
+    return lib
+
+
 load = BuildOnce(SOURCE, _bind)
 load_bf16 = BuildOnce(BF16_SOURCE, _bind_bf16)
+load_mem = BuildOnce(MEM_SOURCE, _bind_mem)
 
 
 def fma_peak_gflops(threads: int, seconds: float = 0.5, rounds: int = 5) -> float:
@@ -136,6 +150,44 @@ def model_config(model: str) -> ModelConfig:
     return open_source(resolve_model(model), torch.float32, torch.device("cpu")).config
 
 
+def weight_bytes(config: ModelConfig, bytes_per_weight: int) -> float:
+    """Bytes a forward reads at least once: every layer's projections and the output head."""
+    h, hd, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    per_layer = h * (q + 2 * kv) + q * h + h * 2 * inter + inter * h
+    return float(bytes_per_weight * (config.num_hidden_layers * per_layer + config.vocab_size * h))
+
+
+def memory_bandwidth_gbs(threads: int, nbytes: float, rounds: int = 5) -> float:
+    """The best GB/s of ``rounds`` passes of the read loop over a buffer of ``nbytes`` (a step's weights: in
+    whichever level of the memory holds that much) on ``threads`` threads."""
+    lib = load_mem()
+    n = int(nbytes) // 4 // (256 * threads) * (256 * threads)
+    x = torch.ones(n, dtype=torch.float32)
+    lib.mem_read_run(x.data_ptr(), n, 1, threads)  # page it in, start the threads
+    best = 0.0
+    for _ in range(rounds):
+        start = time.perf_counter()
+        read = lib.mem_read_run(x.data_ptr(), n, 1, threads)
+        best = max(best, read / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What bounds a run here: the multiply-add peak and the memory bandwidth."""
+
+    peak_gflops: float
+    bandwidth_gbs: float
+
+
+def memory_floor_seconds(output_tokens: int, concurrency: int, weights: float, bandwidth_gbs: float) -> float:
+    """The least time ``output_tokens`` take at most ``concurrency`` a step, each step reading ``weights``
+    bytes at ``bandwidth_gbs``."""
+    steps = -(-output_tokens // max(concurrency, 1))
+    return steps * weights / (bandwidth_gbs * 1e9)
+
+
 def floor_seconds(work: Work, peak_gflops: float) -> float:
     """The least time ``work`` takes at ``peak_gflops``."""
     return work.total / (peak_gflops * 1e9)
@@ -149,12 +201,27 @@ def ceiling_tok_s(work: Work, output_tokens: int, peak_gflops: float) -> float:
 
 
 def report(
-    label: str, work: Work, output_tokens: int, peak_gflops: float, measured: float | None, times: float
+    label: str,
+    work: Work,
+    output_tokens: int,
+    memory: tuple[int, float],
+    machine: Machine,
+    measured: float | None,
+    times: float,
 ) -> str:
-    floor_s, ceiling = floor_seconds(work, peak_gflops), ceiling_tok_s(work, output_tokens, peak_gflops)
+    """A run's ceiling; ``memory``: (its concurrency, the bytes of weights a step reads)."""
+    concurrency, weights = memory
+    compute_s = floor_seconds(work, machine.peak_gflops)
+    memory_s = memory_floor_seconds(output_tokens, concurrency, weights, machine.bandwidth_gbs)
+    floor_s = max(compute_s, memory_s)
+    ceiling = output_tokens / floor_s if floor_s > 0 else float("inf")
+    steps = -(-output_tokens // max(concurrency, 1))
     lines = [
         f"{label}: {output_tokens} output tokens, {work.linear / 1e12:.3f} TFLOP of matmuls + "
-        f"{work.attention / 1e12:.3f} of attention = {floor_s:.2f} s at the peak: ceiling {ceiling:.1f} tok/s"
+        f"{work.attention / 1e12:.3f} of attention = {compute_s:.2f} s at the peak; {steps} steps of at most "
+        f"{concurrency} reading {weights / 1e9:.3f} GB of weights = {memory_s:.2f} s at "
+        f"{machine.bandwidth_gbs:.1f} GB/s: ceiling {ceiling:.1f} tok/s "
+        f"({'memory' if memory_s > compute_s else 'compute'}-bound)"
     ]
     if measured is not None:
         lines.append(f"  served {measured:.1f} tok/s = {100 * measured / ceiling:.0f}% of the ceiling")
@@ -175,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--random-input-len", type=int, default=128)
     p.add_argument("--random-output-len", type=int, default=64)
+    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight (all by default)")
     p.add_argument(
         "--times", type=float, default=4.0, help="what this multiple of each run's throughput needs"
     )
@@ -190,16 +258,27 @@ def main(argv: list[str] | None = None) -> int:
     else:
         peak = fma_peak_gflops(args.threads, args.seconds, args.rounds)
         print(f"FMA peak: {peak:.1f} GFLOPS on {args.threads} threads (float32, best of {args.rounds})")
+    weights = weight_bytes(config, 2 if args.dtype == "bfloat16" else 4)
+    bandwidth = memory_bandwidth_gbs(args.threads, weights, args.rounds)
+    print(
+        f"memory bandwidth: {bandwidth:.1f} GB/s on {args.threads} threads, reading {weights / 1e9:.3f} GB "
+        f"(best of {args.rounds})"
+    )
+    machine = Machine(peak, bandwidth)
     if not args.runs:
         n = args.num_prompts
         work = run_work(config, [args.random_input_len] * n, [args.random_output_len] * n)
-        print(report("workload", work, n * args.random_output_len, peak, None, args.times))
+        memory = (args.max_concurrency or n, weights)
+        print(report("workload", work, n * args.random_output_len, memory, machine, None, args.times))
         return 0
     for path in args.runs:
         doc: dict[str, Any] = json.loads(Path(path).read_text())
-        work = run_work(config, [int(x) for x in doc["input_lens"]], [int(x) for x in doc["output_lens"]])
+        input_lens, output_lens = [int(x) for x in doc["input_lens"]], [int(x) for x in doc["output_lens"]]
+        work = run_work(config, input_lens, output_lens)
         label = str(doc.get("label") or Path(path).stem)
-        print(report(label, work, sum(doc["output_lens"]), peak, float(doc["output_throughput"]), args.times))
+        memory = (int(doc.get("max_concurrency") or len(output_lens)), weights)
+        measured = float(doc["output_throughput"])
+        print(report(label, work, sum(output_lens), memory, machine, measured, args.times))
     return 0
 
 

@@ -16,8 +16,10 @@ from bench.cpu_ceiling import (
     floor_seconds,
     fma_peak_gflops,
     main,
+    memory_floor_seconds,
     request_work,
     run_work,
+    weight_bytes,
 )
 from engine.cpu.native_build import KernelUnavailable
 from engine.loader.dummy import get_preset
@@ -104,11 +106,13 @@ def test_cli_prints_each_saved_runs_ceiling(
         return 50.0
 
     monkeypatch.setattr(cpu_ceiling, "fma_peak_gflops", fixed_peak)
+    monkeypatch.setattr(cpu_ceiling, "memory_bandwidth_gbs", lambda threads, nbytes, rounds: 20.0)
     doc = {
         "label": "cbserve c=16",
         "input_lens": [128] * 4,
         "output_lens": [64, 64, 64, 0],
         "output_throughput": 10.0,
+        "max_concurrency": 2,
     }
     path = tmp_path / "run.json"
     path.write_text(json.dumps(doc))
@@ -117,16 +121,42 @@ def test_cli_prints_each_saved_runs_ceiling(
         == 0
     )
     assert asked == [(3, 0.02, 1)]
-    work = run_work(get_preset("smollm2-135m"), doc["input_lens"], doc["output_lens"])  # type: ignore[arg-type]
-    ceiling = ceiling_tok_s(work, 192, 50.0)
+    cfg = get_preset("smollm2-135m")
+    work = run_work(cfg, doc["input_lens"], doc["output_lens"])  # type: ignore[arg-type]
+    weights = weight_bytes(cfg, 4)
+    ceiling = ceiling_tok_s(work, 192, 50.0)  # compute-bound: 96 steps of 0.54 GB at 20 GB/s take 2.6 s
+    assert memory_floor_seconds(192, 2, weights, 20.0) < floor_seconds(work, 50.0)
     assert capsys.readouterr().out.splitlines() == [
         "FMA peak: 50.0 GFLOPS on 3 threads (float32, best of 1)",
+        f"memory bandwidth: 20.0 GB/s on 3 threads, reading {weights / 1e9:.3f} GB (best of 1)",
         f"cbserve c=16: 192 output tokens, {work.linear / 1e12:.3f} TFLOP of matmuls + "
-        f"{work.attention / 1e12:.3f} of attention = {floor_seconds(work, 50.0):.2f} s at the peak: "
-        f"ceiling {ceiling:.1f} tok/s",
+        f"{work.attention / 1e12:.3f} of attention = {floor_seconds(work, 50.0):.2f} s at the peak; "
+        f"96 steps of at most 2 reading {weights / 1e9:.3f} GB of weights = "
+        f"{memory_floor_seconds(192, 2, weights, 20.0):.2f} s at 20.0 GB/s: ceiling {ceiling:.1f} tok/s "
+        "(compute-bound)",
         f"  served 10.0 tok/s = {100 * 10.0 / ceiling:.0f}% of the ceiling",
         f"  4x that = 40.0 tok/s = {100 * 40.0 / ceiling:.0f}% of the ceiling",
     ]
+
+
+def test_a_decode_heavy_run_is_bound_by_reading_the_weights() -> None:
+    """SmolLM2-135M in bfloat16: 0.27 GB a step. 2,048 tokens one at a time are 2,048 steps: 27.5 s at
+    20 GB/s, far above the compute floor; at 16 a step, 128 steps."""
+    cfg = get_preset("smollm2-135m")
+    weights = weight_bytes(cfg, 2)
+    per_layer = 576 * 960 + 576 * 576 + 576 * 3072 + 1536 * 576
+    assert weights == 2 * (30 * per_layer + 49152 * 576)
+    assert memory_floor_seconds(2048, 1, weights, 20.0) == pytest.approx(2048 * weights / 20e9)
+    assert memory_floor_seconds(2048, 16, weights, 20.0) == pytest.approx(128 * weights / 20e9)
+    assert memory_floor_seconds(2049, 16, weights, 20.0) == pytest.approx(129 * weights / 20e9)
+
+
+def test_the_read_loop_measures_a_plausible_bandwidth() -> None:
+    try:
+        gbs = cpu_ceiling.memory_bandwidth_gbs(1, 64e6, rounds=2)
+    except KernelUnavailable as e:
+        pytest.skip(f"the read loop cannot be built here: {e}")
+    assert 0.5 < gbs < 2000.0  # a core streams at least this much, and no memory is this fast
 
 
 def test_the_bfloat16_peak_is_its_widest_instructions() -> None:
@@ -148,10 +178,12 @@ def test_cli_takes_the_bfloat16_peak(
     monkeypatch.setattr(
         cpu_ceiling, "bf16_peak_gflops", lambda threads, seconds, rounds: (500.0, "AMX-BF16 tiles")
     )
+    monkeypatch.setattr(cpu_ceiling, "memory_bandwidth_gbs", lambda threads, nbytes, rounds: 1000.0)
     assert (
         main(["--dtype", "bfloat16", "--model", "smollm2-135m", "--num-prompts", "2", "--threads", "2"]) == 0
     )
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "bfloat16 peak: 500.0 GFLOPS on 2 threads (AMX-BF16 tiles, best of 5)"
     work = run_work(get_preset("smollm2-135m"), [128, 128], [64, 64])
-    assert lines[1].endswith(f"ceiling {ceiling_tok_s(work, 128, 500.0):.1f} tok/s")
+    assert lines[1] == "memory bandwidth: 1000.0 GB/s on 2 threads, reading 0.269 GB (best of 5)"
+    assert lines[2].endswith(f"ceiling {ceiling_tok_s(work, 128, 500.0):.1f} tok/s (compute-bound)")
