@@ -39,6 +39,9 @@ class BatchInputs:
     # (logits row, layers): the row's logits are DoLa's contrast of the last layer with those layers
     # (engine/executor/dola.py)
     early_exits: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # rows of the flat batch whose final-norm hidden state the forward returns too (contrastive search);
+    # None: none
+    hidden_indices: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -58,12 +61,15 @@ class BatchInputs:
         block_size: int,
         device: torch.device | str = "cpu",
         exit_layers: Sequence[tuple[int, ...]] | None = None,
+        hidden_rows: Sequence[int] | None = None,
     ) -> BatchInputs:
         """Build from Python lists: sequence ``i`` computes ``token_ids[i]`` at positions starting at
         ``starts[i]`` (the tokens before are already in its pages); ``logits_rows[i]`` asks for the logits of
         its last ``logits_rows[i]`` new tokens (0, 1 for a sampling chunk, or all of them for prompt logprobs;
         a bool counts as 0 or 1), in the order of the arguments, a sequence's rows in position order.
-        ``exit_layers[i]``: DoLa's candidate layers for sequence ``i``'s last logits row (empty: none)."""
+        ``exit_layers[i]``: DoLa's candidate layers for sequence ``i``'s last logits row (empty: none).
+        ``hidden_rows[i]``: how many of sequence ``i``'s last new tokens need their final hidden state, as
+        ``logits_rows`` counts them (contrastive search)."""
         order = decode_first_order(token_ids, starts)
         last_row: dict[int, int] = {}
         input_ids: list[int] = []
@@ -106,6 +112,9 @@ class BatchInputs:
             prefill_query_lens=tuple(qsl[j + 1] - qsl[j] for j in range(num_decode, len(seq_lens))),
             prefill_seq_lens=tuple(seq_lens[num_decode:]),
             early_exits=_early_exits(logits_rows, exit_layers),
+            hidden_indices=t(_logits_indices(last_row, hidden_rows))
+            if hidden_rows and any(hidden_rows)
+            else None,
         )
 
 
