@@ -257,24 +257,18 @@ class Metrics:
             VLLM_PREFIX + "kv_cache_usage_perc", "Alias of cbserve:kv_cache_usage_perc.", m, registry=reg
         ).labels(model_name)
         self.vllm_gpu_cache_usage_perc = Gauge(
-            VLLM_PREFIX + "gpu_cache_usage_perc",
-            "Alias of cbserve:kv_cache_usage_perc (vLLM's former name).",
-            m,
-            registry=reg,
+            VLLM_PREFIX + "gpu_cache_usage_perc", "Alias of cbserve:kv_cache_usage_perc (vLLM's former name).",
+            m, registry=reg,
         ).labels(model_name)
         Gauge(
-            VLLM_PREFIX + "cache_config_info",
-            "KV-cache configuration (the block size a prefix-aware picker reads).",
-            [*m, "block_size", "num_gpu_blocks"],
-            registry=reg,
+            VLLM_PREFIX + "cache_config_info", "KV-cache configuration (the block size a prefix-aware picker reads).",
+            [*m, "block_size", "num_gpu_blocks"], registry=reg,
         ).labels(model_name, str(block_size), str(num_blocks)).set(1)
         # NOTE: cbserve serves no LoRA adapters: the series says so (max_lora 0), so that a picker set up for
         # vLLM's LoRA affinity finds its metric, and no adapter on this replica.
         self.vllm_lora_requests_info = Gauge(
-            VLLM_PREFIX + "lora_requests_info",
-            "LoRA adapters (none); the value is the last update time.",
-            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
-            registry=reg,
+            VLLM_PREFIX + "lora_requests_info", "LoRA adapters (none); the value is the last update time.",
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=reg,
         ).labels("0", "", "")
 
         # --- HTTP (HTTPMetricsMiddleware) ---
