@@ -111,6 +111,18 @@ def requested_prompt_logprobs(req: SamplingRequest) -> int | None:
     return max(values) if values else None
 
 
+def _temperature(req: SamplingRequest, defaults: GenerationConfig) -> float:
+    """The request's temperature, else the model's default; 0 with ``penalty_alpha`` (contrastive search
+    chooses its tokens itself: it never samples)."""
+    if req.penalty_alpha:
+        if req.temperature:
+            raise GenerationConfigError(
+                "temperature", "must be 0 or unset with penalty_alpha (contrastive search)"
+            )
+        return 0.0
+    return float(req.temperature) if req.temperature is not None else defaults.temperature
+
+
 def build_generation_config(
     req: SamplingRequest,
     defaults: GenerationConfig,
@@ -124,13 +136,7 @@ def build_generation_config(
     """The validated config for one prompt of ``req`` (raises ``GenerationConfigError`` / ``APIError``).
     ``bad_words``: ``req.bad_words`` as token ids (``bad_words_ids``). ``watermark``: the server's
     default watermark, for a request that names none (a request can replace it, not turn it off)."""
-    temperature = float(req.temperature) if req.temperature is not None else defaults.temperature
-    if req.penalty_alpha:  # NOTE: contrastive search chooses its tokens itself: it never samples
-        if req.temperature:
-            raise GenerationConfigError(
-                "temperature", "must be 0 or unset with penalty_alpha (contrastive search)"
-            )
-        temperature = 0.0
+    temperature = _temperature(req, defaults)
     overrides: dict[str, Any] = {
         "max_new_tokens": max_new_tokens,
         "min_new_tokens": req.min_tokens,

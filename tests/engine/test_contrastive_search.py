@@ -171,10 +171,15 @@ def expected(model: Any) -> list[list[int]]:
 
 def test_alone_and_in_a_batch_it_is_the_definition(engine: Engine, expected: list[list[int]]) -> None:
     alone = [
-        run_all(engine.init_continuous_batching(), [dict(prompt=p, **s)])[0]
+        run_all(
+            engine.init_continuous_batching(), [dict(prompt=p, output_logprobs=True, top_logprobs=2, **s)]
+        )[0]
         for p, s in zip(PROMPTS, SEARCHES, strict=True)
     ]
     assert [o.generated_ids for o in alone] == expected
+    for out in alone:  # each chosen token's log-probability in the processed distribution, and the best two
+        assert out.logprobs is not None and [lp.token_id for lp in out.logprobs] == out.generated_ids
+        assert all(lp.logprob <= lp.top[0][1] and len(lp.top) == 2 for lp in out.logprobs)
     others = [
         dict(prompt=[5, 6, 7, 8], do_sample=False),
         dict(prompt=list(range(100, 130)), do_sample=True, seed=7),
