@@ -32,6 +32,7 @@ from engine.generation.beam_search import BeamChoice
 from engine.generation.contrastive import Candidates, choose, top_candidates
 from engine.generation.processors import apply_logits_processors
 from engine.generation.rows import SampledToken
+from engine.generation.sampler import Sampler
 from engine.output_processor import Failure, OutputProcessor
 from engine.sequence_group import Sequence
 from scheduler.base import Scheduler
@@ -180,15 +181,16 @@ class ContrastiveSteps:
         self,
         logits: torch.Tensor,
         hidden: torch.Tensor | None,
-        vocab_size: int,
-        default_eos: tuple[int, ...],
+        sampler: Sampler,
         outputs: OutputProcessor,
         now: float,
     ) -> None:
         """Take the prompt chunks' hidden states, then score every group whose forks all have a row of
-        ``logits`` (one per chunk that samples) and of ``hidden`` (``num_hidden_rows``, batch order)."""
+        ``logits`` (one per chunk that samples) and of ``hidden`` (``num_hidden_rows``, batch order); the
+        chosen tokens go to their outputs (``outputs.accept``)."""
         if hidden is None:
             return
+        vocab_size, default_eos = sampler.vocab_size, sampler.eos_token_ids
         for group, request, start, span in self.prompt_chunks:
             group.add_prompt_hidden(request, start, hidden[span])
         for group, rows in self.rows.items():

@@ -4,9 +4,10 @@
     with sampler.masks_ahead(plan.rows) as masks:     # grammar masks on a worker, during the forward
         logits = executor.execute(batch); tokens = plan.sample(sampler, logits, masks)
         beams.search(logits)                          # beam searches: engine/beam_group.py
+        contrast.search(logits, hidden)               # contrastive searches: engine/contrastive_group.py
     step = outputs.accept_step(batch, tokens); verify_drafts(...)   # speculating rows accept their drafts
     scheduler.update(batch, step..., beams...); outputs.publish(...); speculator.propose(running)
-    beams.apply(scheduler)                            # forks and prunes; finished searches published
+    beams.apply(scheduler); contrast.apply(...)       # forks and prunes; finished searches published
 
 between draining its inbox (new requests, cancellations, evictions, cache resets) and flushing the step's
 outputs to their sinks in one hand-over; the KV-cache events of the step (kvcache/events.py), when recorded,
@@ -160,15 +161,13 @@ class EngineLoop:
                 logits, runs = self._take_draft_logits(batch, self._take_prompt_logits(batch, logits))
                 sampled = plan.sample(self.sampler, logits, masks)
                 beams.search(logits, self.sampler.vocab_size, self.sampler.eos_token_ids)
+                contrast.search(logits, hidden, self.sampler, self.outputs, time.monotonic())
             except ExecutorFailedError:
                 raise  # NOTE: no step can run any more: the loop dies (run() fails every request).
             except Exception as exc:  # NOTE: a failed forward fails its step's requests, not the engine.
                 self._fail_step(batch, exc)
                 return
         step = self.outputs.accept_step(batch, sampled, time.monotonic())
-        contrast.search(
-            logits, hidden, self.sampler.vocab_size, self.sampler.eos_token_ids, self.outputs, step.now
-        )
         if runs:
             verify_drafts(self.sampler, self.outputs, runs, step)
             for run in runs:
