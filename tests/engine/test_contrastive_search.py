@@ -252,3 +252,55 @@ def test_penalty_alpha_over_http(http: httpx.Client) -> None:
         resp = http.post("/v1/completions", json={**body, **bad})
         assert resp.status_code == 400, resp.text
         assert param in (resp.json()["error"]["param"] or ""), resp.text
+
+
+def test_generate_batch_streaming_and_cancel(engine: Engine, expected: list[list[int]]) -> None:
+    config = GenerationConfig(max_new_tokens=MAX_NEW, **SEARCHES[0])
+    result = engine.generate_batch([PROMPTS[0]], generation_config=config, progress_bar=False)
+    assert result["batch_req_0"].generated_ids == expected[0]
+    manager = engine.init_continuous_batching()
+    errors = checked_every_step(manager)
+    manager.start()
+    try:  # streamed token by token; a second request cancelled after its first token
+        streamed = manager.add_request(PROMPTS[0], generation_config=config, streaming=True)
+        cancelled = manager.add_request(PROMPTS[1], streaming=True, max_new_tokens=200, **SEARCHES[1])
+        deltas: list[int] = []
+        finals: dict[str, GenerationOutput] = {}
+        while len(finals) < 2:
+            out = manager.get_result(timeout=60)
+            assert out is not None
+            if out.request_id == streamed:
+                deltas += out.delta_ids
+            elif not out.is_finished:
+                manager.cancel_request(cancelled)
+            if out.is_finished:
+                finals[out.request_id] = out
+    finally:
+        manager.stop(timeout=30)
+    assert errors == []
+    assert deltas == expected[0] == finals[streamed].generated_ids
+    assert finals[cancelled].status is RequestStatus.CANCELLED
+    manager.check_integrity()
+    assert manager.scheduler.kv_manager.num_free_blocks == manager.scheduler.num_blocks
+
+
+def test_refused_where_it_cannot_run(engine: Engine, folder: Path) -> None:
+    few = Engine(engine.loaded, CacheOptions(num_blocks=64, max_num_seqs=4), "few").init_continuous_batching()
+    hf = Engine.from_pretrained(
+        str(folder), device="cpu", dtype="float32", num_blocks=64, model_impl="transformers"
+    )
+    backend = hf.init_continuous_batching()
+    for manager in (few, backend):
+        manager.start()
+    try:
+        with pytest.raises(GenerationConfigError, match="top_k"):
+            few.add_request([1, 2, 3], max_new_tokens=2, penalty_alpha=0.6, top_k=5)
+        with pytest.raises(GenerationConfigError, match="logits_processor"):
+            few.add_request(
+                [1, 2, 3], max_new_tokens=2, penalty_alpha=0.6, top_k=3, logits_processor=[lambda i, s: s]
+            )
+        with pytest.raises(GenerationConfigError, match="penalty_alpha"):
+            backend.add_request([1, 2, 3], max_new_tokens=2, penalty_alpha=0.6, top_k=3)
+    finally:
+        for manager in (few, backend):
+            manager.stop(timeout=30)
