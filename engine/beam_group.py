@@ -85,25 +85,15 @@ def new_search(
 
 
 @dataclass(eq=False)
-class BeamSearchGroup(SequenceGroup):
-    """One request searched with ``config.num_beams`` beams; its outputs are the best hypotheses."""
+class ForkingGroup(SequenceGroup):
+    """A group whose running sequences ("beams") are scheduler requests of one gang that publish nothing of
+    their own: after a step that scores them all, the group continues some, forks others and prunes the
+    rest (``reorder``, ``pruned``, then ``move_in_scheduler``). A beam search's beams; contrastive search's
+    candidates (engine/contrastive_group.py)."""
 
-    # running beam i's sequence (before the first step: sequence 0, num_beams times)
+    # running beam i's sequence
     beams: list[Sequence] = field(default_factory=list)
     num_started: int = 0  # beam sequences created: scheduler ids "{request_id}#{k}"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        cfg = self.config
-        criteria = StoppingCriteria(cfg, self.eos_token_ids, self.max_new_tokens)
-        self.row_eos = criteria.eos_token_ids
-        self.search = new_search(cfg, self.max_new_tokens, criteria.stop_token_ids, self.prompt_ids)
-
-    # ------------------------------------------------------------------ the group's behaviour
-    def start(self) -> Sequence:
-        seq = self._new_beam()
-        self.beams = [seq] * self.config.num_beams
-        return seq
 
     def sampling(self, seq: Sequence) -> list[Sequence]:
         return []  # beams are scored by their group, not sampled
@@ -118,25 +108,6 @@ class BeamSearchGroup(SequenceGroup):
         request = super().new_request(seq, output_ids)
         request.gang = self.request_id
         return request
-
-    # ------------------------------------------------------------------ one step
-    def score(
-        self, logits: torch.Tensor, rows: dict[Sequence, int], vocab_size: int, default_eos: tuple[int, ...]
-    ) -> list[BeamChoice]:
-        """One search step over the beams' logits (``rows``: beam -> its row of ``logits``). Raises
-        ``ValueError`` for NaN or infinite logits."""
-        index = torch.tensor([rows[b] for b in self.beams], dtype=torch.int64, device=logits.device)
-        raw = logits.index_select(0, index)[:, :vocab_size].float()  # [num_beams, V]
-        sums = raw.sum(dim=1)
-        if bool((torch.isnan(sums) | (sums == float("inf"))).any()):
-            raise ValueError("the model produced NaN or infinite logits for this sequence")
-        log_probs = torch.log_softmax(raw, dim=-1)
-        sampling_rows = [
-            SamplingRow(self.config, self.prompt_ids, beam.token_ids, eos_token_ids=self.row_eos)
-            for beam in self.search.running
-        ]
-        apply_logits_processors(log_probs, sampling_rows, default_eos)
-        return self.search.step(log_probs.cpu())
 
     def reorder(
         self, choices: list[BeamChoice]
@@ -167,6 +138,59 @@ class BeamSearchGroup(SequenceGroup):
         kept = set(self.beams)
         return [b for b in dict.fromkeys(old) if b not in kept]
 
+    def _new_beam(self) -> Sequence:
+        seq = Sequence(self, self.num_started, self._generation_state(self.num_started))
+        self.num_started += 1
+        return seq
+
+
+def move_in_scheduler(
+    scheduler: Scheduler, forks: list[tuple[Sequence, Sequence]], pruned: list[Sequence]
+) -> None:
+    """Make a group's forks (after the scheduler took the step's tokens), then finish its pruned beams."""
+    for parent, child in forks:
+        assert child.request is not None
+        child.request = scheduler.fork(parent.scheduler_id, child.request)
+    for beam in pruned:
+        beam.finished = True
+        scheduler.finish_request(beam.scheduler_id, FinishReason.ABORT)
+
+
+@dataclass(eq=False)
+class BeamSearchGroup(ForkingGroup):
+    """One request searched with ``config.num_beams`` beams; its outputs are the best hypotheses."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        cfg = self.config
+        criteria = StoppingCriteria(cfg, self.eos_token_ids, self.max_new_tokens)
+        self.row_eos = criteria.eos_token_ids
+        self.search = new_search(cfg, self.max_new_tokens, criteria.stop_token_ids, self.prompt_ids)
+
+    def start(self) -> Sequence:
+        seq = self._new_beam()
+        self.beams = [seq] * self.config.num_beams  # before the first step: sequence 0, num_beams times
+        return seq
+
+    # ------------------------------------------------------------------ one step
+    def score(
+        self, logits: torch.Tensor, rows: dict[Sequence, int], vocab_size: int, default_eos: tuple[int, ...]
+    ) -> list[BeamChoice]:
+        """One search step over the beams' logits (``rows``: beam -> its row of ``logits``). Raises
+        ``ValueError`` for NaN or infinite logits."""
+        index = torch.tensor([rows[b] for b in self.beams], dtype=torch.int64, device=logits.device)
+        raw = logits.index_select(0, index)[:, :vocab_size].float()  # [num_beams, V]
+        sums = raw.sum(dim=1)
+        if bool((torch.isnan(sums) | (sums == float("inf"))).any()):
+            raise ValueError("the model produced NaN or infinite logits for this sequence")
+        log_probs = torch.log_softmax(raw, dim=-1)
+        sampling_rows = [
+            SamplingRow(self.config, self.prompt_ids, beam.token_ids, eos_token_ids=self.row_eos)
+            for beam in self.search.running
+        ]
+        apply_logits_processors(log_probs, sampling_rows, default_eos)
+        return self.search.step(log_probs.cpu())
+
     def results(self) -> list[tuple[Sequence, Hypothesis]]:
         """The group's outputs once the search is over: sequence ``i`` for the ``i``-th best hypothesis."""
         outputs = []
@@ -175,11 +199,6 @@ class BeamSearchGroup(SequenceGroup):
             self.sequences.append(seq)
             outputs.append((seq, hyp))
         return outputs
-
-    def _new_beam(self) -> Sequence:
-        seq = Sequence(self, self.num_started, self._generation_state(self.num_started))
-        self.num_started += 1
-        return seq
 
 
 @dataclass
@@ -226,12 +245,7 @@ class BeamSteps:
         finished), whose results are to be published."""
         done: list[BeamSearchGroup] = []
         for group, pruned, forks in self._moves:
-            for parent, child in forks:
-                assert child.request is not None
-                child.request = scheduler.fork(parent.scheduler_id, child.request)
-            for beam in pruned:
-                beam.finished = True
-                scheduler.finish_request(beam.scheduler_id, FinishReason.ABORT)
+            move_in_scheduler(scheduler, forks, pruned)
             if group.search.done:
                 done.append(group)
         return done

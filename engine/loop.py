@@ -4,9 +4,10 @@
     with sampler.masks_ahead(plan.rows) as masks:     # grammar masks on a worker, during the forward
         logits = executor.execute(batch); tokens = plan.sample(sampler, logits, masks)
         beams.search(logits)                          # beam searches: engine/beam_group.py
+        contrast.search(logits, hidden)               # contrastive searches: engine/contrastive_group.py
     step = outputs.accept_step(batch, tokens); verify_drafts(...)   # speculating rows accept their drafts
     scheduler.update(batch, step..., beams...); outputs.publish(...); speculator.propose(running)
-    beams.apply(scheduler)                            # forks and prunes; finished searches published
+    beams.apply(scheduler); contrast.apply(...)       # forks and prunes; finished searches published
 
 between draining its inbox (new requests, cancellations, evictions, cache resets) and flushing the step's
 outputs to their sinks in one hand-over; the KV-cache events of the step (kvcache/events.py), when recorded,
@@ -26,6 +27,7 @@ from typing import Protocol
 import torch
 
 from engine.beam_group import BeamSteps, publish_results
+from engine.contrastive_group import ContrastiveSteps
 from engine.errors import ExecutorFailedError
 from engine.generation.mask_prefetch import PendingMasks
 from engine.generation.sampler import SampledToken, Sampler, SamplingRow
@@ -55,6 +57,14 @@ class Executor(Protocol):
         """Logits ``[sum of num_logits_rows, vocab]`` (float32): each chunk's ``num_logits_rows`` last rows,
         in batch order (one for a chunk that ``needs_sample``; every row of a prompt-logprobs chunk)."""
         ...
+
+
+def take_hidden_states(executor: Executor) -> torch.Tensor:
+    """The final hidden states of the last batch's chunks that asked (``num_hidden_rows`` each, batch
+    order): executors whose ``supports_hidden_states`` is true give them (``take_hidden_states()``); the
+    manager admits contrastive search only then."""
+    take: Callable[[], torch.Tensor] = getattr(executor, "take_hidden_states")  # noqa: B009
+    return take()
 
 
 @dataclass(frozen=True)
@@ -141,12 +151,17 @@ class EngineLoop:
             return
         plan = SamplingPlan.of(batch)
         beams = BeamSteps.of(batch)
+        contrast = ContrastiveSteps.of(batch)
+        hidden = None
         with self.sampler.masks_ahead(plan.rows) as masks:
             try:
                 logits = self.executor.execute(batch)
+                if contrast.num_hidden_rows:
+                    hidden = take_hidden_states(self.executor)
                 logits, runs = self._take_draft_logits(batch, self._take_prompt_logits(batch, logits))
                 sampled = plan.sample(self.sampler, logits, masks)
                 beams.search(logits, self.sampler.vocab_size, self.sampler.eos_token_ids)
+                contrast.search(logits, hidden, self.sampler, self.outputs, time.monotonic())
             except ExecutorFailedError:
                 raise  # NOTE: no step can run any more: the loop dies (run() fails every request).
             except Exception as exc:  # NOTE: a failed forward fails its step's requests, not the engine.
@@ -157,15 +172,18 @@ class EngineLoop:
             verify_drafts(self.sampler, self.outputs, runs, step)
             for run in runs:
                 self.speculator.record(run.seq.draft_length, len(run.drafts), num_accepted(run, step))
-        for failure in [*step.failed, *beams.failed]:
+        for failure in [*step.failed, *beams.failed, *contrast.failed]:
             self._fail(failure.seq, failure.error, failure.code)
-        self.scheduler.update(batch, {**step.new_tokens, **beams.new_tokens}, step.finished)
+        self.scheduler.update(
+            batch, {**step.new_tokens, **beams.new_tokens, **contrast.new_tokens}, step.finished
+        )
         for parent, children in step.forks:
             self._fork(parent, children, step.now)
         for seq in step.accepted:
             self.outputs.publish(seq)
         for group in beams.apply(self.scheduler):
             publish_results(group, self.outputs, step.now)
+        contrast.apply(self.scheduler, self.outputs)  # contrastive search: its forks and pruned candidates
         for req, error in self.speculator.propose(self.scheduler.running_requests):
             self._fail(req.payload, error)
         self._end_step(batch)

@@ -19,6 +19,7 @@ from typing import Any
 
 from engine.admission import RequestLimits, check_prompt
 from engine.beam_group import BeamSearchGroup
+from engine.contrastive_group import ContrastiveGroup
 from engine.errors import EngineDeadError, ExecutorFailedError, QueueFullError
 from engine.executor.dola import LayerContrast
 from engine.executor.draft_model import DraftModel
@@ -68,6 +69,8 @@ class ContinuousBatchingManager:
         self.eos_token_ids = eos_token_ids
         self.max_queue = max_queue
         self.layer_contrast = layer_contrast  # None: the model cannot give its layers' logits (no DoLa)
+        # False: the executor cannot give its rows' final hidden states (no contrastive search)
+        self.gives_hidden_states = bool(getattr(executor, "supports_hidden_states", False))
         self.speculative_config = speculative_config  # None: only requests that ask for prompt lookup draft
         disable_by = (
             speculative_config.disable_by_batch_size if speculative_config else DEFAULT_DISABLE_BY_BATCH_SIZE
@@ -318,12 +321,15 @@ class ContinuousBatchingManager:
         grammar = self._grammar_of(config, grammar)
         exit_layers = self._dola_layers(config)
         beams = config.is_beam_search
+        contrastive = config.is_contrastive_search
         if beams:
             self._check_beams(config, len(prompt_ids), max_new, rid, hooks)
-        # NOTE: a beam continues by its score only: no beam drafts
-        speculation = None if beams else speculation_for(config, self.speculative_config)
+        if contrastive:
+            self._check_contrastive_search(config, len(prompt_ids), max_new, rid, hooks)
+        # NOTE: a beam (a contrastive search's candidate) continues by its score only: no beam drafts
+        speculation = None if beams or contrastive else speculation_for(config, self.speculative_config)
         self._check_speculation(speculation, "assistant_early_exit")
-        group_class = BeamSearchGroup if beams else SequenceGroup
+        group_class = BeamSearchGroup if beams else ContrastiveGroup if contrastive else SequenceGroup
         return group_class(
             rid,
             prompt_ids,
@@ -348,22 +354,46 @@ class ContinuousBatchingManager:
             raise GenerationConfigError(
                 "logits_processor", "a request's own processors and stopping criteria cannot run with beams"
             )
-        if config.num_beams > self.scheduler.config.max_num_seqs:
+        self._check_forks_fit("num_beams", config.num_beams, "beams", prompt_len, max_new, rid)
+
+    def _check_contrastive_search(
+        self, config: GenerationConfig, prompt_len: int, max_new: int, rid: str, hooks: RequestHooks | None
+    ) -> None:
+        """Contrastive search needs the model's hidden states, and its ``top_k`` candidates in one step."""
+        if hooks is not None:
             raise GenerationConfigError(
-                "num_beams",
-                f"({config.num_beams}) must not exceed the engine's max_num_seqs "
-                f"({self.scheduler.config.max_num_seqs}): every beam runs in the same step",
+                "logits_processor",
+                "a request's own processors and stopping criteria cannot run with contrastive search",
             )
-        # NOTE: conservative (beams share their prefix): it makes sure a preempted search can come back.
-        beam_blocks = config.num_beams * -(-(prompt_len + max_new) // self.limits.block_size)
-        if beam_blocks > self.limits.num_blocks:
+        if not self.gives_hidden_states:
+            raise GenerationConfigError(
+                "penalty_alpha",
+                "this model's implementation cannot give its hidden states (contrastive search)",
+            )
+        top_k = min(config.top_k, self.vocab_size)
+        self._check_forks_fit("top_k", top_k, "candidates", prompt_len, max_new, rid)
+
+    def _check_forks_fit(
+        self, field: str, num_forks: int, what: str, prompt_len: int, max_new: int, rid: str
+    ) -> None:
+        """A request of ``num_forks`` forks (beams, candidates) runs only when all fit one step and, each at
+        full length, the cache."""
+        if num_forks > self.scheduler.config.max_num_seqs:
+            raise GenerationConfigError(
+                field,
+                f"({num_forks}) must not exceed the engine's max_num_seqs "
+                f"({self.scheduler.config.max_num_seqs}): all the {what} run in the same step",
+            )
+        # NOTE: conservative (forks share their prefix): it makes sure a preempted request can come back.
+        fork_blocks = num_forks * -(-(prompt_len + max_new) // self.limits.block_size)
+        if fork_blocks > self.limits.num_blocks:
             raise RequestTooLargeError(
                 rid,
                 prompt_len + max_new,
-                beam_blocks,
+                fork_blocks,
                 self.limits.num_blocks,
-                f"{config.num_beams} beams of {prompt_len} prompt tokens + {max_new} new tokens need "
-                f"{beam_blocks} KV blocks, but the cache holds only {self.limits.num_blocks} blocks",
+                f"{num_forks} {what} of {prompt_len} prompt tokens + {max_new} new tokens need "
+                f"{fork_blocks} KV blocks, but the cache holds only {self.limits.num_blocks} blocks",
             )
 
     def _check_speculation(self, speculation: Speculation | None, field: str) -> None:

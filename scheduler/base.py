@@ -212,10 +212,11 @@ class Scheduler(ABC):
         ):
             req = self._waiting[0]
             # NOTE: positions served from the prefix cache have no logits: a request that wants its
-            # prompt's logits computes the whole prompt (its blocks are still cached for others).
+            # prompt's logits (or hidden states) computes the whole prompt (its blocks are still cached for
+            # others).
             cached = (
                 NO_PREFIX
-                if req.wants_prompt_logits
+                if req.wants_prompt_logits or req.wants_prompt_hidden
                 else self.kv_manager.get_computed_blocks(req.request_id, req.all_token_ids)
             )
             num_new = min(req.num_tokens - cached.num_tokens, budget)

@@ -42,6 +42,14 @@ class ScheduledRequest:
         return 1 + len(self.draft_ids) if self.needs_sample else 0
 
     @property
+    def num_hidden_rows(self) -> int:
+        """How many of this chunk's last rows need their final hidden state: every row of a chunk of a
+        request that wants its prompt's, else the row it samples from when its request wants it."""
+        if self.request.wants_prompt_hidden:
+            return self.num_tokens
+        return int(self.needs_sample and self.request.wants_hidden)
+
+    @property
     def token_ids(self) -> list[int]:
         known = self.request.all_token_ids[self.start : self.end]
         return known + list(self.draft_ids) if self.draft_ids else known

@@ -49,6 +49,10 @@ class Request:
     wants_prompt_logits: bool = False  # every prompt position's logits (prompt logprobs), not only the last
     # layers whose hidden states also give logits for the rows this request samples from (DoLa's candidates)
     exit_layers: tuple[int, ...] = ()
+    # contrastive search: the final norm's output of the row it samples from, and, until the engine has seen
+    # them all (it clears the flag then, as for prompt logits), of every prompt position
+    wants_hidden: bool = False
+    wants_prompt_hidden: bool = False
     # speculative decoding: tokens proposed to follow the known ones, verified (and accepted or rolled back)
     # in the next step that schedules them; never part of ``all_token_ids``
     draft_ids: list[int] = field(default_factory=list)

@@ -8,6 +8,8 @@ Rules (vLLM's):
   request samples unless it asks for 0, whatever ``do_sample`` the model's file says (as vLLM does);
 - ``bad_words`` (words) become token id sequences, each word with and without a leading space;
 - ``top_k`` -1 or 0 disables top-k;
+- ``penalty_alpha`` > 0 (contrastive search, with ``top_k`` > 1) is greedy: an unset temperature is 0, any
+  other is refused;
 - ``max_tokens`` unset: 16 for /v1/completions (OpenAI's documented default), and for chat the model's
   ``max_new_tokens`` default, else ``DEFAULT_CHAT_MAX_TOKENS``; both capped by the room left in the
   context window and in the KV cache, so a default never makes a request fail.
@@ -19,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.admission import check_context_length
-from engine.generation.config import GenerationConfig
+from engine.generation.config import GenerationConfig, GenerationConfigError
 from engine.generation.grammar_spec import GrammarSpec
 from engine.generation.watermark_config import Watermark
 from server.beam_search_params import beam_search_options
@@ -109,6 +111,18 @@ def requested_prompt_logprobs(req: SamplingRequest) -> int | None:
     return max(values) if values else None
 
 
+def _temperature(req: SamplingRequest, defaults: GenerationConfig) -> float:
+    """The request's temperature, else the model's default; 0 with ``penalty_alpha`` (contrastive search
+    chooses its tokens itself: it never samples)."""
+    if req.penalty_alpha:
+        if req.temperature:
+            raise GenerationConfigError(
+                "temperature", "must be 0 or unset with penalty_alpha (contrastive search)"
+            )
+        return 0.0
+    return float(req.temperature) if req.temperature is not None else defaults.temperature
+
+
 def build_generation_config(
     req: SamplingRequest,
     defaults: GenerationConfig,
@@ -122,7 +136,7 @@ def build_generation_config(
     """The validated config for one prompt of ``req`` (raises ``GenerationConfigError`` / ``APIError``).
     ``bad_words``: ``req.bad_words`` as token ids (``bad_words_ids``). ``watermark``: the server's
     default watermark, for a request that names none (a request can replace it, not turn it off)."""
-    temperature = float(req.temperature) if req.temperature is not None else defaults.temperature
+    temperature = _temperature(req, defaults)
     overrides: dict[str, Any] = {
         "max_new_tokens": max_new_tokens,
         "min_new_tokens": req.min_tokens,
@@ -138,6 +152,7 @@ def build_generation_config(
         "frequency_penalty": req.frequency_penalty,
         "repetition_penalty": req.repetition_penalty,
         "dola_layers": req.dola_layers,
+        "penalty_alpha": float(req.penalty_alpha) if req.penalty_alpha is not None else None,
         "prompt_lookup_num_tokens": req.prompt_lookup_num_tokens,
         "max_matching_ngram_size": req.max_matching_ngram_size,
         "num_assistant_tokens": req.num_assistant_tokens,

@@ -175,6 +175,14 @@ class SamplingRequest(RequestBody):
         description="DoLa (transformers' dola_layers): contrast the last layer with 'low' or 'high' layers or "
         "these layer indices; use with repetition_penalty 1.2.",
     )
+    penalty_alpha: Number | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="Contrastive search (transformers' penalty_alpha): with top_k > 1, each token chosen among "
+        "the top_k by (1 - penalty_alpha) * probability - penalty_alpha * its degeneration penalty; greedy, "
+        "so temperature must be 0 or unset.",
+    )
     # Speculative decoding (transformers' names): prompt lookup for this request, or the server's method tuned.
     prompt_lookup_num_tokens: StrictInt | None = Field(
         None, description="Prompt lookup decoding for this request: up to this many drafts a step (0: none)."

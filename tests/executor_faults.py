@@ -32,6 +32,9 @@ class FaultyExecutor:
             logits = self.edit(batch, logits)
         return logits
 
+    def take_hidden_states(self) -> torch.Tensor:
+        return self.inner.take_hidden_states()  # type: ignore[attr-defined]
+
 
 @contextlib.contextmanager
 def faulty_executor(

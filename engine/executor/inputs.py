@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +39,9 @@ class BatchInputs:
     # (logits row, layers): the row's logits are DoLa's contrast of the last layer with those layers
     # (engine/executor/dola.py)
     early_exits: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # rows of the flat batch whose final-norm hidden state the forward returns too (contrastive search);
+    # None: none
+    hidden_indices: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -58,12 +61,13 @@ class BatchInputs:
         block_size: int,
         device: torch.device | str = "cpu",
         exit_layers: Sequence[tuple[int, ...]] | None = None,
+        hidden_rows: Sequence[int] | None = None,
     ) -> BatchInputs:
-        """Build from Python lists: sequence ``i`` computes ``token_ids[i]`` at positions starting at
-        ``starts[i]`` (the tokens before are already in its pages); ``logits_rows[i]`` asks for the logits of
-        its last ``logits_rows[i]`` new tokens (0, 1 for a sampling chunk, or all of them for prompt logprobs;
-        a bool counts as 0 or 1), in the order of the arguments, a sequence's rows in position order.
-        ``exit_layers[i]``: DoLa's candidate layers for sequence ``i``'s last logits row (empty: none)."""
+        """Build from Python lists: sequence ``i`` computes ``token_ids[i]`` at positions from ``starts[i]``
+        (the tokens before are in its pages); ``logits_rows[i]`` asks for the logits of its last
+        ``logits_rows[i]`` new tokens (0, 1 to sample, or all for prompt logprobs; a bool is 0 or 1), in the
+        order of the arguments, a sequence's rows in position order; ``hidden_rows`` likewise for final hidden
+        states. ``exit_layers[i]``: DoLa's candidate layers for sequence ``i``'s last logits row (or none)."""
         order = decode_first_order(token_ids, starts)
         last_row: dict[int, int] = {}
         input_ids: list[int] = []
@@ -106,6 +110,7 @@ class BatchInputs:
             prefill_query_lens=tuple(qsl[j + 1] - qsl[j] for j in range(num_decode, len(seq_lens))),
             prefill_seq_lens=tuple(seq_lens[num_decode:]),
             early_exits=_early_exits(logits_rows, exit_layers),
+            hidden_indices=_hidden_indices(last_row, hidden_rows, t),
         )
 
 
@@ -119,6 +124,13 @@ def _early_exits(
     return tuple(
         (ends[i] - 1, tuple(layers)) for i, layers in enumerate(exit_layers) if layers and logits_rows[i]
     )
+
+
+def _hidden_indices(
+    last_row: dict[int, int], hidden_rows: Sequence[int] | None, tensor: Callable[[list[int]], torch.Tensor]
+) -> torch.Tensor | None:
+    """The flat rows whose final hidden state is returned (None: none), as ``_logits_indices``."""
+    return tensor(_logits_indices(last_row, hidden_rows)) if hidden_rows and any(hidden_rows) else None
 
 
 def _logits_indices(last_row: dict[int, int], logits_rows: Sequence[int]) -> list[int]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Protocol, cast
+
 import torch
 
 from engine.executor.attention.decode_kernel import DecodeKernel
@@ -11,6 +13,14 @@ from engine.executor.draft_model import DraftModel
 from engine.executor.inputs import BatchInputs
 from engine.executor.kv_cache import KVCache
 from scheduler.batch import ScheduledBatch
+
+
+class GivesHiddenStates(Protocol):
+    """A model whose ``supports_hidden_states`` is true (engine/executor/models/llama.py)."""
+
+    def forward_with_hidden(
+        self, inputs: BatchInputs, kv_cache: KVCache, decode_kernel: DecodeKernel | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
 
 class ModelRunner:
@@ -35,6 +45,7 @@ class ModelRunner:
         self.cuda_graphs = cuda_graphs  # None: every step runs eagerly
         self.decode_stack = decode_stack  # None: CPU decode steps run layer by layer
         self.draft_model = draft_model  # speculative decoding's draft model: it follows every batch
+        self._hidden: torch.Tensor | None = None  # the last execute's hidden rows (contrastive search)
 
     def prepare(self, batch: ScheduledBatch) -> BatchInputs:
         """The batch's inputs. A verify chunk (a last token and its drafts) enters as one decode row per
@@ -46,6 +57,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         logits_rows: list[int] = []
         exits: list[tuple[int, ...]] = []
+        hidden_rows: list[int] = []
         for s in batch.requests:
             if s.draft_ids:
                 token_ids.extend([t] for t in s.token_ids)
@@ -53,12 +65,14 @@ class ModelRunner:
                 tables.extend([s.block_ids] * s.num_tokens)
                 logits_rows.extend([1] * s.num_tokens)
                 exits.extend([()] * s.num_tokens)
+                hidden_rows.extend([0] * s.num_tokens)
                 continue
             token_ids.append(s.token_ids)
             starts.append(s.start)
             tables.append(s.block_ids)
             logits_rows.append(s.num_logits_rows)
             exits.append(s.request.exit_layers if s.needs_sample else ())
+            hidden_rows.append(s.num_hidden_rows)
         return BatchInputs.build(
             token_ids=token_ids,
             starts=starts,
@@ -67,6 +81,7 @@ class ModelRunner:
             block_size=self.block_size,
             device=self.device,
             exit_layers=exits,
+            hidden_rows=hidden_rows,
         )
 
     def draft_inputs(
@@ -99,6 +114,7 @@ class ModelRunner:
         """Run one batch through the model: logits ``[sum of num_logits_rows, vocab]`` (float32), each
         chunk's ``num_logits_rows`` last rows in batch order (the last one samples when ``needs_sample``);
         the draft model, if any, computes the batch's K/V in its own pages too."""
+        self._hidden = None
         logits = self._execute(batch)
         if self.draft_model is not None:
             self.draft_model.follow(self.prepare(batch), batch.blocks_to_copy)
@@ -107,10 +123,9 @@ class ModelRunner:
     def _execute(self, batch: ScheduledBatch) -> torch.Tensor:
         if batch.blocks_to_copy:
             self.kv_cache.copy_blocks(batch.blocks_to_copy)
-        dola = any(
-            s.request.exit_layers for s in batch.requests
-        )  # layer by layer: the layers' outputs are read
-        if self.cuda_graphs is not None and not dola and self.cuda_graphs.can_run(batch):
+        # layer by layer: the layers' outputs are read (DoLa's early exits, contrastive search's hidden rows)
+        layer_by_layer = any(s.request.exit_layers or s.num_hidden_rows for s in batch.requests)
+        if self.cuda_graphs is not None and not layer_by_layer and self.cuda_graphs.can_run(batch):
             logits = self.cuda_graphs.run(batch)  # [len(batch), vocab], one row per sequence
             if all(s.num_logits_rows for s in batch.requests):
                 return logits
@@ -119,9 +134,27 @@ class ModelRunner:
         inputs = self.prepare(batch)
         if (
             self.decode_stack is not None
-            and not dola
+            and not layer_by_layer
             and self.decode_stack.can_run(inputs, self.decode_kernel)
         ):
             return self.decode_stack.run(inputs, self.kv_cache)  # [num_sampled, vocab]
+        if inputs.hidden_indices is not None:
+            model = cast(GivesHiddenStates, self.model)
+            logits, self._hidden = model.forward_with_hidden(inputs, self.kv_cache, self.decode_kernel)
+            return logits.float()
         logits = self.model(inputs, self.kv_cache, self.decode_kernel)  # [num_sampled, vocab]
         return logits.float()
+
+    @property
+    def supports_hidden_states(self) -> bool:
+        """Whether the model gives its rows' final hidden states (``take_hidden_states``)."""
+        return bool(getattr(self.model, "supports_hidden_states", False))
+
+    def take_hidden_states(self) -> torch.Tensor:
+        """The final norm's output of the last ``execute``'s rows that asked for it: each chunk's
+        ``num_hidden_rows`` last rows, in batch order, ``[sum of num_hidden_rows, hidden]`` (the model's
+        dtype). Only models with ``supports_hidden_states`` give them."""
+        if self._hidden is None:
+            raise RuntimeError("the last batch asked for no hidden states")
+        hidden, self._hidden = self._hidden, None
+        return hidden

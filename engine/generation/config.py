@@ -113,6 +113,9 @@ class GenerationConfig:
     logits_processor_args: dict[str, Any] | None = None
     # DoLa (engine/executor/dola.py): contrast the last layer with "low" or "high" layers or a list of them.
     dola_layers: str | list[int] | None = None
+    # Contrastive search (engine/contrastive_group.py): with top_k > 1, each token chosen among the top_k
+    # by (1 - penalty_alpha) * probability - penalty_alpha * degeneration penalty (0 or None: off).
+    penalty_alpha: float | None = None
     # Beam search (engine/generation/beam_search.py): num_return_sequences of the num_beams best hypotheses.
     num_beams: int = 1
     length_penalty: float = 1.0
@@ -163,6 +166,8 @@ class GenerationConfig:
             set_(self, "stop_strings", list(self.stop_strings))
         if isinstance(self.dola_layers, tuple):
             set_(self, "dola_layers", list(self.dola_layers))
+        if isinstance(self.penalty_alpha, int) and not isinstance(self.penalty_alpha, bool):
+            set_(self, "penalty_alpha", float(self.penalty_alpha))
         # NOTE: validates as it converts (a GenerationConfigError naming watermarking_config.<field>).
         set_(self, "watermarking_config", watermarking_config_from(self.watermarking_config))
         self.validate()
@@ -231,6 +236,7 @@ class GenerationConfig:
         self._validate_structured_output()
         self._validate_logits_processor_args()
         self._validate_dola_layers()
+        self._validate_contrastive_search()
         self._validate_beams()
         self._validate_speculation()
         if vocab_size is not None:
@@ -266,6 +272,38 @@ class GenerationConfig:
                 "dola_layers",
                 f"must be 'low', 'high' or a non-empty list of layer indices >= 0, got {layers!r}",
             )
+
+    @property
+    def is_contrastive_search(self) -> bool:
+        """transformers' rule: ``penalty_alpha`` > 0 with ``top_k`` > 1 (and no beams)."""
+        alpha = self.penalty_alpha
+        return alpha is not None and alpha > 0 and self.top_k > 1 and not self.is_beam_search
+
+    def _validate_contrastive_search(self) -> None:
+        """``penalty_alpha`` in [0, 1], and what contrastive search cannot be combined with: it chooses each
+        token itself (no sampling, beams, drafts or contrast of layers) for one output (n = 1), from the
+        logits processors of cbserve only (no grammar, no user processors)."""
+        alpha = self.penalty_alpha
+        if alpha is None:
+            return
+        if not isinstance(alpha, float) or not 0.0 <= alpha <= 1.0:
+            raise GenerationConfigError("penalty_alpha", f"must be a number in [0, 1], got {alpha!r}")
+        if alpha == 0.0 or self.top_k <= 1:
+            return
+        for name, value in (
+            ("do_sample", not self.is_greedy or None),
+            ("num_beams", self.num_beams if self.is_beam_search else None),
+            ("num_return_sequences", self.num_return_sequences if self.num_return_sequences > 1 else None),
+            ("dola_layers", self.dola_layers),
+            ("structured_output", self.structured_output),
+            ("logits_processor_args", self.logits_processor_args),
+            ("prompt_lookup_num_tokens", self.prompt_lookup_num_tokens or None),
+            ("assistant_early_exit", self.assistant_early_exit),
+        ):
+            if value is not None:
+                raise GenerationConfigError(
+                    name, "cannot be combined with contrastive search (penalty_alpha)"
+                )
 
     @property
     def is_beam_search(self) -> bool:

@@ -227,9 +227,27 @@ class LlamaForCausalLM(nn.Module):
         ``decode_kernel``: the decode-attention kernel (engine/executor/attention/backend.py), or None for SDPA.
         ``num_layers``: only the first layers, then the final norm and the head (self-speculative drafting,
         LayerSkip's early exit; their K/V only is written)."""
+        return self.forward_with_hidden(inputs, kv_cache, decode_kernel, num_layers)[0]
+
+    # contrastive search: ``forward_with_hidden`` gives the final norm's output of ``BatchInputs.hidden_indices``
+    supports_hidden_states = True
+
+    @torch.inference_mode()
+    def forward_with_hidden(
+        self,
+        inputs: BatchInputs,
+        kv_cache: KVCache,
+        decode_kernel: DecodeKernel | None = None,
+        num_layers: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward``'s logits, and the final norm's output ``[len(hidden_indices), hidden]`` (the model's
+        dtype) of the rows ``inputs.hidden_indices`` names (None when it names none)."""
         layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
-        rows = inputs.logits_indices
-        exits = ExitTaps(inputs.early_exits, rows)
+        logits_rows = inputs.logits_indices
+        num_logits = int(logits_rows.shape[0])
+        hidden_rows = inputs.hidden_indices
+        rows = logits_rows if hidden_rows is None else torch.cat([logits_rows, hidden_rows])
+        exits = ExitTaps(inputs.early_exits, logits_rows)
         meta = PagedAttentionMetadata.build(
             inputs, self.config.num_queries_per_kv, self.dtype, self.config.sliding_window, decode_kernel
         )
@@ -259,8 +277,9 @@ class LlamaForCausalLM(nn.Module):
             h = self.model.norm(x)
         else:
             h, _ = self.model.norm.add_and_norm(x, residual)  # [num_logits, hidden]
-        logits = self.compute_logits(h)  # [num_logits, vocab]
-        return exits.contrast(logits, self.lm_head) if exits else logits
+        logits = self.compute_logits(h[:num_logits])  # [num_logits, vocab]
+        hidden = h[num_logits:] if hidden_rows is not None else None
+        return (exits.contrast(logits, self.lm_head) if exits else logits), hidden
 
     # DoLa: ``forward`` gives the contrast of the layers ``BatchInputs.early_exits`` names (engine/executor/dola.py)
     supports_early_exits = True
