@@ -292,9 +292,11 @@ class EngineLoop:
         elif isinstance(message, CancelRequest):
             self._cancel(message.request_id)
         elif isinstance(message, EvictRequest):
-            i = 0  # the scheduler knows each sample as "{id}#{index}"
-            while self.scheduler.evict_request_from_cache(f"{message.request_id}#{i}") is not None:
-                i += 1
+            # the scheduler knows each sample, beam or fork as "{id}#{index}" (pruned ones leave gaps)
+            prefix = f"{message.request_id}#"
+            for scheduler_id in self.scheduler.recently_finished_ids():
+                if scheduler_id.startswith(prefix):
+                    self.scheduler.evict_request_from_cache(scheduler_id)
         elif isinstance(message, ResetPrefixCache):
             cleared = self.scheduler.reset_prefix_cache()
             self._publish_kv_events()  # NOTE: before the answer: a caller told "cleared" sees the event sent

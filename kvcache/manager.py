@@ -271,6 +271,10 @@ class KVCacheManager:
             while len(self._finished_hashes) > self._max_remembered_finished:
                 self._finished_hashes.popitem(last=False)
 
+    def finished_request_ids(self) -> list[str]:
+        """The recently removed requests whose registered blocks ``evict_finished`` can still drop."""
+        return list(self._finished_hashes)
+
     def evict_finished(self, request_id: str) -> int | None:
         """Drop a removed request's blocks from the prefix cache, those no table holds. Returns how many
         were dropped; None when the request is not among the recently removed."""

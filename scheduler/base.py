@@ -347,6 +347,10 @@ class Scheduler(ABC):
         req.finish_reason = reason
         return req
 
+    def recently_finished_ids(self) -> list[str]:
+        """The finished requests whose blocks ``evict_request_from_cache`` can still drop."""
+        return self.kv_manager.finished_request_ids()
+
     def evict_request_from_cache(self, request_id: str) -> int | None:
         """Drop a finished request's blocks from the prefix cache (those no running request shares).
         Returns how many were dropped; None when the request is not among the recently finished."""

@@ -267,7 +267,11 @@ def test_async_streams_wake_the_loop_once_per_step(engine, prompts, reference):
     assert 0 < wakeups <= manager.num_steps - steps0 + 2 < outputs
 
 
-def test_evict_request_from_cache_drops_its_blocks(engine, prompts):
+@pytest.mark.parametrize(
+    "search", [{}, {"num_beams": 3, "num_return_sequences": 1}], ids=["one-sample", "beams"]
+)
+def test_evict_request_from_cache_drops_its_blocks(engine, prompts, search):
+    """Every sample's blocks: a beam search's beams were forked and pruned, so their ids have gaps."""
     prompt = prompts[13]  # long enough for several full blocks
     manager = engine.init_continuous_batching()
     manager.start()
@@ -285,7 +289,7 @@ def test_evict_request_from_cache_drops_its_blocks(engine, prompts):
 
         assert run() == 0  # cold
         assert run() >= engine.block_size  # the finished request's blocks were reused
-        rid = manager.add_request(prompt, max_new_tokens=2, do_sample=False)
+        rid = manager.add_request(prompt, max_new_tokens=6, do_sample=False, **search)
         for _ in manager.request_id_iter(rid, timeout=60):
             pass
         manager.evict_request_from_cache(rid)
