@@ -11,8 +11,8 @@
 #
 # Environment: CONCURRENCIES (default "1 8 16 32"), INPUT_LEN (128), OUTPUT_LEN (64), LLAMACPP_PYTHON
 # (the python that has llama-cpp-python[server]; default .venv/bin/python), TIMEOUT per run (900 s).
-# At the end it prints the table (bench.summarize) and each run against this CPU's float32 ceiling
-# (bench.cpu_ceiling, also saved as OUTDIR/ceiling.txt).
+# At the end it prints the table (bench.summarize) and each run against this CPU's ceiling in its precision
+# (bench.cpu_ceiling: the multiply-add peak and the memory bandwidth; also saved as OUTDIR/ceiling.txt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:?usage: bench/compare_servers.sh OUTDIR [SYSTEM ...]}"; shift
@@ -86,4 +86,12 @@ for system in "${SYSTEMS[@]}"; do
     sleep 2
 done
 $PY -m bench.summarize "$OUT"/*.json
-$PY -m bench.cpu_ceiling "$OUT"/*.json | tee "$OUT/ceiling.txt"
+# each run against the ceiling of the precision it served in (vLLM serves bfloat16)
+shopt -s nullglob
+F32=() BF16=()
+for f in "$OUT"/*.json; do
+    case "$(basename "$f")" in *bf16*|vllm*|transformers-bf16*) BF16+=("$f") ;; *) F32+=("$f") ;; esac
+done
+: > "$OUT/ceiling.txt"
+if ((${#F32[@]})); then $PY -m bench.cpu_ceiling "${F32[@]}" | tee -a "$OUT/ceiling.txt"; fi
+if ((${#BF16[@]})); then $PY -m bench.cpu_ceiling --dtype bfloat16 "${BF16[@]}" | tee -a "$OUT/ceiling.txt"; fi
