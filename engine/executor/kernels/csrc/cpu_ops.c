@@ -157,13 +157,20 @@ INLINE void silu_and_mul_row(void *out, const void *gate, const void *up, int64_
     }
 }
 
-/* gelu_tanh(g) = g / 2 * (1 + tanh(sqrt(2 / pi) * (g + 0.044715 g^3))), PyTorch's approximate="tanh" */
-INLINE float gelu_tanh(float g) { return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))); }
+/* gelu_tanh(g) = g / 2 * (1 + tanh(u)), u = sqrt(2 / pi) * (g + 0.044715 g^3): PyTorch's approximate="tanh".
+ * Since (1 + tanh(u)) / 2 = 1 / (1 + exp(-2u)), it is g * sigmoid(2u): one exp, vectorised like silu's
+ * (libmvec), where tanhf would run lane by lane; accurate relative to the result for either sign of g. */
+#define GELU_MAX_EXP 88.0f /* exp(-2u) capped below float32's overflow: the gate is g / 3e38 there, ~0 */
 
-INLINE v16f gelu_tanh16(v16f g) { /* lane by lane: tanhf has no SIMD form the compiler can rely on */
-    v16f r;
-    for (int j = 0; j < LANES; j++) r[j] = gelu_tanh(g[j]);
-    return r;
+INLINE float gelu_tanh(float g) {
+    const float e = -1.5957691216057308f * (g + 0.044715f * g * g * g);
+    return g / (1.0f + expf(e < GELU_MAX_EXP ? e : GELU_MAX_EXP));
+}
+
+INLINE v16f gelu_tanh16(v16f g) {
+    v16f e = -1.5957691216057308f * (g + 0.044715f * g * g * g);
+    for (int j = 0; j < LANES; j++) e[j] = e[j] < GELU_MAX_EXP ? e[j] : GELU_MAX_EXP; /* one vector min */
+    return g / (1.0f + exp16(e));
 }
 
 INLINE void gelu_tanh_and_mul_row(void *out, const void *gate, const void *up, int64_t inter, const int bf16) {
