@@ -7,8 +7,9 @@ request is one scenario, drawn at random (seeded): short and long prompts, compl
 streaming and not, ``n`` of 1 or 2, cancellations (a stream dropped after a few events, a
 non-streaming client that gives up), beam searches (``use_beam_search`` with ``best_of`` beams, both
 endpoints, non-streaming, some given up), prompt lookup on repeated text (``prompt_lookup_num_tokens``: it
-speculates on any server, and its drafts are accepted), and constrained outputs (bench/soak_constrained.py:
-JSON-schema, regex and forced tool-call requests, streamed and not, and constrained streams dropped early).
+speculates on any server, and the model repeating the phrase accepts its drafts), and constrained outputs
+(bench/soak_constrained.py: JSON-schema, regex and forced tool-call requests, streamed and not, and
+constrained streams dropped early).
 ``--scenarios`` runs a subset. Every request is bounded in time.
 
 Counted: requests accepted (2xx), refused by admission control (429 or 503, not failures), and failed:
