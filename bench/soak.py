@@ -5,8 +5,11 @@
 ``--concurrency`` workers send requests back to back until ``--duration`` seconds have passed. Each
 request is one scenario, drawn at random (seeded): short and long prompts, completions and chat,
 streaming and not, ``n`` of 1 or 2, cancellations (a stream dropped after a few events, a
-non-streaming client that gives up), and constrained outputs (bench/soak_constrained.py: JSON-schema,
-regex and forced tool-call requests, streamed and not, and constrained streams dropped early).
+non-streaming client that gives up), beam searches (``use_beam_search`` with ``best_of`` beams, both
+endpoints, non-streaming, some given up), prompt lookup on repeated text (``prompt_lookup_num_tokens``: it
+speculates on any server, and the model repeating the phrase accepts its drafts), and constrained outputs
+(bench/soak_constrained.py: JSON-schema, regex and forced tool-call requests, streamed and not, and
+constrained streams dropped early).
 ``--scenarios`` runs a subset. Every request is bounded in time.
 
 Counted: requests accepted (2xx), refused by admission control (429 or 503, not failures), and failed:
@@ -16,7 +19,8 @@ a transport error). Cancelled requests are the client's choice and count as canc
 
 At the end: the server must return to idle (``cbserve:kv_cache_usage_perc`` 0, nothing running or
 waiting, no grammar matcher held, on /metrics) within ``--idle-timeout`` seconds, else a block or a
-matcher leaked. With ``--pid``, the server's
+matcher leaked. The summary also gives the speculative decoding counters' change over the run (drafts,
+draft tokens, accepted tokens: 0 when nothing speculated). With ``--pid``, the server's
 resident memory (``VmRSS`` of ``/proc/PID/status``) is sampled every second; growth is measured from
 the end of the warm-up (the first 10% of the run) to the end: the median of the samples in the 10% of
 the run after warm-up against the median of the last 10%.
@@ -55,14 +59,26 @@ SCENARIOS: dict[str, float] = {  # scenario -> weight
     "chat-n2": 1,
     "cancel-stream": 2,
     "cancel-non-stream": 1,
+    "beam-search": 2,
+    "cancel-beam-search": 1,
+    "lookup-stream": 2,
+    "lookup-n2": 1,
+    "cancel-lookup-stream": 1,
     **CONSTRAINED_SCENARIOS,
 }
+CANCELLED_BY_TIMEOUT = ("cancel-non-stream", "cancel-beam-search")
 IDLE_GAUGES = (
     "cbserve:kv_cache_usage_perc",
     "cbserve:num_requests_running",
     "cbserve:num_requests_waiting",
     "cbserve:num_grammar_matchers",
 )
+SPEC_COUNTERS = (
+    "cbserve:spec_decode_num_drafts_total",
+    "cbserve:spec_decode_num_draft_tokens_total",
+    "cbserve:spec_decode_num_accepted_tokens_total",
+)
+PROMPT_LOOKUP_TOKENS = 4
 WORDS = (
     "the quick brown fox jumps over a lazy dog while seven wizards quietly hex an old jukebox "
     "near the river bank where children play and merchants sell bread cheese apples and wine"
@@ -110,6 +126,23 @@ def prompt_text(rng: random.Random, num_words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(num_words))
 
 
+def repeated_text(rng: random.Random) -> str:
+    """A phrase said three times and begun a fourth: prompt lookup finds its continuation in the prompt."""
+    phrase = prompt_text(rng, rng.randint(6, 12)) + "."
+    return " ".join([phrase] * 3 + phrase.split()[: rng.randint(1, 4)])
+
+
+def beam_request(rng: random.Random, common: dict[str, Any], text: str) -> tuple[str, dict[str, Any]]:
+    """A non-streaming beam search (beams cannot stream) on either endpoint: the ``n`` best of ``best_of``."""
+    best_of = rng.randint(2, 4)
+    body = {**common, "use_beam_search": True, "best_of": best_of, "n": rng.randint(1, min(2, best_of))}
+    body |= {"max_tokens": rng.randint(4, 24), "length_penalty": rng.choice([0.5, 1.0, 2.0])}
+    body["early_stopping"] = rng.choice([True, False, "never"])
+    if rng.random() < 0.5:
+        return "/v1/completions", {**body, "prompt": text}
+    return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": text}]}
+
+
 def build_request(rng: random.Random, scenario: str, max_model_len: int) -> tuple[str, dict[str, Any]]:
     """(path, body) of one request of ``scenario``; prompt + max_tokens always fit the context."""
     if scenario in CONSTRAINED_SCENARIOS:
@@ -143,6 +176,19 @@ def build_request(rng: random.Random, scenario: str, max_model_len: int) -> tupl
         }
     if scenario == "cancel-non-stream":
         return "/v1/chat/completions", {**common, "messages": messages, "max_tokens": 200}
+    if scenario == "beam-search":
+        return beam_request(rng, common, prompt_text(rng, rng.randint(5, 40)))
+    if scenario == "cancel-beam-search":
+        path, body = beam_request(rng, common, prompt_text(rng, rng.randint(5, 40)))
+        return path, {**body, "max_tokens": 200}
+    lookup = {**common, "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS, "prompt": repeated_text(rng)}
+    if scenario == "lookup-stream":
+        body = {**lookup, "max_tokens": rng.randint(16, 48), "stream": True}
+        return "/v1/completions", {**body, "stream_options": {"include_usage": True}}
+    if scenario == "lookup-n2":
+        return "/v1/completions", {**lookup, "max_tokens": 24, "n": 2}
+    if scenario == "cancel-lookup-stream":
+        return "/v1/completions", {**lookup, "max_tokens": 200, "stream": True}
     raise ValueError(f"unknown scenario {scenario!r}")
 
 
@@ -155,6 +201,8 @@ def check_json_answer(body: dict[str, Any], answer: dict[str, Any]) -> str | Non
     """What is wrong with a whole non-streamed answer (None: nothing): its constraint, or its length."""
     if not body.get("ignore_eos"):
         return check_answer(body, answer)
+    if len(answer["choices"]) != int(body.get("n", 1)):
+        return f"{len(answer['choices'])} choices for n = {body.get('n', 1)}"
     if answer["usage"]["completion_tokens"] != expected_tokens(body):
         return f"completion_tokens {answer['usage']['completion_tokens']} != {expected_tokens(body)}"
     return None
@@ -198,7 +246,7 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, cfg: SoakCo
     path, body = build_request(rng, scenario, cfg.max_model_len)
     tally.by_scenario[scenario] += 1
     try:
-        if scenario == "cancel-non-stream":
+        if scenario in CANCELLED_BY_TIMEOUT:
             try:
                 resp = await client.post(path, json=body, timeout=rng.uniform(0.2, 1.5))
             except httpx.TimeoutException:
@@ -282,14 +330,29 @@ def rss_growth(samples: list[tuple[float, int]], duration: float) -> dict[str, f
     }
 
 
-def engine_gauges(base_url: str, headers: dict[str, str]) -> dict[str, float]:
+def metric_sums(base_url: str, headers: dict[str, str], names: tuple[str, ...]) -> dict[str, float]:
+    """Each of ``names`` on /metrics, summed over its labels (absent: left out)."""
     text = httpx.get(base_url + "/metrics", headers=headers, timeout=10).text
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in IDLE_GAUGES:
+            if sample.name in names:
                 out[sample.name] = out.get(sample.name, 0.0) + sample.value
     return out
+
+
+def engine_gauges(base_url: str, headers: dict[str, str]) -> dict[str, float]:
+    return metric_sums(base_url, headers, IDLE_GAUGES)
+
+
+def speculation_since(base_url: str, headers: dict[str, str], before: dict[str, float]) -> dict[str, float]:
+    """How much each speculative decoding counter grew since ``before`` (drafts, draft and accepted tokens)."""
+    now = metric_sums(base_url, headers, SPEC_COUNTERS)
+    return {
+        name.removeprefix("cbserve:spec_decode_num_").removesuffix("_total"): now.get(name, 0.0)
+        - before.get(name, 0.0)
+        for name in SPEC_COUNTERS
+    }
 
 
 def wait_idle(base_url: str, headers: dict[str, str], timeout: float) -> dict[str, float]:
@@ -357,12 +420,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    spec_before = metric_sums(args.base_url, headers, SPEC_COUNTERS)
     started = time.monotonic()
     tally, samples = asyncio.run(soak(cfg, args.pid))
     elapsed = time.monotonic() - started
     gauges = wait_idle(args.base_url, headers, args.idle_timeout)
     leaked = len(gauges) != len(IDLE_GAUGES) or any(gauges.values())
     growth = rss_growth(samples, elapsed) if args.pid is not None else None
+    speculation = speculation_since(args.base_url, headers, spec_before)
     summary: dict[str, Any] = {
         "duration_s": round(elapsed, 1),
         "concurrency": args.concurrency,
@@ -375,6 +440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "failures": tally.failures,
         "idle_gauges": gauges,
         "leaked_blocks": leaked,
+        "speculation": speculation,
         "rss": growth,
     }
     print(json.dumps(summary, indent=2))

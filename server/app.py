@@ -29,6 +29,7 @@ from server.middleware.auth import APIKeyMiddleware
 from server.middleware.body_limit import BodySizeLimitMiddleware
 from server.middleware.request_id import RequestIdMiddleware
 from server.middleware.unexpected_errors import UnexpectedErrorMiddleware
+from server.openapi import publish_standard_bounds
 from server.serving_info import server_version
 
 if TYPE_CHECKING:
@@ -59,6 +60,7 @@ def build_app(engine: Engine, config: ServerConfig, metrics: Metrics | None = No
         serving_worker,
     ):
         app.include_router(module.router)
+    publish_standard_bounds(app)
     # NOTE: add_middleware wraps what is there: the last added runs first (outermost).
     app.add_middleware(UnexpectedErrorMiddleware)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=config.max_body_bytes)

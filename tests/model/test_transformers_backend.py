@@ -4,7 +4,8 @@ Tiny random models of many architectures, built from transformers' own config cl
 folder (safetensors + config.json + generation_config.json + the byte tokenizer of tests/model_harness.py),
 served with ``Engine.from_pretrained(folder, model_impl="transformers")``: greedy tokens equal transformers'
 ``generate()`` on the same folder, alone and batched, with chunked prefill, with preemption and with prefix
-caching; the native path equals the backend on the same Llama weights; a non-Llama model answers over HTTP;
+caching; a forward that raises inside transformers' code fails only its step; the native path equals the
+backend on the same Llama weights; a non-Llama model answers over HTTP;
 what cannot run is refused at start with the model and the reason. One test runs the real default model
 through both paths (slow).
 """
@@ -218,6 +219,57 @@ def test_chunked_prefill_preemption_and_prefix_caching(
     again = run(manager, [PROMPTS[2]])[0]
     assert first.num_cached_tokens == 0 and again.num_cached_tokens >= 32
     assert again.generated_ids == first.generated_ids == oracle[arch][2]
+
+
+def test_a_forward_raising_inside_transformers_fails_only_its_step(
+    folders: dict[str, Path], oracle: dict[str, list[list[int]]]
+) -> None:
+    """transformers' second decoder layer raises once, mid-step (the first layer's K/V already written):
+    the requests of that step fail with the error, the engine keeps serving, the same prompts then give
+    transformers' tokens (no half-computed block reached the prefix cache), and no block is left behind."""
+    engine = serve(folders["gemma3_text"])
+    assert isinstance(engine.model, TransformersForCausalLM)
+    armed = [True]
+
+    def raise_once(module: torch.nn.Module, args: Any) -> None:
+        if armed:
+            armed.clear()
+            raise RuntimeError("injected failure in layer 1")
+
+    hook = engine.model.hf_model.model.layers[1].register_forward_pre_hook(raise_once)
+    manager = engine.init_continuous_batching()
+    manager.start()
+    try:
+        first = finals(manager, [add_greedy(manager, p) for p in PROMPTS])
+        again = finals(manager, [add_greedy(manager, p) for p in PROMPTS])
+    finally:
+        manager.stop(timeout=30)
+        hook.remove()
+    failed = [out for out in first if out.status is RequestStatus.FAILED]
+    assert failed and all("injected failure in layer 1" in str(out.error) for out in failed)
+    for prompt_oracle, out in zip(oracle["gemma3_text"], first, strict=True):
+        assert out in failed or out.generated_ids == prompt_oracle
+    assert [out.generated_ids for out in again] == oracle["gemma3_text"]
+    manager.check_integrity()
+    assert manager.scheduler.kv_manager.num_free_blocks == manager.scheduler.num_blocks
+
+
+def add_greedy(manager: ContinuousBatchingManager, prompt: list[int]) -> str:
+    return manager.add_request(prompt, max_new_tokens=MAX_NEW, do_sample=False, ignore_eos=True)
+
+
+def finals(
+    manager: ContinuousBatchingManager, ids: list[str], timeout: float = 120
+) -> list[GenerationOutput]:
+    """The final output of each of ``ids`` (finished or failed), in order."""
+    done: dict[str, GenerationOutput] = {}
+    deadline = time.monotonic() + timeout
+    while len(done) < len(ids) and time.monotonic() < deadline:
+        out = manager.get_result(timeout=1.0)
+        if out is not None and out.is_finished:
+            done[out.request_id] = out
+    assert len(done) == len(ids), "not every request ended in time"
+    return [done[i] for i in ids]
 
 
 def test_native_and_transformers_agree_on_llama_weights(folders: dict[str, Path]) -> None:

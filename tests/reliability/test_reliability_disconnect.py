@@ -2,7 +2,8 @@
 mid-stream; completions and chat; n = 1 and 2) must leave nothing behind: every KV block free again
 (``cbserve:kv_cache_usage_perc`` 0 and no request running, as /metrics reports it, within seconds), the
 scheduler's invariants intact (``check_integrity()``), no response counted in flight, and the next
-request served normally. The same for non-streaming clients that give up before their answer, and for a
+request served normally. The same for non-streaming clients that give up before their answer (beam
+searches among them), and for a
 storm of constrained streams (JSON schemas, regexes, tool calls forced and ``auto``), which must also
 leave no grammar matcher behind (``cbserve:num_grammar_matchers`` 0, and no ``GrammarMatcher`` object
 more in the process than before the storm).
@@ -246,17 +247,20 @@ def spec_drafts(base_url: str) -> float:
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 def test_non_streaming_clients_that_leave(live_server: LiveServer, route: str) -> None:
-    """Several non-streaming requests (n = 2, and a two-prompt one) whose clients give up long before the
-    answer is ready: each is cancelled and its blocks freed."""
+    """Several non-streaming requests (n = 2, a two-prompt one, and a beam search returning its 2 best of 3
+    beams) whose clients give up long before the answer is ready: each is cancelled and its blocks freed."""
     assert live_server.wait_idle(timeout=30)
     long: dict[str, Any] = {"max_tokens": 300, "temperature": 0, "ignore_eos": True, "n": 2}
+    beams = {**long, "use_beam_search": True, "best_of": 3}
     if route == "/v1/completions":
         bodies: list[dict[str, Any]] = [
             {"prompt": ["A tale of two cities", "A tale of three"], **long},
             {"prompt": "Another tale", **long},
+            {"prompt": "A searched tale", **beams},
         ]
     else:
         bodies = [{"messages": [{"role": "user", "content": f"Tell story {k}"}], **long} for k in range(2)]
+        bodies.append({"messages": [{"role": "user", "content": "Tell a searched story"}], **beams})
 
     num_prompts = sum(len(b["prompt"]) if isinstance(b.get("prompt"), list) else 1 for b in bodies)
     manager = live_server.state.manager

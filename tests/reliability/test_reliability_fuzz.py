@@ -6,6 +6,11 @@ The structured-output and tool fields (``response_format``, ``structured_outputs
 ``guided_regex``, ``tools``, ``tool_choice``) must be in the published schema, and are fuzzed on their own
 too: in a copy of the schema that requires one of them, so that every case carries it (a plain run may
 leave optional fields out). Each case that reaches the engine compiles a grammar from fuzzed input.
+So are the beam-search fields (``use_beam_search``, ``best_of``, ``num_beams``, ``length_penalty``,
+``early_stopping``, ``num_beam_groups``, ``diversity_penalty``, ``force_words_ids``) and the speculative
+ones (``prompt_lookup_num_tokens``, ``max_matching_ngram_size``, ``assistant_early_exit``,
+``assistant_confidence_threshold``, ``num_assistant_tokens``, ``num_assistant_tokens_schedule``), in
+groups that work together, each group required at once: a case with beams or drafts runs them.
 
 Bounded: ``MAX_EXAMPLES`` cases per operation and mode (``MAX_FIELD_EXAMPLES`` per focused field), no
 shrinking, and generation kept short by capping ``max_tokens``/``max_completion_tokens``/``n`` in each
@@ -47,12 +52,22 @@ EXPECTED_OPERATIONS = {
     ("GET", "/version"),
     ("GET", "/metrics"),
 }
-# (path, request schema, field): each structured-output or tool field, fuzzed in every case.
-FOCUSED_FIELDS = [
-    *[("/v1/completions", "CompletionRequest", f) for f in ("response_format", "structured_outputs", "guided_json",
-                                                             "guided_regex")],
-    *[("/v1/chat/completions", "ChatCompletionRequest", f) for f in ("response_format", "structured_outputs",
-                                                                      "tools", "tool_choice")],
+Focus = tuple[str, str, tuple[str, ...]]  # (path, request schema, fields every case carries)
+# Each structured-output or tool field, fuzzed in every case.
+FOCUSED_FIELDS: list[Focus] = [
+    *[("/v1/completions", "CompletionRequest", (f,)) for f in ("response_format", "structured_outputs",
+                                                                "guided_json", "guided_regex")],
+    *[("/v1/chat/completions", "ChatCompletionRequest", (f,)) for f in ("response_format", "structured_outputs",
+                                                                         "tools", "tool_choice")],
+]  # fmt: skip
+# The beam-search and speculative fields, in groups required together.
+FOCUSED_GROUPS: list[Focus] = [
+    ("/v1/completions", "CompletionRequest", ("use_beam_search", "best_of", "length_penalty", "early_stopping")),
+    ("/v1/chat/completions", "ChatCompletionRequest", ("num_beams", "num_beam_groups", "diversity_penalty")),
+    ("/v1/completions", "CompletionRequest", ("num_beams", "force_words_ids")),
+    ("/v1/completions", "CompletionRequest", ("prompt_lookup_num_tokens", "max_matching_ngram_size")),
+    ("/v1/chat/completions", "ChatCompletionRequest", ("assistant_early_exit", "assistant_confidence_threshold")),
+    ("/v1/chat/completions", "ChatCompletionRequest", ("num_assistant_tokens", "num_assistant_tokens_schedule")),
 ]  # fmt: skip
 
 
@@ -180,25 +195,27 @@ def test_fuzz_every_operation(live_server: LiveServer, mode: GenerationMode) -> 
     assert time.monotonic() - started < 300
 
 
-def requiring(raw: dict[str, Any], component: str, field: str) -> dict[str, Any]:
-    """A copy of the OpenAPI document whose ``component`` request schema requires ``field``."""
+def requiring(raw: dict[str, Any], component: str, *fields: str) -> dict[str, Any]:
+    """A copy of the OpenAPI document whose ``component`` request schema requires ``fields``."""
     changed = copy.deepcopy(raw)
     schema = changed["components"]["schemas"][component]
-    assert field in schema["properties"], f"{field} is missing from the published {component}"
-    schema["required"] = [*schema.get("required", []), field]
+    for field in fields:
+        assert field in schema["properties"], f"{field} is missing from the published {component}"
+    schema["required"] = [*schema.get("required", []), *fields]
     return changed
 
 
-@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=str)
-def test_fuzz_structured_output_and_tool_fields(live_server: LiveServer, mode: GenerationMode) -> None:
+def fuzz_focused(live_server: LiveServer, mode: GenerationMode, focused: list[Focus]) -> None:
+    """``MAX_FIELD_EXAMPLES`` cases of each focus (its fields required): the checks of every fuzz case, then
+    the server healthy and idle."""
     raw = requests.get(live_server.base_url + "/openapi.json", timeout=30).json()
     failures: list[str] = []
     calls: dict[str, int] = {}
     with requests.Session() as session:
-        for path, component, field in FOCUSED_FIELDS:
-            schema = schemathesis.openapi.from_dict(requiring(raw, component, field))
+        for path, component, fields in focused:
+            schema = schemathesis.openapi.from_dict(requiring(raw, component, *fields))
             operation = schema[path]["POST"]
-            calls[f"{path} {field}"], problems = fuzz_operation(
+            calls[f"{path} {'+'.join(fields)}"], problems = fuzz_operation(
                 operation, mode, live_server, session, MAX_FIELD_EXAMPLES
             )
             failures.extend(problems)
@@ -206,3 +223,13 @@ def test_fuzz_structured_output_and_tool_fields(live_server: LiveServer, mode: G
     assert all(n >= MAX_FIELD_EXAMPLES // 2 for n in calls.values()), calls
     assert requests.get(live_server.base_url + "/health", timeout=10).status_code == 200
     assert live_server.wait_idle(timeout=60), live_server.state.manager and live_server.state.manager.stats()
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=str)
+def test_fuzz_structured_output_and_tool_fields(live_server: LiveServer, mode: GenerationMode) -> None:
+    fuzz_focused(live_server, mode, FOCUSED_FIELDS)
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=str)
+def test_fuzz_beam_search_and_speculative_fields(live_server: LiveServer, mode: GenerationMode) -> None:
+    fuzz_focused(live_server, mode, FOCUSED_GROUPS)

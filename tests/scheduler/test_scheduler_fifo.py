@@ -201,6 +201,47 @@ def test_preemption_picks_the_most_recently_admitted_and_completes_it_later(
     assert s.kv_manager.num_free_blocks == 6
 
 
+def test_a_gang_that_cannot_get_blocks_is_preempted_whole_and_recomputed(
+    make: Callable[..., Scheduler],
+    req: Callable[..., Request],
+    engine_step: Callable[[Scheduler, ScheduledBatch], list[Request]],
+) -> None:
+    # a beam search's three beams (one gang, forked from g#0) beside an older request, 6 blocks of 4
+    s = make(num_blocks=6, max_batch_tokens=64)
+    solo = req("solo", 4, max_new=10)
+    g0 = Request(request_id="g#0", prompt_ids=list(range(50, 54)), max_new_tokens=10, gang="g")
+    s.add_request(solo)
+    s.add_request(g0)
+    engine_step(s, s.schedule())
+    beams = [g0]
+    for i in (1, 2):
+        child = Request(request_id=f"g#{i}", prompt_ids=list(g0.prompt_ids), max_new_tokens=10, gang="g")
+        child.output_ids = list(g0.output_ids)
+        beams.append(s.fork("g#0", child))
+    s.check_integrity()
+    # positions 4..7 fill everyone's second block; at position 8 nobody gets a third block
+    for _ in range(10):
+        batch = s.schedule()
+        if batch.preempted_ids:
+            break
+        engine_step(s, batch)
+    assert sorted(batch.preempted_ids) == ["g#0", "g#1", "g#2"]  # the whole gang, never some of its beams
+    for beam in beams:
+        assert beam.status is RequestStatus.WAITING and s.block_ids(beam.request_id) == []
+        assert beam.num_computed_tokens == 0 and beam.output_ids == [1000 + i for i in range(5)]
+    assert [c.request.request_id for c in batch.requests] == ["solo"]
+    assert s.kv_manager.request_ids == {"solo"}
+    engine_step(s, batch)
+    for _ in range(60):  # recomputed once solo is done
+        if not s.has_unfinished_requests():
+            break
+        engine_step(s, s.schedule())
+    assert not s.has_unfinished_requests()
+    for r in (solo, *beams):
+        assert r.output_ids == [1000 + i for i in range(10)] and r.status is RequestStatus.FINISHED
+    assert s.kv_manager.num_free_blocks == 6
+
+
 def test_a_request_preempts_itself_when_it_was_admitted_last(
     make: Callable[..., Scheduler],
     req: Callable[..., Request],

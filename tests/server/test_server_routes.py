@@ -3,6 +3,8 @@ and CORS (off by default, on with origins)."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 from fastapi.testclient import TestClient
 from server_fixtures import MAX_MODEL_LEN, LiveServer
@@ -71,6 +73,20 @@ def test_version_models_and_openapi(live_server: LiveServer, http: httpx.Client)
     ):
         assert path in schema["paths"], path
     assert http.get("/docs").status_code == 200
+
+
+def test_openapi_bounds_are_json_schema_keywords(http: httpx.Client) -> None:
+    """pydantic's own ge/gt/le/lt keys (a Field bound over a before-validated number) would leave a bounded
+    field unbounded to every client and fuzzer that reads the schema."""
+    schema = http.get("/openapi.json").json()
+    text = json.dumps(schema)
+    assert not any(f'"{key}": ' in text for key in ("ge", "gt", "le", "lt")), "pydantic bound keys published"
+    completion = schema["components"]["schemas"]["CompletionRequest"]["properties"]
+    number = {name: completion[name]["anyOf"][0] for name in ("temperature", "top_p", "diversity_penalty")}
+    assert number["temperature"] == {"type": "number", "minimum": 0.0}
+    assert number["top_p"] == {"type": "number", "exclusiveMinimum": 0.0, "maximum": 1.0}
+    assert number["diversity_penalty"] == {"type": "number", "minimum": 0.0}
+    assert completion["n"]["minimum"] == 1 and completion["best_of"]["anyOf"][0]["maximum"] == 64
 
 
 def test_metrics_count_requests_and_steps(http: httpx.Client) -> None:
