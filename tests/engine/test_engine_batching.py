@@ -8,10 +8,12 @@ import threading
 import time
 
 import pytest
+from default_engine import engine_on
 from executor_faults import FaultyExecutor
 
 from engine.engine import Engine
 from engine.errors import ContextLengthExceededError, EngineDeadError, InvalidRequestError
+from engine.loader.model_loader import LoadedModel
 from engine.manager import ContinuousBatchingManager
 from engine.outputs import RequestStatus
 from scheduler.errors import RequestTooLargeError
@@ -44,8 +46,8 @@ MAX_NEW = [24, 8, 16, 20, 12, 24, 10, 18, 16, 6, 22, 12, 14, 24, 9, 15]
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine.from_pretrained("default", device="cpu", dtype="float32", num_blocks=512)
+def engine(default_model: LoadedModel) -> Engine:
+    return engine_on(default_model, num_blocks=512)
 
 
 @pytest.fixture(scope="module")
