@@ -26,7 +26,15 @@ from typing import Any
 
 import torch
 
-from bench.offline import ModelSpec, _commit, _hf_model, _machine, _release_memory, make_workload
+from bench.offline import (
+    ModelSpec,
+    _commit,
+    _hf_model,
+    _machine,
+    _release_memory,
+    generate_static,
+    make_workload,
+)
 
 
 @dataclass
@@ -127,32 +135,9 @@ def run_hf_static(
 ) -> BeamRun:
     """Left-padded static batches of ``batch_size`` prompts, each searched with ``num_beams`` beams."""
     model = _hf_model(threads, spec)
-    device = model.device
-    total = 0
     with peak_memory(spec.device) as peak:
         start = time.perf_counter()
-        for b in range(0, len(work), batch_size):
-            chunk = work[b : b + batch_size]
-            width = max(len(p) for p, _ in chunk)
-            ids = torch.zeros((len(chunk), width), dtype=torch.long)
-            mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for i, (p, _) in enumerate(chunk):
-                ids[i, width - len(p) :] = torch.tensor(p)
-                mask[i, width - len(p) :] = 1
-            longest = max(n for _, n in chunk)
-            with torch.inference_mode():
-                model.generate(
-                    input_ids=ids.to(device),
-                    attention_mask=mask.to(device),
-                    num_beams=num_beams,
-                    do_sample=False,
-                    max_new_tokens=longest,
-                    min_new_tokens=longest,
-                    pad_token_id=0,
-                )
-            total += sum(n for _, n in chunk)
-        if spec.device.startswith("cuda"):
-            torch.cuda.synchronize()
+        total = generate_static(model, work, batch_size, num_beams=num_beams)
         seconds = time.perf_counter() - start
     label = f"transformers generate (static, batch {batch_size})"
     return BeamRun(label, len(work), num_beams, total, seconds, peak())

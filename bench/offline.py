@@ -165,15 +165,12 @@ def run_hf_continuous(work: list[tuple[list[int], int]], threads: int, spec: Mod
     )
 
 
-def run_hf_static(
-    work: list[tuple[list[int], int]], threads: int, spec: ModelSpec, batch_size: int
-) -> RunResult:
-    """Padded static batches (left padding), each batch runs to its longest requested length; only the
-    requested tokens count as output."""
-    model = _hf_model(threads, spec)
+def generate_static(model: Any, work: list[tuple[list[int], int]], batch_size: int, **search: Any) -> int:
+    """``model.generate`` over left-padded static batches of ``batch_size`` prompts, each batch run to its
+    longest requested length (greedy, or ``search``'s options such as ``num_beams``); returns the requested
+    tokens, the output that counts."""
     device = model.device
     total = 0
-    start = time.perf_counter()
     for b in range(0, len(work), batch_size):
         chunk = work[b : b + batch_size]
         width = max(len(p) for p, _ in chunk)
@@ -191,9 +188,21 @@ def run_hf_static(
                 max_new_tokens=longest,
                 min_new_tokens=longest,
                 pad_token_id=0,
+                **search,
             )
         total += sum(n for _, n in chunk)
     _synchronize(str(device))
+    return total
+
+
+def run_hf_static(
+    work: list[tuple[list[int], int]], threads: int, spec: ModelSpec, batch_size: int
+) -> RunResult:
+    """Padded static batches (left padding), each batch runs to its longest requested length; only the
+    requested tokens count as output."""
+    model = _hf_model(threads, spec)
+    start = time.perf_counter()
+    total = generate_static(model, work, batch_size)
     seconds = time.perf_counter() - start
     return RunResult(f"transformers generate (static, batch {batch_size})", len(work), 0, total, seconds)
 

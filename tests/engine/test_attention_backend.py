@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from default_engine import engine_on
 from model_harness import cpu_kernel_or_skip
 
-from engine.engine import Engine
 from engine.executor.attention import backend, cpu_kernel, triton_decode
 from engine.executor.attention.backend import select_decode_kernel
 from engine.executor.attention.cpu_kernel import KernelUnavailable, PagedDecodeKernel
+from engine.loader.model_loader import LoadedModel
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")  # only named: nothing here runs on it
@@ -157,7 +158,7 @@ NEAR_TIE = 1e-3
 
 
 @pytest.mark.slow
-def test_engine_outputs_are_the_same_with_either_backend() -> None:
+def test_engine_outputs_are_the_same_with_either_backend(default_model: LoadedModel) -> None:
     """The public API end to end on the real model: greedy generations agree token for token, up to the
     first near-tie (``NEAR_TIE``) of the cpu backend's pick."""
     cpu_kernel_or_skip()
@@ -169,7 +170,7 @@ def test_engine_outputs_are_the_same_with_either_backend() -> None:
     ]
     outputs = {}
     for name in ("cpu", "sdpa"):
-        engine = Engine.from_pretrained("default", device="cpu", dtype="float32", attention_backend=name)
+        engine = engine_on(default_model, attention_backend=name)
         assert engine.attention_backend == name
         ids = [engine.tokenizer.encode(p) for p in prompts]
         results = engine.generate_batch(

@@ -1,12 +1,13 @@
-"""A request's logits do not depend on what shares its steps: through ``Engine.generate_batch`` on the
-default model, a prompt's logprobs alone are the same bits as beside long prefill chunks, inside a full
-decode batch, and when its own prompt is split into chunks by an earlier long prompt (docs/GENERATION.md,
-"Batch invariance"). With ``batch_invariant=True``: float32 on every CPU (the small kernel for every call),
+"""A request's logits do not depend on what shares its steps: through the continuous-batching manager on
+the default model, two prompts' logprobs (a short greedy one, a long seeded one) alone are the same bits as
+side by side beside long prefill chunks, inside a decode batch of 16 rows, and when the long one is split
+into chunks by an earlier long prompt (docs/GENERATION.md, "Batch invariance"). With ``batch_invariant=True``: float32 on every CPU (the small kernel for every call),
 bfloat16 where the CPU has AMX-BF16 (the AMX kernel for every call)."""
 
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch
 from engine.cpu.native_build import KernelUnavailable
 from engine.engine import Engine
 from engine.executor.kernels import amx_gemm
+from engine.outputs import GenerationOutput
 
 pytestmark = pytest.mark.slow
 
@@ -33,20 +35,36 @@ def _engine(dtype: str) -> Engine:
     return Engine.from_pretrained("default", device="cpu", dtype=dtype, batch_invariant=True)
 
 
-def _first_output(
-    engine: Engine, batch: list[list[int]], index: int, **sampling: object
-) -> tuple[list[int], torch.Tensor]:
-    results = engine.generate_batch(
-        batch,
-        progress_bar=False,
-        max_new_tokens=NEW_TOKENS,
-        output_logprobs=True,
-        ignore_eos=True,
-        **sampling,
-    )
-    out = results[f"batch_req_{index}"]
-    assert out.logprobs is not None and len(out.generated_ids) == NEW_TOKENS
-    return out.generated_ids, torch.tensor([lp.logprob for lp in out.logprobs], dtype=torch.float64)
+def _outputs(
+    engine: Engine, batch: list[tuple[list[int], dict[str, Any]]]
+) -> list[tuple[list[int], torch.Tensor]]:
+    """Every (prompt, sampling) of ``batch`` added at once; each one's tokens and their logprobs."""
+    manager = engine.init_continuous_batching()
+    manager.start()
+    try:
+        ids = [
+            manager.add_request(
+                prompt, max_new_tokens=NEW_TOKENS, output_logprobs=True, ignore_eos=True, **sampling
+            )
+            for prompt, sampling in batch
+        ]
+        finals: dict[str, GenerationOutput] = {}
+        while len(finals) < len(batch):
+            out = manager.get_result(timeout=1.0)
+            if out is None:
+                assert manager.is_running(), "the engine loop stopped before every request finished"
+            elif out.is_finished:
+                finals[out.request_id] = out
+    finally:
+        manager.stop(block=True, timeout=30)
+    results = []
+    for rid in ids:
+        out = finals[rid]
+        assert out.logprobs is not None and len(out.generated_ids) == NEW_TOKENS
+        results.append(
+            (out.generated_ids, torch.tensor([lp.logprob for lp in out.logprobs], dtype=torch.float64))
+        )
+    return results
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -54,27 +72,28 @@ def test_logprobs_are_the_same_bits_whatever_shares_the_steps(dtype: str) -> Non
     engine = _engine(dtype)
     assert engine.batch_invariant
     rng = random.Random(0)
-    prompts = [
-        engine.tokenizer.encode("Once upon a time, in a small village by the sea, there lived"),
-        _random_prompt(rng, 600),
+    greedy, seeded = {"do_sample": False}, {"do_sample": True, "seed": 7, "temperature": 1.0}
+    # a short greedy prompt and a long seeded one, checked side by side in every batch
+    checked = [
+        (engine.tokenizer.encode("Once upon a time, in a small village by the sea, there lived"), greedy),
+        (_random_prompt(rng, 600), seeded),
     ]
     long_prompts = [_random_prompt(rng, 1200) for _ in range(2)]  # their chunks fill the 2,048-token steps
-    decoding = [_random_prompt(rng, 20) for _ in range(15)]  # a full decode batch beside the prompt
-    first_long = _random_prompt(rng, 1800)  # takes most of a step: the prompt after it is split in two
-    greedy, seeded = {"do_sample": False}, {"do_sample": True, "seed": 7, "temperature": 1.0}
-    for prompt, sampling in ((prompts[0], greedy), (prompts[1], seeded)):
-        alone_ids, alone = _first_output(engine, [prompt], 0, **sampling)
-        for batch, index in (
-            ([prompt, *long_prompts], 0),
-            ([prompt, *decoding], 0),
-            ([first_long, prompt], 1),
-        ):
-            ids, logprobs = _first_output(engine, batch, index, **sampling)
+    decoding = [_random_prompt(rng, 20) for _ in range(14)]  # with the two: a decode batch of 16 rows
+    first_long = _random_prompt(rng, 1800)  # takes most of a step: the long prompt after it is split in two
+    alone = [_outputs(engine, [request])[0] for request in checked]
+    for before, after in (
+        ([], [(p, greedy) for p in long_prompts]),
+        ([], [(p, greedy) for p in decoding]),
+        ([(first_long, greedy)], []),
+    ):
+        outputs = _outputs(engine, [*before, *checked, *after])[len(before) : len(before) + len(checked)]
+        for (ids, logprobs), (alone_ids, alone_logprobs) in zip(outputs, alone, strict=True):
             assert ids == alone_ids
-            assert torch.equal(logprobs, alone), (
+            assert torch.equal(logprobs, alone_logprobs), (
                 dtype,
-                len(batch),
-                (logprobs - alone).abs().max().item(),
+                len(before) + len(checked) + len(after),
+                (logprobs - alone_logprobs).abs().max().item(),
             )
 
 

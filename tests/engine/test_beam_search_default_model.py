@@ -8,8 +8,10 @@ from typing import Any
 
 import pytest
 import torch
+from default_engine import engine_on
 
 from engine.engine import Engine
+from engine.loader.model_loader import LoadedModel
 from engine.outputs import GenerationOutput
 
 PROMPTS = ["The capital of France is", "Here is a short poem about the sea:", "def fibonacci(n):"]
@@ -22,8 +24,8 @@ SEARCHES: list[dict[str, Any]] = [
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    yield Engine.from_pretrained("default", device="cpu", dtype="float32", num_blocks=256)
+def engine(default_model: LoadedModel) -> Iterator[Engine]:
+    yield engine_on(default_model, num_blocks=256)
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,12 @@ the scheduler's integrity holds after every step and no block is left behind."""
 from __future__ import annotations
 
 import threading
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-import transformers
-from beam_harness import MAX_NEW, PROMPTS, options_of, run, save_tiny
+from beam_harness import MAX_NEW, PROMPTS, TinyModel, options_of, run
 
 from engine.engine import CacheOptions, Engine
 from engine.generation.config import GenerationConfigError
@@ -28,18 +27,18 @@ SEARCHES: list[dict[str, Any]] = [
 
 
 @pytest.fixture(scope="module", params=["LlamaConfig", "Qwen2Config"])
-def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny(tmp_path_factory.mktemp("beams") / request.param, request.param, seed=3)
+def tiny(request: pytest.FixtureRequest, tiny_beam_model: Callable[[str, int], TinyModel]) -> TinyModel:
+    return tiny_beam_model(request.param, 3)
 
 
 @pytest.fixture(scope="module")
-def model(folder: Path) -> Any:
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+def model(tiny: TinyModel) -> Any:
+    return tiny.reference
 
 
 @pytest.fixture(scope="module")
-def engine(folder: Path) -> Engine:
-    return Engine.from_pretrained(str(folder), device="cpu", dtype="float32", num_blocks=256)
+def engine(tiny: TinyModel) -> Engine:
+    return tiny.engine
 
 
 @pytest.fixture(scope="module")

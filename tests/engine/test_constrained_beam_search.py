@@ -5,15 +5,13 @@ model the same beams as the scoring driven by transformers' own forward."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-import transformers
-from beam_harness import PROMPTS, options_of, run, save_tiny
+from beam_harness import PROMPTS, TinyModel, options_of, run
 
-from engine.engine import Engine
 from engine.generation.beam_search import BeamChoice
 from engine.generation.config import GenerationConfig, GenerationConfigError
 from engine.generation.constrained_beam_search import ConstrainedBeamSearch
@@ -119,13 +117,12 @@ def test_what_cannot_work_is_refused(options: dict[str, Any], field: str) -> Non
 
 # ------------------------------------------------------------------------------ in the continuous batch
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny(tmp_path_factory.mktemp("constrained") / "llama", "LlamaConfig", seed=9)
+def tiny(tiny_beam_model: Callable[[str, int], TinyModel]) -> TinyModel:
+    return tiny_beam_model("LlamaConfig", 9)
 
 
 @torch.no_grad()
-def scored_on_transformers(folder: Path, prompt: list[int], words: list[Any]) -> Any:
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+def scored_on_transformers(model: Any, prompt: list[int], words: list[Any]) -> Any:
     search = ConstrainedBeamSearch(4, constraints_of(words), prompt, 10, [])
     while not search.done:
         rows = [model(torch.tensor([prompt + b.token_ids])).logits[0, -1].float() for b in search.running]
@@ -133,15 +130,15 @@ def scored_on_transformers(folder: Path, prompt: list[int], words: list[Any]) ->
     return search.best(1)
 
 
-def test_constrained_beams_in_the_batch_equal_the_scoring_on_transformers_logits(folder: Path) -> None:
-    engine = Engine.from_pretrained(str(folder), device="cpu", dtype="float32", num_blocks=256)
+def test_constrained_beams_in_the_batch_equal_the_scoring_on_transformers_logits(tiny: TinyModel) -> None:
+    engine = tiny.engine
     words: list[Any] = [[200, 201], [[150], [160, 161]]]
     search = dict(num_beams=4, force_words_ids=words)
     requests = [(p, options_of(search, None)) for p in PROMPTS]
     requests.append(([5, 6, 7], dict(do_sample=False, ignore_eos=True)))
     outputs = run(engine.init_continuous_batching(), requests)
     for prompt, outs in zip(PROMPTS, outputs[:3], strict=True):
-        expected = scored_on_transformers(folder, prompt, words)
+        expected = scored_on_transformers(tiny.reference, prompt, words)
         assert [o.generated_ids for o in outs] == [h.token_ids for h in expected]
         assert [o.sequence_score for o in outs] == pytest.approx([h.score for h in expected], abs=1e-4)
         best = outs[0].generated_ids

@@ -5,15 +5,13 @@ model the same beams as the scoring driven by transformers' own forward."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-import transformers
-from beam_harness import PROMPTS, options_of, run, save_tiny
+from beam_harness import PROMPTS, TinyModel, options_of, run
 
-from engine.engine import Engine
 from engine.generation.config import GenerationConfig, GenerationConfigError
 from engine.generation.diverse_beam_search import DiverseBeamSearch
 
@@ -106,13 +104,12 @@ def test_what_cannot_work_is_refused(options: dict[str, Any], field: str) -> Non
 
 # ------------------------------------------------------------------------------ in the continuous batch
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny(tmp_path_factory.mktemp("diverse") / "llama", "LlamaConfig", seed=5)
+def tiny(tiny_beam_model: Callable[[str, int], TinyModel]) -> TinyModel:
+    return tiny_beam_model("LlamaConfig", 5)
 
 
 @torch.no_grad()
-def scored_on_transformers(folder: Path, prompt: list[int], search: dict[str, Any], eos: int | None) -> Any:
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+def scored_on_transformers(model: Any, prompt: list[int], search: dict[str, Any], eos: int | None) -> Any:
     beams = DiverseBeamSearch(
         search["num_beams"], search["num_beam_groups"], search["diversity_penalty"], 10,
         [eos] if eos is not None else [], search.get("length_penalty", 1.0), search.get("early_stopping", False),
@@ -128,16 +125,18 @@ SEARCH: dict[str, Any] = dict(
 
 @pytest.mark.parametrize("with_eos", [False, True])
 def test_diverse_beams_in_the_batch_equal_the_scoring_on_transformers_logits(
-    folder: Path, with_eos: bool
+    tiny: TinyModel, with_eos: bool
 ) -> None:
     # as EOS: a token the search generates early, so that it ends some hypotheses
-    eos = scored_on_transformers(folder, PROMPTS[0], SEARCH, None)[0].token_ids[2] if with_eos else None
-    engine = Engine.from_pretrained(str(folder), device="cpu", dtype="float32", num_blocks=256)
+    eos = (
+        scored_on_transformers(tiny.reference, PROMPTS[0], SEARCH, None)[0].token_ids[2] if with_eos else None
+    )
+    engine = tiny.engine
     requests = [(p, options_of(SEARCH, eos)) for p in PROMPTS]
     requests.append(([5, 6, 7], dict(do_sample=True, seed=3, ignore_eos=True)))
     outputs = run(engine.init_continuous_batching(), requests)
     for prompt, outs in zip(PROMPTS, outputs[:3], strict=True):
-        expected = scored_on_transformers(folder, prompt, SEARCH, eos)
+        expected = scored_on_transformers(tiny.reference, prompt, SEARCH, eos)
         assert [o.generated_ids for o in outs] == [h.token_ids for h in expected]
         assert [o.sequence_score for o in outs] == pytest.approx([h.score for h in expected], abs=1e-4)
     if with_eos:

@@ -14,12 +14,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from default_engine import engine_on
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from engine.engine import Engine
 from engine.executor.dola import LayerContrast, contrast
 from engine.generation.config import GenerationConfig
 from engine.generation.errors import GenerationConfigError
+from engine.loader.model_loader import LoadedModel
 
 
 # ---------------------------------------------------------------- transformers 4.x, transcribed
@@ -87,7 +89,11 @@ def test_bad_dola_layers_name_the_field(value: Any) -> None:
 
 
 # ---------------------------------------------------------------- end to end on the default model
-PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Water boils at"]  # the first is DoLa beside the others
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Water boils at",
+]  # the first is DoLa beside the others
 NEW_TOKENS = 12
 NEAR_TIE = 1e-3
 
@@ -113,8 +119,8 @@ def _reference(oracle_model: Any, prompt: list[int], layers: list[int]) -> tuple
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine.from_pretrained("default", device="cpu", dtype="float32")
+def engine(default_model: LoadedModel) -> Engine:
+    return engine_on(default_model)
 
 
 @pytest.mark.slow

@@ -7,8 +7,10 @@ import time
 from typing import Any
 
 import pytest
+from default_engine import engine_on
 
 from engine.engine import Engine
+from engine.loader.model_loader import LoadedModel
 from engine.outputs import GenerationOutput, RequestStatus
 from scheduler.request import FinishReason
 
@@ -37,8 +39,8 @@ OPTIONS: list[dict[str, Any]] = [
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine.from_pretrained("default", device="cpu", dtype="float32", num_blocks=256)
+def engine(default_model: LoadedModel) -> Engine:
+    return engine_on(default_model, num_blocks=256)
 
 
 def run(engine: Engine, indices: list[int]) -> dict[int, GenerationOutput]:

@@ -5,16 +5,18 @@ from __future__ import annotations
 import time
 
 import pytest
+from default_engine import engine_on
 
 from engine.engine import CacheOptions, Engine
+from engine.loader.model_loader import LoadedModel
 from engine.outputs import RequestStatus
 
 pytestmark = pytest.mark.slow  # the real model, float32
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine.from_pretrained("default", device="cpu", dtype="float32", num_blocks=256)
+def engine(default_model: LoadedModel) -> Engine:
+    return engine_on(default_model, num_blocks=256)
 
 
 def collect(manager, ids: list[str], timeout: float = 120) -> dict[tuple[str, int], object]:

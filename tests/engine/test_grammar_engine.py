@@ -10,11 +10,13 @@ import time
 from typing import Any
 
 import pytest
+from default_engine import engine_on
 from executor_faults import faulty_executor
 
 from engine.engine import CacheOptions, Engine
 from engine.generation.grammar import GrammarMatcher
 from engine.generation.grammar_spec import GrammarSpec
+from engine.loader.model_loader import LoadedModel
 from engine.outputs import RequestStatus
 from scheduler.batch import ScheduledBatch
 
@@ -24,8 +26,8 @@ PATTERN = r"(alpha|beta|gamma)( [a-z]{2,6}){25,30}\."
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine.from_pretrained("default", device="cpu", dtype="float32", num_blocks=256)
+def engine(default_model: LoadedModel) -> Engine:
+    return engine_on(default_model, num_blocks=256)
 
 
 def test_preempted_and_forked_constrained_requests_stay_valid_and_leak_nothing(engine: Engine) -> None:

@@ -8,8 +8,10 @@ from typing import Any
 
 import pytest
 import torch
+from default_engine import engine_on
 
 from engine.engine import CacheOptions, Engine
+from engine.loader.model_loader import LoadedModel
 from engine.outputs import GenerationOutput
 
 PROMPTS = [
@@ -23,8 +25,8 @@ ATOL = 2e-3  # our float32 kernels against transformers' float32 eager path
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine.from_pretrained("default", device="cpu", dtype="float32", num_blocks=256)
+def engine(default_model: LoadedModel) -> Engine:
+    return engine_on(default_model, num_blocks=256)
 
 
 @pytest.fixture(scope="module")

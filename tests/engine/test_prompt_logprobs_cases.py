@@ -11,9 +11,11 @@ from typing import Any
 
 import pytest
 import torch
+from default_engine import engine_on
 from executor_faults import faulty_executor
 
 from engine.engine import CacheOptions, Engine
+from engine.loader.model_loader import LoadedModel
 from engine.manager import ContinuousBatchingManager
 from engine.outputs import GenerationOutput, RequestStatus, TokenLogprob
 from scheduler.batch import ScheduledBatch
@@ -31,8 +33,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine.from_pretrained("default", device="cpu", dtype="float32", num_blocks=256)
+def engine(default_model: LoadedModel) -> Engine:
+    return engine_on(default_model, num_blocks=256)
 
 
 @pytest.fixture(scope="module")

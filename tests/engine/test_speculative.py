@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import pytest
+from default_engine import engine_on
 
 from engine.engine import Engine
 from engine.generation.config import GenerationConfigError
@@ -153,8 +154,8 @@ def test_speculation_turns_off_above_its_batch_size(engine: Engine) -> None:
     assert stats.spec_num_drafts == 0
 
 
-def test_preemption_with_a_tiny_cache() -> None:
-    small = Engine.from_pretrained("default", dtype="float32", num_blocks=24, batch_invariant=True)
+def test_preemption_with_a_tiny_cache(engine: Engine) -> None:
+    small = engine_on(engine.loaded, num_blocks=24)  # the module's batch-invariant model, a tiny cache
     prompts = [chat(small, PASSAGE), chat(small, CODE)] * 2  # ~8 blocks each at the end: 4 do not fit
     plain = run(small.init_continuous_batching(), prompts, max_new_tokens=48)
     manager = small.init_continuous_batching()

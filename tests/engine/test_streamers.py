@@ -10,17 +10,19 @@ from typing import Any
 
 import pytest
 import torch
+from default_engine import engine_on
 from transformers import AsyncTextIteratorStreamer, TextIteratorStreamer, TextStreamer
 
 from engine.engine import Engine
 from engine.generation.config import GenerationConfigError
+from engine.loader.model_loader import LoadedModel
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine.from_pretrained("default", device="cpu", dtype="float32", num_blocks=256)
+def engine(default_model: LoadedModel) -> Engine:
+    return engine_on(default_model, num_blocks=256)
 
 
 def test_text_iterator_streamer_yields_the_request_text_beside_other_requests(engine: Engine) -> None:

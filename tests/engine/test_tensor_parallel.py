@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from default_engine import engine_on
 from server_fixtures import wait_until
 
 from engine.engine import Engine
 from engine.errors import ExecutorFailedError
 from engine.executor.parallel.sharding import ShardingError, check_shardable
 from engine.loader.dummy import get_preset
-from engine.loader.model_loader import load_tokenizer
+from engine.loader.model_loader import LoadedModel, load_tokenizer
 from engine.model_config import ModelConfig
 from engine.outputs import GenerationOutput, RequestStatus
 
@@ -149,9 +150,9 @@ def test_a_killed_rank_stops_the_engine_and_fails_its_requests(tiny_folder: Path
         engine.close()
 
 
-def test_the_default_model_in_three_ranks_gives_one_process_tokens() -> None:
+def test_the_default_model_in_three_ranks_gives_one_process_tokens(default_model: LoadedModel) -> None:
     """SmolLM2-135M's 9 heads over 3 KV heads shard into 3 (not 2): three ranks on this machine."""
-    one = Engine.from_pretrained("default", device="cpu", **CACHE)
+    one = engine_on(default_model, **CACHE)
     three = Engine.from_pretrained("default", device="cpu", tensor_parallel_size=3, **CACHE)
     try:
         texts = ("The capital of France is", "def fib(n):")

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from default_engine import engine_on
 from transformers import (
     LogitsProcessorList,
     MaxLengthCriteria,
@@ -21,6 +22,7 @@ from transformers import (
 from engine.engine import Engine
 from engine.generation.config import GenerationConfigError
 from engine.generation.user_processors import PROCESSOR_FAILED
+from engine.loader.model_loader import LoadedModel
 from engine.outputs import GenerationOutput, RequestStatus
 from scheduler.request import FinishReason
 
@@ -68,8 +70,8 @@ class FailsAtCall:
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    yield Engine.from_pretrained("default", device="cpu", dtype="float32", num_blocks=256)
+def engine(default_model: LoadedModel) -> Iterator[Engine]:
+    yield engine_on(default_model, num_blocks=256)
 
 
 @pytest.fixture(scope="module")

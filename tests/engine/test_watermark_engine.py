@@ -7,9 +7,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from default_engine import engine_on
 
 from engine.engine import Engine
 from engine.generation.config import GenerationConfigError
+from engine.loader.model_loader import LoadedModel
 
 pytestmark = pytest.mark.slow  # the real model, float32
 
@@ -28,8 +30,8 @@ WATERMARKS: list[dict[str, Any]] = [
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine.from_pretrained("default", device="cpu", dtype="float32", num_blocks=256)
+def engine(default_model: LoadedModel) -> Engine:
+    return engine_on(default_model, num_blocks=256)
 
 
 def _generate(engine: Engine, seed: int, **options: Any) -> list[list[int]]:

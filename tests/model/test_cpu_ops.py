@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from default_engine import engine_on
 
 from engine.cpu.native_build import KernelUnavailable
 from engine.engine import Engine
@@ -20,6 +21,7 @@ from engine.executor.kernels.modules import FusedRMSNorm, FusedRotaryEmbedding
 from engine.executor.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, SiluAndMul
 from engine.executor.models.registry import build_model
 from engine.loader.dummy import get_preset
+from engine.loader.model_loader import LoadedModel
 
 CPU = torch.device("cpu")
 DTYPES = [torch.float32, torch.bfloat16]
@@ -189,13 +191,20 @@ def test_a_model_without_the_ops_runs_pytorch_and_says_why(
 
 
 @pytest.mark.slow
-def test_engine_greedy_outputs_are_the_same_with_and_without_the_ops(ops: CpuOps) -> None:
+def test_engine_greedy_outputs_are_the_same_with_and_without_the_ops(
+    ops: CpuOps, default_model: LoadedModel
+) -> None:
     """The public API end to end on the default model: the engine's CPU path (prepacked weights, fused ops)
     and the PyTorch path (dense weights, no ops) generate the same greedy tokens."""
     prompts = ["The capital of France is", "def fibonacci(n):\n    ", "1, 2, 3, 4, 5,"]
     outputs = []
     for fast in (True, False):
-        engine = Engine.from_pretrained("default", device="cpu", dtype="float32", prepack_weights=fast)
+        # the session's default model has the fast paths in: the other path needs its own load
+        engine = (
+            engine_on(default_model)
+            if fast
+            else Engine.from_pretrained("default", device="cpu", dtype="float32", prepack_weights=False)
+        )
         assert isinstance(engine.model.rotary, FusedRotaryEmbedding) is fast
         ids = [engine.tokenizer.encode(p) for p in prompts]
         results = engine.generate_batch(ids, progress_bar=False, max_new_tokens=24, do_sample=False)

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from default_engine import engine_on
 from model_harness import cpu_kernel_or_skip
 
 from engine.cpu import native_build
@@ -31,6 +32,7 @@ from engine.executor.kv_cache import KVCache
 from engine.executor.models import LlamaForCausalLM, build_model
 from engine.executor.models.registry import NativeModel
 from engine.loader.dummy import get_preset
+from engine.loader.model_loader import LoadedModel
 from engine.model_config import ModelConfig
 
 CPU = torch.device("cpu")
@@ -256,8 +258,8 @@ def test_only_pure_decode_steps_with_the_cpu_kernel_and_fast_paths_take_it(
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine.from_pretrained("default", dtype="float32", device="cpu")
+def engine(default_model: LoadedModel) -> Engine:
+    return engine_on(default_model)
 
 
 def test_the_engine_decodes_through_it_with_the_same_tokens(

@@ -20,11 +20,13 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from default_engine import engine_on
 from model_harness import BYTE_EOS, save_byte_tokenizer
 
 from engine.engine import Engine
 from engine.errors import ModelLoadError, UnsupportedArchitectureError, UnsupportedModelError
 from engine.executor.models.transformers_backend import TransformersForCausalLM
+from engine.loader.model_loader import LoadedModel
 from engine.manager import ContinuousBatchingManager
 from engine.outputs import GenerationOutput, RequestStatus
 
@@ -472,10 +474,10 @@ def test_weights_that_do_not_fit_the_config_are_refused(folders: dict[str, Path]
 
 
 # ---------------------------------------------------------------------- the real default model
-def test_default_model_native_equals_transformers(smollm2_gguf_path: Path) -> None:
+def test_default_model_native_equals_transformers(default_model: LoadedModel) -> None:
     """SmolLM2-135M's GGUF (dequantized) through both paths: the same greedy tokens."""
     prompts = [[1, 504, 3458, 282, 4649, 314], [1, 7300, 30, 216, 33, 28, 216, 34, 28]]
-    native = Engine.from_pretrained("default", device="cpu", num_blocks=32)
+    native = engine_on(default_model, num_blocks=32)
     backend = Engine.from_pretrained("default", device="cpu", num_blocks=32, model_impl="transformers")
     assert isinstance(backend.model, TransformersForCausalLM)
     assert [o.generated_ids for o in run(native.init_continuous_batching(), prompts)] == [

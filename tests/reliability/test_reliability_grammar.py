@@ -24,6 +24,7 @@ from server_fixtures import LiveServer, start_live_server
 
 from engine.generation.grammar import CompiledGrammar, GrammarCompiler
 from engine.generation.grammar_spec import GrammarSpec
+from engine.loader.model_loader import LoadedModel
 from server.config import ServerConfig
 
 COMPILE_TIMEOUT_S = 3.0
@@ -35,9 +36,11 @@ pytestmark = pytest.mark.slow  # the real model behind its own server
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[LiveServer]:
+def server(default_model: LoadedModel) -> Iterator[LiveServer]:
     config = ServerConfig(served_model_name="grammar", grammar_compile_timeout=COMPILE_TIMEOUT_S)
-    with start_live_server(config, num_blocks=128, max_model_len=1024, max_num_seqs=4) as server:
+    with start_live_server(
+        config, loaded=default_model, num_blocks=128, max_model_len=1024, max_num_seqs=4
+    ) as server:
         yield server
 
 

@@ -19,6 +19,7 @@ import httpx
 import pytest
 from server_fixtures import LiveServer, start_live_server, wait_until
 
+from engine.loader.model_loader import LoadedModel
 from server.config import ServerConfig
 
 MAX_QUEUE = 3
@@ -32,9 +33,11 @@ pytestmark = pytest.mark.slow  # the real model behind its own server
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[LiveServer]:
+def server(default_model: LoadedModel) -> Iterator[LiveServer]:
     config = ServerConfig(served_model_name="overload", max_queue=MAX_QUEUE, shutdown_timeout=1)
-    with start_live_server(config, num_blocks=64, max_model_len=256, max_num_seqs=MAX_NUM_SEQS) as server:
+    with start_live_server(
+        config, loaded=default_model, num_blocks=64, max_model_len=256, max_num_seqs=MAX_NUM_SEQS
+    ) as server:
         yield server
 
 

@@ -20,6 +20,7 @@ import pytest
 import zmq
 from server_fixtures import LiveServer, free_port, start_live_server, wait_until
 
+from engine.loader.model_loader import LoadedModel
 from server.config import ServerConfig
 from server.kv_events_config import KVEventsConfig
 
@@ -119,7 +120,9 @@ def subscriber(sub_port: int) -> Iterator[Subscriber]:
 
 
 @pytest.fixture(scope="module")
-def live(subscriber: Subscriber, sub_port: int, replay_port: int) -> Iterator[LiveServer]:
+def live(
+    subscriber: Subscriber, sub_port: int, replay_port: int, default_model: LoadedModel
+) -> Iterator[LiveServer]:
     events = KVEventsConfig(
         enable_kv_cache_events=True,
         publisher="zmq",
@@ -128,7 +131,9 @@ def live(subscriber: Subscriber, sub_port: int, replay_port: int) -> Iterator[Li
         topic=TOPIC,
     )
     config = ServerConfig(served_model_name=MODEL, shutdown_timeout=1, kv_events=events)
-    with start_live_server(config, num_blocks=NUM_BLOCKS, max_model_len=256, max_num_seqs=4) as server:
+    with start_live_server(
+        config, loaded=default_model, num_blocks=NUM_BLOCKS, max_model_len=256, max_num_seqs=4
+    ) as server:
         yield server
 
 

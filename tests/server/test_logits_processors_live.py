@@ -14,14 +14,16 @@ import httpx
 import pytest
 from server_fixtures import LIVE_CONFIG, LiveServer, start_live_server
 
+from engine.loader.model_loader import LoadedModel
+
 PROMPT = "The capital of France is"
 MAX_TOKENS = 12
 SPEC = "user_processor_fixtures:BanToken"
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[LiveServer]:
-    with start_live_server(LIVE_CONFIG, logits_processors=(SPEC,)) as live:
+def server(default_model: LoadedModel) -> Iterator[LiveServer]:
+    with start_live_server(LIVE_CONFIG, logits_processors=(SPEC,), loaded=default_model) as live:
         yield live
 
 

@@ -21,6 +21,7 @@ from executor_faults import FaultyExecutor
 from prometheus_client.parser import text_string_to_metric_families
 from server_fixtures import LiveServer, start_live_server, wait_until
 
+from engine.loader.model_loader import LoadedModel
 from server.config import ServerConfig
 
 pytestmark = pytest.mark.slow  # the real model behind its own server
@@ -52,9 +53,10 @@ class Delta:
 
 
 @pytest.fixture(scope="module")
-def live() -> Iterator[LiveServer]:
+def live(default_model: LoadedModel) -> Iterator[LiveServer]:
     with start_live_server(
         ServerConfig(served_model_name=MODEL, shutdown_timeout=1),
+        loaded=default_model,
         num_blocks=64,
         max_model_len=256,
         max_num_seqs=8,

@@ -16,6 +16,7 @@ import torch
 from executor_faults import faulty_executor
 from server_fixtures import LIVE_CONFIG, LiveServer, start_live_server
 
+from engine.loader.model_loader import LoadedModel
 from scheduler.batch import ScheduledBatch
 
 pytestmark = pytest.mark.slow
@@ -81,8 +82,8 @@ REPLY = "It is sunny in Paris today."
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[LiveServer]:
-    with start_live_server(LIVE_CONFIG) as live:
+def server(default_model: LoadedModel) -> Iterator[LiveServer]:
+    with start_live_server(LIVE_CONFIG, loaded=default_model) as live:
         yield live
 
 

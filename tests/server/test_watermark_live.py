@@ -15,6 +15,8 @@ from server_fixtures import LIVE_CONFIG, LiveServer, start_live_server
 from transformers import PretrainedConfig, WatermarkingConfig
 from transformers.generation.watermarking import WatermarkDetector
 
+from engine.loader.model_loader import LoadedModel
+
 PROMPTS = ["The capital of France is", "Write a short story about a dragon:", "Explain how rain forms."]
 NUM_TOKENS = 40
 LEFTHASH = {"bias": 4.0, "hashing_key": 104729}
@@ -140,9 +142,9 @@ def test_bad_watermark_on_generation_is_a_400_naming_the_field(http: httpx.Clien
 
 # ---------------------------------------------------------------------------------------- server default
 @pytest.fixture(scope="module")
-def default_server() -> Iterator[httpx.Client]:
+def default_server(default_model: LoadedModel) -> Iterator[httpx.Client]:
     config = replace(LIVE_CONFIG, served_model_name="smollm2-watermarked", watermarking_config=LEFTHASH)
-    with start_live_server(config) as live:
+    with start_live_server(config, loaded=default_model) as live:
         with httpx.Client(base_url=live.base_url, headers=live.headers, timeout=60) as client:
             yield client
 

@@ -3,7 +3,8 @@
 any other decoder-only causal LM. Every model has ``forward(inputs: BatchInputs, kv_cache: KVCache,
 decode_kernel) -> logits``."""
 
-from engine.executor.models.llama import LlamaForCausalLM, WeightMismatchError
+from engine.executor.models.decoder_only import WeightMismatchError
+from engine.executor.models.llama import LlamaForCausalLM
 from engine.executor.models.registry import build_model, supported_architectures
 
 __all__ = ["LlamaForCausalLM", "WeightMismatchError", "build_model", "supported_architectures"]

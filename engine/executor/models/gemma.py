@@ -13,12 +13,13 @@ Gemma 2 also soft-caps the attention scores (``attn_logit_softcapping``, inside 
 CPU kernels compute it, and the PyTorch path where SDPA would run).
 
 The attention, the projections, the MLP and the paged KV cache are the Llama code's
-(engine/executor/models/llama.py); the batch is the same flattened ragged ``BatchInputs``. Each layer reads
+(engine/executor/models/llama.py), the embedding, the final norm, the head and the weights table every
+native model's (engine/executor/models/decoder_only.py); the batch is the same flattened ragged ``BatchInputs``. Each layer reads
 the attention metadata of its window, built once per forward for each window the model has. The CPU fast
 paths swap the same modules (engine/executor/fast_paths.py, the GELU gate too); the float32 decode stack
 (engine/executor/decode_stack.py) runs the layers from ``decoder_table``.
 
-NOTE: the ``(1 + weight)`` of the norms is added to the loaded weights once (``_fold_norm_offsets``), so the
+NOTE: the ``(1 + weight)`` of the norms is added to the loaded weights once (``fold_into_weights``), so the
 norms are the Llama code's ``RMSNorm`` and take the fused CPU op. In float32 that is the same arithmetic as
 transformers'; in bfloat16 the sum is rounded once at load.
 """
@@ -26,32 +27,28 @@ transformers'; in bfloat16 the sum is rounded once at load.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.executor.attention.decode_kernel import DecodeKernel
 from engine.executor.attention.paged import PagedAttentionMetadata
 from engine.executor.inputs import BatchInputs
 from engine.executor.kv_cache import KVCache
+from engine.executor.models.decoder_only import DecoderOnlyLM, WeightSlots
 from engine.executor.models.layers import (
     GatedMLP,
     GeluTanhAndMul,
-    Linear,
     RMSNorm,
     RotaryEmbedding,
     RotaryInputs,
-    empty_param,
 )
 from engine.executor.models.llama import (
     Attention,
     DecoderTable,
     LayerModules,
     attention_slots,
-    copy_weights,
     mlp_slots,
 )
 from engine.model_config import ModelConfig
@@ -97,48 +94,27 @@ class GemmaDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(normed)), h
 
 
-class GemmaModel(nn.Module):
-    """The decoder stack without the output head (named as in HF checkpoints: ``model.*``)."""
-
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.embed_tokens = empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-
-
-class GemmaForCausalLM(nn.Module):
+class GemmaForCausalLM(DecoderOnlyLM):
     """``forward(inputs, kv_cache) -> logits [num_logits, vocab]`` (fp32) over one ragged batch."""
 
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
     ) -> None:
-        super().__init__()
-        device = torch.device(device)
-        self.config = config
-        self.dtype = dtype
-        self.device = device
-        self.model = GemmaModel(config, dtype, device)
-        tied = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device, weight=tied)
+        super().__init__(config, dtype, device, GemmaDecoderLayer)
         # NOTE: transformers multiplies by sqrt(hidden_size) rounded to the model's dtype; so does this
         self.embed_scale: torch.Tensor
-        scale = torch.tensor(math.sqrt(config.hidden_size), dtype=dtype, device=device)
+        scale = torch.tensor(math.sqrt(config.hidden_size), dtype=dtype, device=self.device)
         self.register_buffer("embed_scale", scale, persistent=False)
-        rotary = (config.head_dim, config.max_position_embeddings)
-        self.rotary = RotaryEmbedding(*rotary, config.rope_theta, config.rope_scaling, dtype, device)
         # Gemma 3's local layers: their own base, no scaling (None: Gemma 2's rotate as the global ones)
         self.local_rotary: RotaryEmbedding | None = None
         if config.local_rope_theta is not None:
-            self.local_rotary = RotaryEmbedding(*rotary, config.local_rope_theta, None, dtype, device)
+            rotary = (config.head_dim, config.max_position_embeddings)
+            self.local_rotary = RotaryEmbedding(*rotary, config.local_rope_theta, None, dtype, self.device)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.model.embed_tokens) * self.embed_scale  # [num_tokens, hidden]
+    def scale_embeddings(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.embed_scale
 
-    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(h).float()  # [num_logits, vocab]
+    def transform_logits(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.config.final_logit_softcapping  # Gemma 2's
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -170,12 +146,7 @@ class GemmaForCausalLM(nn.Module):
                 x, residual, rotary, rotation, kv_cache.k_caches[i], kv_cache.v_caches[i], metas[layer.window],
                 rows if pruned and i == len(layers) - 1 else None,
             )  # fmt: skip
-        if not pruned:
-            x, residual = x[rows], None if residual is None else residual[rows]
-        if residual is None:  # no layers
-            h = self.model.norm(x)
-        else:
-            h, _ = self.model.norm.add_and_norm(x, residual)  # [num_logits, hidden]
+        h = self.final_norm(x, residual, rows, pruned)  # [num_logits, hidden]
         return self.compute_logits(h)  # [num_logits, vocab]
 
     def decoder_table(self) -> DecoderTable:
@@ -200,35 +171,18 @@ class GemmaForCausalLM(nn.Module):
     supports_early_exits = False
 
     # ------------------------------------------------------------------ weights
-    def weight_slots(self) -> dict[str, tuple[torch.Tensor, int, int]]:
-        """HF tensor name -> (our parameter, first row, end row) it fills (see ``LlamaForCausalLM``)."""
-        slots: dict[str, tuple[torch.Tensor, int, int]] = {}
-
-        def whole(name: str, param: torch.Tensor) -> None:
-            slots[name] = (param, 0, param.shape[0])
-
-        whole("model.embed_tokens.weight", self.model.embed_tokens)
-        whole("model.norm.weight", self.model.norm.weight)
-        if not self.config.tie_word_embeddings:
-            whole("lm_head.weight", cast(Linear, self.lm_head).weight)
-        for i, module in enumerate(self.model.layers):
-            layer = cast(GemmaDecoderLayer, module)
-            p = f"model.layers.{i}."
-            slots.update(attention_slots(p, layer.self_attn, fused=False))
-            slots.update(mlp_slots(p, layer.mlp, fused=False))
-            for norm in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
-                whole(f"{p}{norm}_layernorm.weight", getattr(layer, f"{norm}_layernorm").weight)
+    def layer_slots(self, prefix: str, module: nn.Module) -> WeightSlots:
+        """q/k/v and gate/up into their fused matrices, o/down, q/k norms (Gemma 3's), the four norms."""
+        layer = cast(GemmaDecoderLayer, module)
+        slots = attention_slots(prefix, layer.self_attn, fused=False) | mlp_slots(
+            prefix, layer.mlp, fused=False
+        )
+        for norm in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
+            weight = getattr(layer, f"{norm}_layernorm").weight
+            slots[f"{prefix}{norm}_layernorm.weight"] = (weight, 0, weight.shape[0])
         return slots
 
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the model (see ``llama.copy_weights`` for the errors), then add the
-        norms' 1."""
-        tied = self.model.embed_tokens if self.config.tie_word_embeddings else None
-        copy_weights(self.weight_slots(), weights, self.config, tied)
-        self._fold_norm_offsets()
-
-    def _fold_norm_offsets(self) -> None:
+    def fold_into_weights(self) -> None:
         """Gemma's RMSNorms scale by ``1 + weight`` (checkpoints store the offset from 1): the 1 is added
         here, once, so the norms are plain RMSNorms (and the fused CPU op takes them)."""
         for module in self.modules():

@@ -15,38 +15,36 @@ sequences, concatenated. Attention reads and writes the paged ``KVCache`` (engin
 q/k/v and gate/up are fused into one matmul each at load time, q and k are rotated in one op, and the
 attention's batch metadata is built once per forward. This file is the architecture only: the CPU's fast
 paths are modules swapped in after loading (engine/executor/fast_paths.py), and the decode stack runs
-whole decode steps from the table ``decoder_table`` exports (engine/executor/decode_stack.py).
+whole decode steps from the table ``decoder_table`` exports (engine/executor/decode_stack.py). The embedding,
+the final norm, the head and the weights table are every native model's (engine/executor/models/decoder_only.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from engine.errors import ModelLoadError
 from engine.executor import dola
 from engine.executor.attention.decode_kernel import DecodeKernel
 from engine.executor.attention.paged import PagedAttentionMetadata, paged_attention
 from engine.executor.inputs import BatchInputs
 from engine.executor.kv_cache import KVCache
+from engine.executor.models.decoder_only import (
+    DecoderOnlyLM,
+    WeightSlots,
+    dense,
+)
 from engine.executor.models.layers import (
     GatedMLP,
     Linear,
     RMSNorm,
     RotaryEmbedding,
     RotaryInputs,
-    empty_param,
 )
 from engine.model_config import ModelConfig
-
-
-class WeightMismatchError(ModelLoadError, ValueError):
-    """The checkpoint's tensors do not match the model: one is missing, unexpected or mis-shaped."""
 
 
 class Attention(nn.Module):
@@ -135,18 +133,6 @@ class DecoderLayer(nn.Module):
         return self.mlp(normed), residual
 
 
-class LlamaModel(nn.Module):
-    """The decoder stack without the output head (named as in HF checkpoints: ``model.*``)."""
-
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.embed_tokens = empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-
-
 @dataclass(frozen=True)
 class LayerModules:
     """One decoder layer's modules in the order they run, as loaded or as swapped.
@@ -181,36 +167,19 @@ class DecoderTable:
     rotary: nn.Module
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(DecoderOnlyLM):
     """``forward(inputs, kv_cache) -> logits [num_logits, vocab]`` (fp32) over one ragged batch."""
 
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
     ) -> None:
-        super().__init__()
-        device = torch.device(device)
-        self.config = config
-        self.dtype = dtype
-        self.device = device
-        self.model = LlamaModel(config, dtype, device)
-        tied = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device, weight=tied)
-        self.rotary = RotaryEmbedding(
-            config.head_dim,
-            config.max_position_embeddings,
-            config.rope_theta,
-            config.rope_scaling,
-            dtype,
-            device,
-        )
+        super().__init__(config, dtype, device, DecoderLayer)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = F.embedding(input_ids, self.model.embed_tokens)  # [num_tokens, hidden]
+    def scale_embeddings(self, x: torch.Tensor) -> torch.Tensor:
         multiplier = self.config.embedding_multiplier  # Granite's
         return x if multiplier == 1.0 else x * multiplier
 
-    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(h).float()  # [num_logits, vocab]
+    def transform_logits(self, logits: torch.Tensor) -> torch.Tensor:
         scaling = self.config.logits_scaling  # Granite's
         return logits if scaling == 1.0 else logits / scaling
 
@@ -271,12 +240,7 @@ class LlamaForCausalLM(nn.Module):
                 meta,
                 layer_rows,
             )
-        if not pruned:
-            x, residual = x[rows], None if residual is None else residual[rows]
-        if residual is None:  # no layers
-            h = self.model.norm(x)
-        else:
-            h, _ = self.model.norm.add_and_norm(x, residual)  # [num_logits, hidden]
+        h = self.final_norm(x, residual, rows, pruned)  # [num_logits + num_hidden, hidden]
         logits = self.compute_logits(h[:num_logits])  # [num_logits, vocab]
         hidden = h[num_logits:] if hidden_rows is not None else None
         return (exits.contrast(logits, self.lm_head) if exits else logits), hidden
@@ -300,40 +264,20 @@ class LlamaForCausalLM(nn.Module):
         return DecoderTable(tuple(layers), self.model.norm, self.rotary)
 
     # ------------------------------------------------------------------ weights
-    def weight_slots(self) -> dict[str, tuple[torch.Tensor, int, int]]:
-        """HF tensor name -> (our parameter, first row, end row) it fills. Raises ``RuntimeError`` once the
-        fast paths replaced the dense projections (their weights are gone)."""
-        cfg = self.config
-        slots: dict[str, tuple[torch.Tensor, int, int]] = {}
-
-        def whole(name: str, param: torch.Tensor) -> None:
-            slots[name] = (param, 0, param.shape[0])
-
-        whole("model.embed_tokens.weight", self.model.embed_tokens)
-        whole("model.norm.weight", self.model.norm.weight)
-        if not cfg.tie_word_embeddings:
-            whole("lm_head.weight", _dense(self.lm_head).weight)
-        for i, module in enumerate(self.model.layers):
-            layer = cast(DecoderLayer, module)
-            p = f"model.layers.{i}."
-            slots.update(attention_slots(p, layer.self_attn, cfg.checkpoint_fuses_projections))
-            slots.update(mlp_slots(p, layer.mlp, cfg.checkpoint_fuses_projections))
-            whole(f"{p}input_layernorm.weight", layer.input_layernorm.weight)
-            whole(f"{p}post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
+    def layer_slots(self, prefix: str, module: nn.Module) -> WeightSlots:
+        """q/k/v and gate/up into their fused matrices (or Phi-3's fused tensors), o/down, q/k norms, the
+        two norms."""
+        layer = cast(DecoderLayer, module)
+        fused = self.config.checkpoint_fuses_projections
+        slots = attention_slots(prefix, layer.self_attn, fused) | mlp_slots(prefix, layer.mlp, fused)
+        for name, norm in (
+            ("input", layer.input_layernorm),
+            ("post_attention", layer.post_attention_layernorm),
+        ):
+            slots[f"{prefix}{name}_layernorm.weight"] = (norm.weight, 0, norm.weight.shape[0])
         return slots
 
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the model (converting to its dtype and device), filling the fused
-        qkv / gate_up matrices from their parts. Raises ``WeightMismatchError`` naming the tensor on a
-        missing, unexpected, duplicated or mis-shaped one; ``RuntimeError`` once the fast paths replaced the
-        projections (engine/executor/fast_paths.py). Rotary ``inv_freq`` buffers are ignored (rebuilt from the config), as is ``lm_head.weight`` when the
-        embeddings are tied."""
-        tied = self.model.embed_tokens if self.config.tie_word_embeddings else None
-        copy_weights(self.weight_slots(), weights, self.config, tied)
-        self._fold_residual_multiplier()
-
-    def _fold_residual_multiplier(self) -> None:
+    def fold_into_weights(self) -> None:
         """Granite adds each block's output times ``residual_multiplier`` to the residual stream. The block
         ends in a linear map (o_proj, down_proj), so its weights take the factor here, once:
         ``m * (W x + b) = (m W) x + m b``; the layers' code and the fused kernels stay Llama's."""
@@ -342,7 +286,7 @@ class LlamaForCausalLM(nn.Module):
             return
         for module in self.model.layers:
             layer = cast(DecoderLayer, module)
-            for proj in (_dense(layer.self_attn.o_proj), _dense(layer.mlp.down_proj)):
+            for proj in (dense(layer.self_attn.o_proj), dense(layer.mlp.down_proj)):
                 proj.weight.mul_(multiplier)
                 if proj.bias is not None:
                     proj.bias.mul_(multiplier)
@@ -352,7 +296,7 @@ def attention_slots(prefix: str, attn: Attention, fused: bool) -> dict[str, tupl
     """The checkpoint names (under ``prefix``, "model.layers.{i}.") of ``attn``'s tensors -> (parameter,
     first row, end row): q/k/v (or Phi-3's ``qkv_proj``: ``fused``) into the fused qkv_proj, o_proj, the
     q/k norms."""
-    qkv_proj, o_proj = _dense(attn.qkv_proj), _dense(attn.o_proj)
+    qkv_proj, o_proj = dense(attn.qkv_proj), dense(attn.o_proj)
     q, kv = attn.q_size, attn.kv_size
     qkv_rows = (
         {"qkv": (0, q + 2 * kv)} if fused else {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
@@ -375,8 +319,8 @@ def mlp_slots(prefix: str, mlp: GatedMLP, fused: bool) -> dict[str, tuple[torch.
     """As ``attention_slots`` for the MLP: gate and up (or Phi-3's ``gate_up_proj``) into the fused
     gate_up_proj, and down_proj."""
     gate_up, down, inter = (
-        _dense(mlp.gate_up_proj).weight,
-        _dense(mlp.down_proj).weight,
+        dense(mlp.gate_up_proj).weight,
+        dense(mlp.down_proj).weight,
         mlp.intermediate_size,
     )
     slots: dict[str, tuple[torch.Tensor, int, int]] = {
@@ -388,47 +332,6 @@ def mlp_slots(prefix: str, mlp: GatedMLP, fused: bool) -> dict[str, tuple[torch.
         slots[f"{prefix}mlp.gate_proj.weight"] = (gate_up, 0, inter)
         slots[f"{prefix}mlp.up_proj.weight"] = (gate_up, inter, 2 * inter)
     return slots
-
-
-def copy_weights(
-    slots: dict[str, tuple[torch.Tensor, int, int]],
-    weights: Iterable[tuple[str, torch.Tensor]],
-    config: ModelConfig,
-    tied_embedding: torch.Tensor | None,
-) -> None:
-    """Copy HF-named ``weights`` into their ``slots`` (converting dtype and device). Raises
-    ``WeightMismatchError`` naming the tensor on a missing, unexpected, duplicated or mis-shaped one. Rotary
-    ``inv_freq`` buffers are skipped, as is ``lm_head.weight`` when the head reads ``tied_embedding``."""
-    loaded: set[str] = set()
-    for name, tensor in weights:
-        if name.endswith("rotary_emb.inv_freq"):
-            continue
-        if name == "lm_head.weight" and tied_embedding is not None:
-            expected = tuple(tied_embedding.shape)
-            if tuple(tensor.shape) != expected:
-                raise WeightMismatchError(
-                    f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}"
-                )
-            continue
-        if name not in slots:
-            raise WeightMismatchError(
-                f"unexpected tensor {name!r} for a {config.architecture} model with "
-                f"{config.num_hidden_layers} layers"
-            )
-        if name in loaded:
-            raise WeightMismatchError(f"tensor {name!r} appears twice in the checkpoint")
-        param, start, end = slots[name]
-        target = param.data[start:end]
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise WeightMismatchError(
-                f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
-            )
-        target.copy_(tensor)
-        loaded.add(name)
-    missing = sorted(set(slots) - loaded)
-    if missing:
-        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise WeightMismatchError(f"missing tensors in the checkpoint: {', '.join(missing[:5])}{more}")
 
 
 class ExitTaps:
@@ -460,12 +363,3 @@ class ExitTaps:
             premature = torch.stack([self.states[layer][k] for layer in layers])  # [layers, hidden]
             out[row] = dola.contrast(logits[row], lm_head(premature).float())
         return out
-
-
-def _dense(module: nn.Module) -> Linear:
-    """``module`` as the dense ``Linear`` it was built as; ``RuntimeError`` where a fast path replaced it."""
-    if not isinstance(module, Linear):
-        raise RuntimeError(
-            "load_weights after the fast paths replaced the projections: the dense weights are gone"
-        )
-    return module
