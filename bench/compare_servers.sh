@@ -5,9 +5,8 @@
 # (--seed), so no run is served from a prefix cache that an earlier run filled.
 #
 #   bench/compare_servers.sh OUTDIR [SYSTEM ...]
-#       SYSTEM: cbserve cbserve-bf16 cbserve-bi cbserve-bf16-bi cbserve-bf16-mixed cbserve-spec transformers
-#       transformers-bf16 llamacpp vllm (-bi: cbserve with --batch-invariant; -mixed: with
-#       --max-mixed-prefill-tokens MIXED_PREFILL (512); -spec: with prompt lookup speculative decoding,
+#       SYSTEM: cbserve cbserve-bf16 cbserve-bi cbserve-bf16-bi cbserve-spec transformers transformers-bf16
+#       llamacpp vllm (-bi: cbserve with --batch-invariant; -spec: with prompt lookup speculative decoding,
 #       SPEC_CONFIG; vllm: vLLM's CPU build in bfloat16, bench/peers.sh vllm)
 #
 # Environment: CONCURRENCIES (default "1 8 16 32"), INPUT_LEN (128), OUTPUT_LEN (64), LLAMACPP_PYTHON
@@ -36,9 +35,6 @@ start() {  # start SYSTEM in the background on $PORT; sets PID and EXTRA
     case "$1" in
         cbserve) .venv/bin/cbserve serve --port "$PORT" --dtype float32 --max-num-seqs 64 --log-level warning & ;;
         cbserve-bf16) .venv/bin/cbserve serve --port "$PORT" --dtype bfloat16 --max-num-seqs 64 --log-level warning & ;;
-        cbserve-bf16-mixed)
-            .venv/bin/cbserve serve --port "$PORT" --dtype bfloat16 --max-num-seqs 64 --log-level warning \
-                --max-mixed-prefill-tokens "${MIXED_PREFILL:-512}" & ;;
         cbserve-bi|cbserve-bf16-bi)
             if [[ "$1" == cbserve-bf16-bi ]]; then DTYPE=bfloat16; else DTYPE=float32; fi
             .venv/bin/cbserve serve --port "$PORT" --dtype "$DTYPE" --batch-invariant --max-num-seqs 64 \
