@@ -5,7 +5,9 @@
 Every family gets the default model's shapes (SmolLM2-135M: 30 layers, hidden 576) with dummy weights and its
 own features switched on (Granite's four multipliers, SmolLM3's NoPE layer every fourth, Phi-3's fused
 checkpoint tensors, Gemma 2's soft caps and alternating windows of 64 tokens, Gemma 3's q/k norms and five
-local layers of 64 tokens to one global), plus the transformers backend on the Llama shape. The engines are loaded once and run in
+local layers of 64 tokens to one global), plus the transformers backend on the Llama shape and on two
+mixture-of-experts shapes (Mixtral, Qwen3-MoE: 8 experts of half the MLP's width, 2 a token, so a token's
+active work is the dense model's). The engines are loaded once and run in
 turn inside every round (the same minutes of the machine for all), greedy with EOS ignored, so every run
 computes the same number of tokens. Prints, per batch size, each system's median tokens/s and its ratio to
 the native Llama path.
@@ -52,12 +54,27 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "rope_local_base_freq": 10000.0,
     },
 }
+# Mixture-of-experts families, through the transformers backend: 8 experts of half the dense MLP's width,
+# 2 a token, so a token's active multiply-adds equal the dense Llama's (4x its MLP weights in all).
+MOE_FAMILIES: dict[str, dict[str, Any]] = {
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 768},
+    "qwen3_moe": {
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 768,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "head_dim": 64,
+    },
+}
 CLASSES = {
     "granite": "GraniteForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 
@@ -66,7 +83,8 @@ def family_config(family: str) -> dict[str, Any]:
     base = PRESETS["smollm2-135m"].to_hf_dict()
     if family == "llama":
         return base
-    return {**base, "architectures": [CLASSES[family]], "model_type": family, **FAMILIES[family]}
+    extra = FAMILIES[family] if family in FAMILIES else MOE_FAMILIES[family]
+    return {**base, "architectures": [CLASSES[family]], "model_type": family, **extra}
 
 
 def load(family: str, folder: Path, model_impl: str) -> Engine:
@@ -102,6 +120,8 @@ def main(argv: list[str] | None = None) -> None:
         systems = {name: load(name, Path(tmp) / name, "native") for name in FAMILIES}
         if not args.no_backend:
             systems["llama (transformers backend)"] = load("llama", Path(tmp) / "backend", "transformers")
+            for name in MOE_FAMILIES:
+                systems[f"{name} (transformers backend)"] = load(name, Path(tmp) / name, "transformers")
         for engine in systems.values():
             tokens_per_second(engine, 2, 4, seed=0)  # warm-up: kernels built, first allocations made
         results: dict[tuple[str, int], list[float]] = {}

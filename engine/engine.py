@@ -127,7 +127,7 @@ class Engine:
                 options.max_num_seqs,
                 self.device,
             )
-        self.decode_stack = CpuDecodeStack.for_model(self.model)  # None: not a float32 CPU model's fast path
+        self.decode_stack = CpuDecodeStack.for_model(self.model)  # None: no stack (float32; bf16 on AMX)
         self.logits_processors: list[tuple[str, BatchedLogitsProcessor]] = []  # load_logits_processors
         self._manager: ContinuousBatchingManager | None = None
         self._draft_models = {}

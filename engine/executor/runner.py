@@ -51,7 +51,7 @@ class ModelRunner:
         """The batch's inputs. A verify chunk (a last token and its drafts) enters as one decode row per
         token over the same pages, each attending to the positions up to its own: every row's K/V is
         written before any row attends, so this is the chunk's causal attention, and the step stays a
-        decode step for the decode kernels (the float32 decode stack, CUDA graphs)."""
+        decode step for the decode kernels (the CPU decode stack, CUDA graphs)."""
         token_ids: list[list[int]] = []
         starts: list[int] = []
         tables: list[list[int]] = []

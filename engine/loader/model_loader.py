@@ -115,7 +115,7 @@ def load_model(
     through transformers' modeling code: engine/executor/models/transformers_backend.py) or ``auto`` (native
     where it implements the architecture). ``prepack``: on the CPU, swap in the kernels' modules of the
     native model (engine/executor/fast_paths.py): matmuls over prepacked weights, the fused element-wise
-    ops; in float32 the engine then runs decode steps' layers in one C call (engine/executor/decode_stack.py).
+    ops; in float32 (and bfloat16 on AMX) the engine then runs decode steps' layers in one C call (engine/executor/decode_stack.py).
     ``batch_invariant``: insist on kernels whose result for a row does not depend on its batch (the native
     model's CPU kernels; float32 anywhere, bfloat16 with AMX-BF16), ``ValueError`` where they cannot run.
     ``tensor_parallel_size`` > 1: the native model in that many shards, one process per rank, this one

@@ -16,7 +16,7 @@ The attention, the projections, the MLP and the paged KV cache are the Llama cod
 (engine/executor/models/llama.py), the embedding, the final norm, the head and the weights table every
 native model's (engine/executor/models/decoder_only.py); the batch is the same flattened ragged ``BatchInputs``. Each layer reads
 the attention metadata of its window, built once per forward for each window the model has. The CPU fast
-paths swap the same modules (engine/executor/fast_paths.py, the GELU gate too); the float32 decode stack
+paths swap the same modules (engine/executor/fast_paths.py, the GELU gate too); the CPU decode stack
 (engine/executor/decode_stack.py) runs the layers from ``decoder_table``.
 
 NOTE: the ``(1 + weight)`` of the norms is added to the loaded weights once (``fold_into_weights``), so the
