@@ -235,6 +235,24 @@ def test_disconnect_storm_on_speculating_streams(live_server: LiveServer) -> Non
     assert_all_released(live_server)  # no block, no request left; the drafts' slots rolled back
 
 
+NUM_CONTRASTIVE_STREAMS = 16
+
+
+def contrastive_body(rng: random.Random, i: int) -> tuple[str, dict[str, Any]]:
+    """A contrastive-search stream: its top_k candidates are forks of the sequence in every step."""
+    route, body = request_body(rng, i)
+    return route, body | {"n": 1, "penalty_alpha": 0.6, "top_k": 4}
+
+
+def test_disconnect_storm_on_contrastive_streams(live_server: LiveServer) -> None:
+    """Cut at any point, a contrastive search leaves none of its candidate forks' blocks behind."""
+    assert live_server.wait_idle(timeout=30)
+    stats = asyncio.run(storm(live_server, NUM_CONTRASTIVE_STREAMS, contrastive_body))
+    assert sum(stats.values()) == NUM_CONTRASTIVE_STREAMS, stats
+    assert stats["cut-mid-stream"] >= NUM_CONTRASTIVE_STREAMS // 4, stats
+    assert_all_released(live_server)
+
+
 def spec_drafts(base_url: str) -> float:
     text = httpx.get(base_url + "/metrics", timeout=10).text
     return sum(
