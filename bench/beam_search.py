@@ -34,6 +34,7 @@ from bench.offline import (
     _release_memory,
     generate_static,
     make_workload,
+    serve_all,
 )
 
 
@@ -102,28 +103,9 @@ def run_cbserve(
         )
     )
     manager.start()
-    total = 0
     with peak_memory(spec.device) as peak:
         start = time.perf_counter()
-        for i, (prompt, n) in enumerate(work):
-            manager.add_request(
-                prompt,
-                request_id=f"r{i}",
-                max_new_tokens=n,
-                num_beams=num_beams,
-                do_sample=False,
-                ignore_eos=True,
-            )
-        done = 0
-        while done < len(work):
-            out = manager.get_result(timeout=5.0)
-            if out is None:
-                if not manager.is_running():
-                    raise RuntimeError("cbserve's engine stopped")
-                continue
-            if out.is_finished:
-                done += 1
-                total += len(out.generated_ids)
+        total = serve_all(manager, work, num_beams=num_beams)
         seconds = time.perf_counter() - start
     manager.stop()
     label = f"cbserve ({peak_blocks[0]} of {engine.num_blocks} KV blocks of {engine.block_size} at the peak)"

@@ -90,10 +90,20 @@ def run_cbserve(
     manager = engine.init_continuous_batching(max_queue=len(work) + 1)
     manager.start()
     start = time.perf_counter()
+    total = serve_all(manager, work)
+    seconds = time.perf_counter() - start
+    manager.stop()
+    return RunResult(label, len(work), sum(len(p) for p, _ in work), total, seconds)
+
+
+def serve_all(manager: Any, work: list[tuple[list[int], int]], **options: Any) -> int:
+    """Every ``(prompt, max_new_tokens)`` of ``work`` added to a started manager at once (greedy, EOS
+    ignored, ``options`` on top), then its results drained: the output tokens they made."""
     for i, (prompt, n) in enumerate(work):
-        manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n, do_sample=False, ignore_eos=True)
-    total = 0
-    done = 0
+        manager.add_request(
+            prompt, request_id=f"r{i}", max_new_tokens=n, do_sample=False, ignore_eos=True, **options
+        )
+    total = done = 0
     while done < len(work):
         out = manager.get_result(timeout=5.0)
         if out is None:
@@ -103,9 +113,7 @@ def run_cbserve(
         if out.is_finished:
             done += 1
             total += len(out.generated_ids)
-    seconds = time.perf_counter() - start
-    manager.stop()
-    return RunResult(label, len(work), sum(len(p) for p, _ in work), total, seconds)
+    return total
 
 
 def _hf_model(threads: int, spec: ModelSpec) -> Any:

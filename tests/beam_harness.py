@@ -11,36 +11,20 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import model_harness
 import torch
 import transformers
-from model_harness import BYTE_EOS, save_byte_tokenizer
 
 from engine.engine import Engine
 from engine.manager import ContinuousBatchingManager
 from engine.outputs import GenerationOutput, RequestStatus
 
-BASE: dict[str, Any] = dict(
-    vocab_size=300,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    bos_token_id=1,
-    eos_token_id=BYTE_EOS,
-    pad_token_id=0,
-)
 PROMPTS = [list(range(40, 47)), [20, 21, 22], list(range(60, 100))]  # 7, 3 and 40 tokens
 MAX_NEW = 10
 
 
 def save_tiny(folder: Path, config_class: str, seed: int) -> Path:
-    config = getattr(transformers, config_class)(**BASE)
-    torch.manual_seed(seed)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    return save_byte_tokenizer(folder)
+    return model_harness.save_tiny(folder, config_class, {}, seed)
 
 
 @dataclass

@@ -18,7 +18,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import pytest
 import torch
@@ -197,3 +197,32 @@ def prompt_logits(
     rows: dict[int, torch.Tensor] = {}
     _drive(model, kv_cache, prompts, 1, mode, chunk, seed, lambda i, x: rows.setdefault(i, x), decode_kernel)
     return torch.stack([rows[i] for i in range(len(prompts))])
+
+
+# A tiny random model's config fields (byte tokenizer vocabulary, 2 layers, GQA), for transformers' config
+# classes; tests add each architecture's own fields.
+TINY_BASE: dict[str, Any] = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=BYTE_EOS,
+    pad_token_id=0,
+)
+
+
+def save_tiny(folder: Path, config_class: str, fields: dict[str, Any], seed: int = 0) -> Path:
+    """A random model of transformers' ``config_class`` with ``fields`` over ``TINY_BASE`` (a None field is
+    left out), saved by transformers with the byte tokenizer."""
+    import transformers
+
+    merged = {k: v for k, v in {**TINY_BASE, **fields}.items() if v is not None or k not in TINY_BASE}
+    config = getattr(transformers, config_class)(**merged)
+    torch.manual_seed(seed)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return save_byte_tokenizer(folder)

@@ -11,7 +11,7 @@ from beam_harness import TinyModel, save_tiny
 @pytest.fixture(scope="session")
 def tiny_beam_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, int], TinyModel]:
     """``tiny_beam_model(config_class, seed)``: a tiny random model of that transformers config class
-    (beam_harness.BASE) and seed, saved once per session."""
+    (model_harness.TINY_BASE) and seed, saved once per session."""
     made: dict[tuple[str, int], TinyModel] = {}
 
     def tiny(config_class: str, seed: int) -> TinyModel:

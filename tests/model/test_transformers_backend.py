@@ -21,7 +21,7 @@ import pytest
 import torch
 import transformers
 from default_engine import engine_on
-from model_harness import BYTE_EOS, save_byte_tokenizer
+from model_harness import TINY_BASE, save_byte_tokenizer, save_tiny
 
 from engine.engine import Engine
 from engine.errors import ModelLoadError, UnsupportedArchitectureError, UnsupportedModelError
@@ -30,20 +30,7 @@ from engine.loader.model_loader import LoadedModel
 from engine.manager import ContinuousBatchingManager
 from engine.outputs import GenerationOutput, RequestStatus
 
-BASE: dict[str, Any] = dict(
-    vocab_size=300,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    bos_token_id=1,
-    eos_token_id=BYTE_EOS,
-    pad_token_id=0,
-)
-# name -> (transformers config class, fields over BASE)
+# name -> (transformers config class, fields over TINY_BASE)
 ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {}),
     "gemma": ("GemmaConfig", {}),
@@ -104,17 +91,6 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 PROMPTS = [list(range(40, 47)), [20, 21, 22], list(range(60, 100))]  # 7, 3 and 40 tokens
 MAX_NEW = 10
-
-
-def save_tiny(folder: Path, config_class: str, fields: dict[str, Any], seed: int = 0) -> Path:
-    """A random model of ``config_class`` with ``fields`` over ``BASE`` (a None field is left out), saved by
-    transformers with the byte tokenizer."""
-    merged = {k: v for k, v in {**BASE, **fields}.items() if v is not None or k not in BASE}
-    config = getattr(transformers, config_class)(**merged)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(folder)
-    return save_byte_tokenizer(folder)
 
 
 @pytest.fixture(scope="module")
@@ -364,11 +340,11 @@ def test_dummy_weights_for_any_architecture(name: str, tmp_path: Path) -> None:
         folder = tmp_path / "llama"
         save_byte_tokenizer(folder)
         (folder / "config.json").write_text(
-            json.dumps({**BASE, "model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+            json.dumps({**TINY_BASE, "model_type": "llama", "architectures": ["LlamaForCausalLM"]})
         )
     else:
         folder = tmp_path / name
-        config = transformers.GPTNeoXConfig(**BASE)
+        config = transformers.GPTNeoXConfig(**TINY_BASE)
         config.save_pretrained(folder)
         save_byte_tokenizer(folder)
     engine = Engine.from_pretrained(
@@ -423,7 +399,7 @@ def test_unknown_encoder_decoder_and_encoder_only_models_are_refused(tmp_path: P
     unknown = tmp_path / "unknown"
     save_byte_tokenizer(unknown)
     (unknown / "config.json").write_text(
-        json.dumps({**BASE, "model_type": "no_such_model", "architectures": ["NoSuchForCausalLM"]})
+        json.dumps({**TINY_BASE, "model_type": "no_such_model", "architectures": ["NoSuchForCausalLM"]})
     )
     t5 = _config_folder(
         tmp_path / "t5", transformers.T5Config(vocab_size=300, d_model=32, num_layers=1, num_heads=2)
