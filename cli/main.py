@@ -148,7 +148,8 @@ def _add_model_flags(serve: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=False,
         help="insist that a request's tokens and logprobs do not depend on what shares its batch (float32 "
-        "matmuls of every size on cbserve's kernel; bfloat16 needs AMX); refuses to start where it cannot",
+        "matmuls of every size on cbserve's kernel; bfloat16 needs AMX; on CUDA, Triton kernels); refuses to "
+        "start where it cannot",
     )
     a(
         "--tensor-parallel-size",

@@ -108,12 +108,12 @@ class Engine:
         cfg = loaded.config
         self.decode_kernel = select_decode_kernel(
             attention_backend, self.device, self.dtype, cfg.head_dim, self.block_size, cfg.num_queries_per_kv,
-            cfg.attn_logit_softcapping,
+            cfg.attn_logit_softcapping, loaded.batch_invariant,
         )  # fmt: skip
         self.attention_backend = self.decode_kernel.name if self.decode_kernel is not None else "sdpa"
         # a row's logits are the same bits whatever else shares its step: matmul kernels with one path per
-        # row (LoadedModel.batch_invariant) and the C attention kernels, whose reductions run per query
-        self.batch_invariant = loaded.batch_invariant and self.attention_backend == "cpu"
+        # row (LoadedModel.batch_invariant) and attention kernels whose reductions run per query
+        self.batch_invariant = loaded.batch_invariant and getattr(self.decode_kernel, "batch_invariant", False)
         self.cuda_graphs: CudaGraphDecoder | None = None
         # NOTE: the transformers backend says False: its forward runs eagerly
         graphs = getattr(self.model, "supports_cuda_graphs", True) and not options.enforce_eager
@@ -179,7 +179,8 @@ class Engine:
             engine._draft_model(speculation)  # NOTE: a draft model that cannot be used fails the start
             if batch_invariant and not engine.batch_invariant:
                 raise ValueError(
-                    f"batch_invariant needs the cpu attention backend, not {engine.attention_backend}"
+                    "batch_invariant needs the cpu (or on CUDA the triton) attention backend, not "
+                    f"{engine.attention_backend}"
                 )
             return engine
 

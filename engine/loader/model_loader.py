@@ -22,6 +22,7 @@ import torch
 from gguf import ReaderTensor
 from torch import nn
 
+from engine.cpu.native_build import KernelUnavailable
 from engine.errors import ModelLoadError, TokenizerMismatchError
 from engine.executor.kernels.block_codes import BlockCodes
 from engine.loader.dummy import get_preset, iter_dummy_weights
@@ -142,8 +143,10 @@ def load_model(
                 "batch_invariant needs the native model's CPU kernels, not the transformers backend"
             )
         return _load_with_transformers(source, torch_dtype, torch_device)
-    if batch_invariant and (torch_device.type != "cpu" or not prepack):
-        raise ValueError("batch_invariant needs the CPU kernels (device cpu, prepacked weights)")
+    if batch_invariant and not (torch_device.type == "cuda" or (torch_device.type == "cpu" and prepack)):
+        raise ValueError(
+            "batch_invariant needs cbserve's kernels: the CPU's (prepacked weights) or CUDA's (Triton)"
+        )
     return _load_native(source, torch_dtype, torch_device, prepack, batch_invariant)
 
 
@@ -155,6 +158,7 @@ def _load_native(
     batch_invariant: bool = False,
 ) -> LoadedModel:
     from engine.executor.fast_paths import apply_cpu_fast_paths
+    from engine.executor.kernels.cuda_batch_invariant import apply_cuda_batch_invariance
     from engine.executor.models.registry import build_model
 
     opened = open_source(source, dtype, device)
@@ -167,6 +171,12 @@ def _load_native(
         net.load_weights(opened.weights)
         if prepack:
             invariant = apply_cpu_fast_paths(net, opened.blocks, batch_invariant).batch_invariant
+    if batch_invariant and device.type == "cuda":
+        try:
+            apply_cuda_batch_invariance(net)
+        except KernelUnavailable as e:
+            raise ValueError(f"batch_invariant on CUDA needs Triton's kernels: {e}") from e
+        invariant = True
     if batch_invariant and not invariant:
         raise ValueError(
             f"batch_invariant: no batch-invariant matmul kernel for {dtype} on this CPU (float32 always has "

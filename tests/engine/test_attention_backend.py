@@ -54,7 +54,7 @@ def test_each_kernel_runs_on_its_own_device_only() -> None:
 def test_a_gpu_without_triton_serves_with_sdpa(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def unavailable() -> triton_decode.TritonDecodeKernel:
+    def unavailable(batch_invariant: bool = False) -> triton_decode.TritonDecodeKernel:
         raise KernelUnavailable("Triton is not installed (No module named 'triton')")
 
     monkeypatch.setattr(triton_decode, "load", unavailable)
@@ -83,7 +83,7 @@ def test_soft_capped_models_decode_in_the_pytorch_path_on_cuda(
     PyTorch path (which computes it, tests/model/test_paged_attention.py) and says why; ``triton`` refuses at
     start. The CPU kernel takes it. Asking needs no GPU: the kernel object is never launched."""
     kernel = object.__new__(triton_decode.TritonDecodeKernel)  # NOTE: no compiled kernels behind it
-    monkeypatch.setattr(triton_decode, "load", lambda: kernel)
+    monkeypatch.setattr(triton_decode, "load", lambda batch_invariant=False: kernel)
     assert select_decode_kernel("auto", CUDA, torch.bfloat16, 128, 16, 4) is kernel
     with caplog.at_level(logging.WARNING, logger=backend.__name__):
         assert select_decode_kernel("auto", CUDA, torch.bfloat16, 128, 16, 4, softcap=50.0) is None

@@ -288,3 +288,149 @@ def test_cuda_graph_decode_steps_match_eager_steps(tmp_path: Path) -> None:
         out = graphs[rid]
         assert out is not None and len(out.generated_ids) == 6 + 5 * i
         assert out.generated_ids == eager[f"batch_req_{i}"].generated_ids[: 6 + 5 * i]
+
+
+# ---------------------------------------------------------------------- speculative verify rows on CUDA
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_speculative_verify_rows_give_plain_greedy_tokens(tmp_path: Path, dtype: str) -> None:
+    """Prompt lookup and early exit on CUDA: each step's verify rows (the last token plus the drafts, a short
+    chunk over the sequence's pages) accept only what greedy decoding picks, so 6 concurrent requests get
+    plain decoding's tokens (prompt lookup's drafts proposed and some accepted)."""
+    pytest.importorskip("triton")
+    from engine.engine import Engine
+
+    folder = _byte_tokenizer_folder(tmp_path / "tiny", vocab_size=257)
+    engine = Engine.from_pretrained(
+        str(folder), load_format="dummy", device="cuda", dtype=dtype, max_num_seqs=8, kv_cache_memory=64 << 20
+    )
+    texts = ["abcabcabcabcabc", "the cat the cat the cat", "1 2 3 1 2 3 1 2", "x" * 30, "hi hi hi", "no"]
+    prompts = [engine.tokenizer.encode(t) for t in texts]
+    kwargs = dict(progress_bar=False, do_sample=False, ignore_eos=True, max_new_tokens=24)
+    plain = engine.generate_batch(prompts, **kwargs)
+    for config in (
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "disable_by_batch_size": 64},
+        {"method": "early_exit", "num_layers": 2, "num_speculative_tokens": 3},
+    ):
+        manager = engine.init_continuous_batching(speculative_config=config)
+        manager.start()
+        try:
+            ids = [
+                manager.add_request(p, max_new_tokens=24, do_sample=False, ignore_eos=True) for p in prompts
+            ]
+            finals: dict[str, Any] = {}
+            while len(finals) < len(ids):
+                out = manager.get_result(timeout=120)
+                assert out is not None, "the engine stalled"
+                if out.is_finished:
+                    finals[out.request_id] = out
+        finally:
+            manager.stop()
+        stats = manager.stats()
+        manager.check_integrity()
+        for i, rid in enumerate(ids):
+            assert finals[rid].generated_ids == plain[f"batch_req_{i}"].generated_ids, (config, i)
+        if (
+            config["method"] == "ngram"
+        ):  # random weights: early exit's drafts may all fall under its threshold
+            assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0
+
+
+# ---------------------------------------------------------------------- batch invariance on CUDA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_kernels_give_a_row_the_same_bits_in_any_batch(dtype: torch.dtype) -> None:
+    """The matmul, the norm and the decode kernel of ``--batch-invariant``: a row alone and the same row
+    among 1 to 300 others (and among longer sequences, for attention) are the same bits; each is close to a
+    float64 reference."""
+    pytest.importorskip("triton")
+    from engine.executor.kernels import cuda_batch_invariant as bi
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(300, 512, device="cuda", generator=gen).to(dtype)
+    w = (torch.randn(384, 512, device="cuda", generator=gen) * 0.05).to(dtype)
+    norm_w = torch.randn(512, device="cuda", generator=gen).to(dtype)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    full = bi.matmul(x, w)
+    ref = x.double() @ w.double().T
+    assert (full.double() - ref).abs().max().item() <= tol * ref.abs().max().item()
+    normed = bi.rms_norm(x, norm_w, 1e-5)
+    for rows in (1, 7, 64, 65, 299):
+        assert torch.equal(bi.matmul(x[:rows], w), full[:rows]), rows
+        assert torch.equal(bi.rms_norm(x[:rows], norm_w, 1e-5), normed[:rows]), rows
+
+    kernel = triton_decode.load(batch_invariant=True)
+    block, kv_heads, heads, head_dim = 16, 2, 8, 64
+    lens = [37, 3000, 700, 1, 1200]
+    pages = [-(-n // block) for n in lens]
+    k_cache = torch.randn(sum(pages) + 1, kv_heads, head_dim, block, device="cuda", generator=gen).to(dtype)
+    v_cache = torch.randn(sum(pages) + 1, kv_heads, block, head_dim, device="cuda", generator=gen).to(dtype)
+    tables = torch.zeros(len(lens), max(pages), dtype=torch.int64, device="cuda")
+    first = 1
+    for i, p in enumerate(pages):
+        tables[i, :p] = torch.arange(first, first + p)
+        first += p
+    q = torch.randn(len(lens), heads, head_dim, device="cuda", generator=gen).to(dtype)
+    seq_lens = torch.tensor(lens, device="cuda")
+    batched = kernel(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    for i, p in enumerate(pages):
+        alone = kernel(q[i : i + 1], k_cache, v_cache, tables[i : i + 1, :p], seq_lens[i : i + 1], 0.125)
+        assert torch.equal(alone[0], batched[i]), i
+    # a prompt's last rows through prefill: the same bits as decode queries at those positions
+    prefill = kernel.prefill(
+        q[:1].expand(3, -1, -1).contiguous(), k_cache, v_cache, tables[1:2], torch.tensor([0, 3]),
+        seq_lens[1:2], 0.125, None,
+    )  # fmt: skip
+    as_decode = kernel(q[:1].expand(3, -1, -1).contiguous(), k_cache, v_cache, tables[[1, 1, 1]],
+                       seq_lens[1] - torch.tensor([2, 1, 0], device="cuda"), 0.125)  # fmt: skip
+    assert torch.equal(prefill, as_decode)
+
+
+def _logprobs_of(engine: Any, batch: list[tuple[list[int], int]]) -> list[tuple[list[int], torch.Tensor]]:
+    """Every (prompt, new tokens) of ``batch`` added at once, greedy; each one's tokens and logprobs."""
+    manager = engine.init_continuous_batching()
+    manager.start()
+    try:
+        ids = [
+            manager.add_request(p, max_new_tokens=n, do_sample=False, ignore_eos=True, output_logprobs=True)
+            for p, n in batch
+        ]
+        finals: dict[str, Any] = {}
+        while len(finals) < len(ids):
+            out = manager.get_result(timeout=120)
+            assert out is not None, "the engine stalled"
+            if out.is_finished:
+                finals[out.request_id] = out
+    finally:
+        manager.stop()
+    return [
+        (
+            finals[i].generated_ids,
+            torch.tensor([lp.logprob for lp in finals[i].logprobs], dtype=torch.float64),
+        )
+        for i in ids
+    ]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batch_invariant_engine_on_cuda(tmp_path: Path, dtype: str) -> None:
+    """``batch_invariant=True`` on CUDA (CUDA graphs on): two prompts' greedy tokens and logprobs alone are
+    the same bits as beside long prompts whose prefill is chunked into the same steps, and inside a
+    decode batch of 12."""
+    pytest.importorskip("triton")
+    from engine.engine import Engine
+
+    folder = _byte_tokenizer_folder(tmp_path / "tiny", vocab_size=257)
+    engine = Engine.from_pretrained(
+        str(folder), load_format="dummy", device="cuda", dtype=dtype, batch_invariant=True,
+        max_num_seqs=16, max_batch_tokens=96, kv_cache_memory=64 << 20,
+    )  # fmt: skip
+    assert engine.batch_invariant and engine.cuda_graphs is not None
+    gen = torch.Generator().manual_seed(3)
+    checked = [(torch.randint(0, 256, (n,), generator=gen).tolist(), 16) for n in (5, 70)]
+    long = [(torch.randint(0, 256, (300,), generator=gen).tolist(), 4) for _ in range(3)]
+    short = [(torch.randint(0, 256, (9,), generator=gen).tolist(), 24) for _ in range(10)]
+    alone = [_logprobs_of(engine, [c])[0] for c in checked]
+    for before in (long, short):
+        got = _logprobs_of(engine, [*before, *checked])[len(before) :]
+        for (ids, lp), (alone_ids, alone_lp) in zip(got, alone, strict=True):
+            assert ids == alone_ids
+            assert torch.equal(lp, alone_lp), (lp - alone_lp).abs().max().item()

@@ -35,6 +35,7 @@ def select_decode_kernel(
     block_size: int,
     num_queries_per_kv: int,
     softcap: float | None = None,
+    batch_invariant: bool = False,
 ) -> DecodeKernel | None:
     """The kernel ``backend`` picks, ``None`` for SDPA. Raises ``ValueError`` for an unknown backend, or
     for ``cpu``/``triton`` when that kernel cannot run this model here (``softcap``: the model's attention
@@ -51,7 +52,7 @@ def select_decode_kernel(
         reason: str | None = f"it runs on {_KERNEL_DEVICES[wanted]} and the model is on {device}"
     else:
         try:
-            kernel = cpu_kernel.load() if wanted == "cpu" else triton_decode.load()
+            kernel = cpu_kernel.load() if wanted == "cpu" else triton_decode.load(batch_invariant)
             reason = kernel.unsupported(head_dim, block_size, num_queries_per_kv, dtype, softcap)
         except KernelUnavailable as e:
             reason = str(e)

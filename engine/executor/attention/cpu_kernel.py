@@ -43,6 +43,7 @@ class PagedDecodeKernel:
     ``cbserve_paged_prefill_attention`` (a ``PrefillKernel``) and of ``cbserve_write_kv``."""
 
     name = "cpu"
+    batch_invariant = True  # every reduction runs per query, in one order
 
     def __init__(self, path: Path) -> None:
         self.path = path

@@ -12,6 +12,7 @@ import torch
 
 class DecodeKernel(Protocol):
     name: str  # the --attention-backend value that picks it
+    batch_invariant: bool  # a query's result never depends on what else the call holds
 
     def unsupported(
         self, head_dim: int, block_size: int, group: int, dtype: torch.dtype, softcap: float | None = None

@@ -43,7 +43,7 @@ def _power_of_two(n: int) -> bool:
 
 
 @functools.cache  # NOTE: one set of JIT functions per process, so their compiled variants are shared
-def _kernels() -> tuple[Any, Any, Any]:
+def _kernels() -> tuple[Any, Any, Any, Any]:
     import triton
     import triton.language as tl
 
@@ -113,6 +113,7 @@ def _kernels() -> tuple[Any, Any, Any]:
         BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr,
         IEEE: tl.constexpr,
+        FIXED_TILES: tl.constexpr,  # tiles a split (batch-invariant), or 0: the sequence's tiles over num_splits
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -120,8 +121,10 @@ def _kernels() -> tuple[Any, Any, Any]:
         seq_len = tl.load(seq_lens_ptr + seq)
         first = tl.maximum(seq_len - window, 0)
         # this split's tokens: [lo, hi), whole tiles of BLOCK_N from `first`
-        num_tiles = tl.cdiv(seq_len - first, BLOCK_N)
-        tiles_per_split = tl.cdiv(num_tiles, num_splits)
+        if FIXED_TILES > 0:
+            tiles_per_split = FIXED_TILES
+        else:
+            tiles_per_split = tl.cdiv(tl.cdiv(seq_len - first, BLOCK_N), num_splits)
         lo = first + split * tiles_per_split * BLOCK_N
         hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
 
@@ -207,7 +210,36 @@ def _kernels() -> tuple[Any, Any, Any]:
         out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l * weight, axis=0)
         tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
 
-    return write_slots, decode_split, merge_splits
+    @triton.jit
+    def merge_splits_in_order(
+        part_out_ptr,  # [num_seqs * num_heads, num_splits, head_dim] float32
+        part_max_ptr,  # [num_seqs * num_heads, num_splits]
+        part_sum_ptr,
+        out_ptr,  # [num_seqs, num_heads, head_dim]
+        num_splits,
+        HEAD_DIM: tl.constexpr,
+    ):
+        """The splits folded one after another from the first (never empty: it holds the sequence's first
+        token). An empty split past the sequence's end (m = -1e30, l = 0, acc = 0) leaves the running sums
+        exactly as they were, so the result does not depend on how many splits the step made."""
+        row = tl.program_id(0)
+        dims = tl.arange(0, HEAD_DIM)
+        first = row * num_splits
+        m = tl.load(part_max_ptr + first)
+        l = tl.load(part_sum_ptr + first)  # noqa: E741
+        acc = tl.load(part_out_ptr + first * HEAD_DIM + dims)
+        for split in range(1, num_splits):
+            m_split = tl.load(part_max_ptr + first + split)
+            l_split = tl.load(part_sum_ptr + first + split)
+            acc_split = tl.load(part_out_ptr + (first + split) * HEAD_DIM + dims)
+            m_new = tl.maximum(m, m_split)
+            alpha, beta = tl.exp(m - m_new), tl.exp(m_split - m_new)
+            acc = acc * alpha + acc_split * beta
+            l = l * alpha + l_split * beta  # noqa: E741
+            m = m_new
+        tl.store(out_ptr + row * HEAD_DIM + dims, (acc / l).to(out_ptr.dtype.element_ty))
+
+    return write_slots, decode_split, merge_splits, merge_splits_in_order
 
 
 class TritonDecodeKernel:
@@ -223,10 +255,11 @@ class TritonDecodeKernel:
     block_n = 64  # tokens per tile (at least one page)
     num_warps = 2
     num_stages: int | None = 2  # None: Triton's default
+    batch_invariant = False  # a query's result depends on the step's split count (BatchInvariantTritonKernel)
 
     def __init__(self) -> None:
         try:
-            self._write, self._split, self._merge = _kernels()
+            self._write, self._split, self._merge, self._merge_in_order = _kernels()
         except ImportError as e:
             raise KernelUnavailable(f"Triton is not installed ({e})") from e
 
@@ -312,9 +345,7 @@ class TritonDecodeKernel:
         longest = block_tables.shape[1] * block_size
         if sliding_window is not None:
             longest = min(longest, sliding_window)
-        # NOTE: enough programs to fill the GPU even for a few long sequences, never splits of a few tokens
-        wanted = math.ceil(self.programs_per_sm * _num_sms(q.device) / (num_seqs * num_kv_heads))
-        num_splits = max(1, min(wanted, MAX_SPLITS, math.ceil(longest / self.tokens_per_split)))
+        num_splits = self._num_splits(num_seqs * num_kv_heads, longest, q.device)
         block_n = max(self.block_n, block_size)
         options = {"num_warps": self.num_warps}
         if self.num_stages is not None:
@@ -345,8 +376,29 @@ class TritonDecodeKernel:
             BLOCK_SIZE=block_size,
             BLOCK_N=block_n,
             IEEE=q.dtype == torch.float32,
+            FIXED_TILES=self._fixed_tiles(block_n),
             **options,
         )
+        self._merge_splits(parts, part_max, part_sum, out, num_splits)
+        return out
+
+    def _num_splits(self, programs: int, longest: int, device: torch.device) -> int:
+        """Enough programs to fill the GPU even for a few long sequences, never splits of a few tokens."""
+        wanted = math.ceil(self.programs_per_sm * _num_sms(device) / programs)
+        return max(1, min(wanted, MAX_SPLITS, math.ceil(longest / self.tokens_per_split)))
+
+    def _fixed_tiles(self, block_n: int) -> int:
+        return 0  # a sequence's tiles are shared out over the splits
+
+    def _merge_splits(
+        self,
+        parts: torch.Tensor,
+        part_max: torch.Tensor,
+        part_sum: torch.Tensor,
+        out: torch.Tensor,
+        num_splits: int,
+    ) -> None:
+        num_seqs, num_heads, _, head_dim = parts.shape
         self._merge[(num_seqs * num_heads,)](
             parts,
             part_max,
@@ -356,7 +408,62 @@ class TritonDecodeKernel:
             SPLITS=_next_power_of_two(num_splits),
             HEAD_DIM=head_dim,
         )
-        return out
+
+
+class BatchInvariantTritonKernel(TritonDecodeKernel):
+    """The same kernel with one reduction order per query whatever shares its step (``--batch-invariant``):
+
+    - every split is ``tokens_per_split`` tokens from the sequence's first (split ``s`` always covers the
+      same tokens), however many sequences or splits the step has; the splits are folded in order;
+    - prefill runs here too: each new token's query is a decode query of its own over the pages up to its
+      position, so a prompt's rows do not depend on how its prefill was chunked or what shared the step.
+
+    The prefill is slower than SDPA's (each query reads its keys itself): the price of the guarantee."""
+
+    batch_invariant = True
+
+    def _num_splits(self, programs: int, longest: int, device: torch.device) -> int:
+        return max(1, math.ceil(longest / self.tokens_per_split))
+
+    def _fixed_tiles(self, block_n: int) -> int:
+        return max(1, self.tokens_per_split // block_n)
+
+    def _merge_splits(
+        self,
+        parts: torch.Tensor,
+        part_max: torch.Tensor,
+        part_sum: torch.Tensor,
+        out: torch.Tensor,
+        num_splits: int,
+    ) -> None:
+        num_seqs, num_heads, _, head_dim = parts.shape
+        self._merge_in_order[(num_seqs * num_heads,)](
+            parts, part_max, part_sum, out, num_splits, HEAD_DIM=head_dim
+        )
+
+    def prefill(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,  # [num_seqs, pages of the longest] int64
+        query_starts: torch.Tensor,  # [num_seqs + 1] int64 (host)
+        seq_lens: torch.Tensor,  # [num_seqs] int64: KV length with the new tokens
+        scale: float,
+        sliding_window: int | None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """Causal attention of each sequence's new queries (``PrefillKernel``): row ``i`` of sequence ``s``
+        is a decode query over the first ``seq_lens[s] - (its rows after i)`` tokens of ``s``'s pages."""
+        num_tokens = q.shape[0]
+        q_lens = (query_starts[1:] - query_starts[:-1]).to(q.device, non_blocking=True)
+        seq_of_row = torch.repeat_interleave(
+            torch.arange(len(q_lens), device=q.device), q_lens, output_size=num_tokens
+        )  # [num_tokens]
+        ends = query_starts[1:].to(q.device, non_blocking=True)[seq_of_row]  # one past the row's sequence
+        rows = torch.arange(num_tokens, device=q.device)
+        kv_lens = seq_lens[seq_of_row] - (ends - 1 - rows)  # [num_tokens]: the row's position + 1
+        return self(q, k_cache, v_cache, block_tables[seq_of_row], kv_lens, scale, sliding_window, softcap)
 
 
 def _next_power_of_two(n: int) -> int:
@@ -375,6 +482,7 @@ def _num_sms(device: torch.device) -> int:
     return _SMS[index]
 
 
-def load() -> TritonDecodeKernel:
-    """The kernel, or ``KernelUnavailable`` with the reason (Triton missing)."""
-    return TritonDecodeKernel()
+def load(batch_invariant: bool = False) -> TritonDecodeKernel:
+    """The kernel (``BatchInvariantTritonKernel`` with ``batch_invariant``), or ``KernelUnavailable`` with
+    the reason (Triton missing)."""
+    return BatchInvariantTritonKernel() if batch_invariant else TritonDecodeKernel()
