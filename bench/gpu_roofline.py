@@ -29,7 +29,9 @@ import torch
 from engine.executor.attention.backend import select_decode_kernel
 from engine.executor.cuda_graphs import CudaGraphDecoder
 from engine.executor.inputs import BatchInputs
+from engine.executor.kernels.triton_rms_norm import TritonRMSNorm
 from engine.executor.kv_cache import KVCache
+from engine.executor.models.layers import RMSNorm
 from engine.loader.model_loader import load_model
 from engine.model_config import ModelConfig
 
@@ -88,6 +90,9 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prefill-seqs", type=int, default=8)
     parser.add_argument("--batch-invariant", action="store_true")
     parser.add_argument(
+        "--pytorch-norm", action="store_true", help="the norms in PyTorch, not Triton's kernel"
+    )
+    parser.add_argument(
         "--sweep", action="store_true", help="also time the decode step with SWEEP's settings"
     )
     parser.add_argument("--profile", action="store_true", help="also print the top kernels of an eager step")
@@ -106,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         args.model, load_format="dummy", dtype="bfloat16", device="cuda", batch_invariant=args.batch_invariant
     )
     model, cfg = loaded.model, loaded.config
+    if args.pytorch_norm:
+        for module in model.modules():
+            if type(module) is TritonRMSNorm:
+                module.__class__ = RMSNorm  # type: ignore[assignment]
     assert isinstance(cfg, ModelConfig), "a native model's config"
     width = math.ceil((args.context + 1) / BLOCK)
     cache = KVCache(
@@ -156,16 +165,14 @@ def main(argv: list[str] | None = None) -> int:
 SWEEP = [
     (4, 512, 64, 2, 2),  # the defaults
     (8, 256, 64, 2, 2),
-    (4, 512, 16, 2, 2),
-    (4, 512, 16, 2, 4),
-    (4, 512, 32, 2, 3),
+    (8, 512, 64, 2, 2),
+    (4, 512, 32, 2, 2),
     (4, 512, 64, 2, 3),
-    (4, 512, 64, 2, 4),
-    (4, 512, 64, 1, 2),
-    (8, 512, 32, 1, 3),
-    (2, 1024, 64, 2, 3),
+    (4, 512, 64, 4, 2),
+    (4, 512, 128, 2, 2),
     (4, 512, 128, 4, 2),
-    (8, 256, 64, 4, 3),
+    (4, 512, 128, 4, 3),
+    (2, 1024, 128, 4, 3),
 ]
 
 

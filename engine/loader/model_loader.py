@@ -159,6 +159,7 @@ def _load_native(
 ) -> LoadedModel:
     from engine.executor.fast_paths import apply_cpu_fast_paths
     from engine.executor.kernels.cuda_batch_invariant import apply_cuda_batch_invariance
+    from engine.executor.kernels.triton_rms_norm import use_triton_rms_norms
     from engine.executor.models.registry import build_model
 
     opened = open_source(source, dtype, device)
@@ -171,6 +172,11 @@ def _load_native(
         net.load_weights(opened.weights)
         if prepack:
             invariant = apply_cpu_fast_paths(net, opened.blocks, batch_invariant).batch_invariant
+    if device.type == "cuda":
+        try:
+            use_triton_rms_norms(net)
+        except KernelUnavailable as e:
+            logger.warning("the norms run in PyTorch (%s)", e)
     if batch_invariant and device.type == "cuda":
         try:
             apply_cuda_batch_invariance(net)

@@ -343,6 +343,8 @@ def test_batch_invariant_kernels_give_a_row_the_same_bits_in_any_batch(dtype: to
     float64 reference."""
     pytest.importorskip("triton")
     from engine.executor.kernels import cuda_batch_invariant as bi
+    from engine.executor.kernels.triton_rms_norm import rms_norm
+    from engine.executor.models.layers import RMSNorm
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(300, 512, device="cuda", generator=gen).to(dtype)
@@ -352,10 +354,13 @@ def test_batch_invariant_kernels_give_a_row_the_same_bits_in_any_batch(dtype: to
     full = bi.matmul(x, w)
     ref = x.double() @ w.double().T
     assert (full.double() - ref).abs().max().item() <= tol * ref.abs().max().item()
-    normed = bi.rms_norm(x, norm_w, 1e-5)
+    normed = rms_norm(x, norm_w, 1e-5)
+    pytorch = RMSNorm(512, 1e-5, dtype, torch.device("cuda"))
+    pytorch.weight.data.copy_(norm_w)
+    torch.testing.assert_close(normed, pytorch(x), atol=tol, rtol=tol)
     for rows in (1, 7, 64, 65, 299):
         assert torch.equal(bi.matmul(x[:rows], w), full[:rows]), rows
-        assert torch.equal(bi.rms_norm(x[:rows], norm_w, 1e-5), normed[:rows]), rows
+        assert torch.equal(rms_norm(x[:rows], norm_w, 1e-5), normed[:rows]), rows
 
     kernel = triton_decode.load(batch_invariant=True)
     block, kv_heads, heads, head_dim = 16, 2, 8, 64

@@ -120,12 +120,14 @@ def _kernels() -> tuple[Any, Any, Any, Any]:
         split = tl.program_id(2)
         seq_len = tl.load(seq_lens_ptr + seq)
         first = tl.maximum(seq_len - window, 0)
-        # this split's tokens: [lo, hi), whole tiles of BLOCK_N from `first`
+        # this split's tokens: [lo, hi), whole tiles of BLOCK_N from the tile holding `first` (tiles start on
+        # page boundaries; the tokens before `first` are masked)
+        base = (first // BLOCK_N) * BLOCK_N
         if FIXED_TILES > 0:
             tiles_per_split = FIXED_TILES
         else:
-            tiles_per_split = tl.cdiv(tl.cdiv(seq_len - first, BLOCK_N), num_splits)
-        lo = first + split * tiles_per_split * BLOCK_N
+            tiles_per_split = tl.cdiv(tl.cdiv(seq_len - base, BLOCK_N), num_splits)
+        lo = base + split * tiles_per_split * BLOCK_N
         hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
 
         rows = tl.arange(0, ROWS)  # query heads of the group (padded)
@@ -141,39 +143,46 @@ def _kernels() -> tuple[Any, Any, Any, Any]:
         m = tl.full([ROWS], -1.0e30, dtype=tl.float32)
         l = tl.zeros([ROWS], dtype=tl.float32)  # noqa: E741 (the paper's name)
         acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
-        offs = tl.arange(0, BLOCK_N)
+        # a tile is PAGES whole pages: each page's block id is read once, and its BLOCK_SIZE rows are
+        # contiguous in memory, which lets the loads below be vectorized
+        PAGES: tl.constexpr = BLOCK_N // BLOCK_SIZE
+        tile_pages = tl.arange(0, PAGES)
+        in_page = tl.arange(0, BLOCK_SIZE)
         k_base = k_ptr + kv_head * stride_kh
         v_base = v_ptr + kv_head * stride_vh
         for start in range(lo, hi, BLOCK_N):
-            tok = start + offs  # [BLOCK_N]
-            ok = tok < hi
-            block = tl.load(tables_ptr + seq * stride_bs + tok // BLOCK_SIZE, mask=ok, other=0)
-            row_in_block = tok % BLOCK_SIZE
+            page = start // BLOCK_SIZE + tile_pages  # [PAGES]
+            tok = page[:, None] * BLOCK_SIZE + in_page[None, :]  # [PAGES, BLOCK_SIZE]
+            ok = (tok >= first) & (tok < hi)
+            block = tl.load(tables_ptr + seq * stride_bs + page, mask=page * BLOCK_SIZE < hi, other=0)
             k = tl.load(
                 k_base
-                + block[None, :] * stride_kb
-                + dims[:, None] * stride_kd
-                + row_in_block[None, :] * stride_kt,
-                mask=ok[None, :],
+                + block[None, :, None] * stride_kb
+                + dims[:, None, None] * stride_kd
+                + in_page[None, None, :] * stride_kt,
+                mask=ok[None, :, :],
                 other=0.0,
-            )  # [HEAD_DIM, BLOCK_N]
+            )  # [HEAD_DIM, PAGES, BLOCK_SIZE]
+            k = tl.reshape(k, (HEAD_DIM, BLOCK_N))
+            tile_ok = tl.reshape(ok, (BLOCK_N,))
             if IEEE:
                 s = tl.dot(q, k, input_precision="ieee")
             else:
                 s = tl.dot(q, k)
-            s = tl.where(ok[None, :], s * scale, float("-inf"))  # [ROWS, BLOCK_N]
+            s = tl.where(tile_ok[None, :], s * scale, float("-inf"))  # [ROWS, BLOCK_N]
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
             l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
             v = tl.load(
                 v_base
-                + block[:, None] * stride_vb
-                + row_in_block[:, None] * stride_vt
-                + dims[None, :] * stride_vd,
-                mask=ok[:, None],
+                + block[:, None, None] * stride_vb
+                + in_page[None, :, None] * stride_vt
+                + dims[None, None, :] * stride_vd,
+                mask=ok[:, :, None],
                 other=0.0,
-            )  # [BLOCK_N, HEAD_DIM]
+            )  # [PAGES, BLOCK_SIZE, HEAD_DIM]
+            v = tl.reshape(v, (BLOCK_N, HEAD_DIM))
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:

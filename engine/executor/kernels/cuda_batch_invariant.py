@@ -1,4 +1,4 @@
-"""Batch-invariant matmul and RMSNorm on CUDA (Triton): a row's result is the same bits whatever else is in
+"""A batch-invariant matmul on CUDA (Triton): a row's result is the same bits whatever else is in
 the batch, as "Defeating Nondeterminism in LLM Inference" (Thinking Machines, 2025) and vLLM's
 batch-invariant mode build it.
 
@@ -9,7 +9,7 @@ mean of squares) likewise spread one row over more threads when there are few ro
 - ``matmul``: one tile shape for every call (``BLOCK_M x BLOCK_N``, the K axis walked in ``BLOCK_K``
   steps from 0, one accumulator, no split-K): an output element's sum runs in the same order whatever
   ``M`` is, and rows never mix (a padded row adds nothing to another's).
-- ``rms_norm``: one program per row over the whole row.
+- the norms: ``triton_rms_norm.py``'s kernel, one program per row over the whole row.
 
 Slower than cuBLAS for some shapes (no split-K for skinny decode matmuls): ``--batch-invariant`` only
 (docs/GENERATION.md). Triton is imported on first use.
@@ -24,14 +24,15 @@ import torch
 from torch import nn
 
 from engine.cpu.native_build import KernelUnavailable
-from engine.executor.models.layers import Linear, RMSNorm
+from engine.executor.kernels.triton_rms_norm import use_triton_rms_norms
+from engine.executor.models.layers import Linear
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
 NUM_WARPS, NUM_STAGES = 4, 3
 
 
 @functools.cache
-def _kernels() -> tuple[Any, Any]:
+def _kernels() -> Any:
     import triton
     import triton.language as tl
 
@@ -78,19 +79,7 @@ def _kernels() -> tuple[Any, Any]:
             mask=(rows[:, None] < M) & (cols[None, :] < N),
         )
 
-    @triton.jit
-    def rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        cols = tl.arange(0, BLOCK)
-        ok = cols < N
-        x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
-        normed = (x * rstd).to(out_ptr.dtype.element_ty)  # as RMSNorm: rounded, then scaled
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0)
-        out = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + row * stride_o + cols, out, mask=ok)
-
-    return matmul_kernel, rms_norm_kernel
+    return matmul_kernel
 
 
 def load() -> None:
@@ -103,7 +92,7 @@ def load() -> None:
 
 def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight^T`` (``x`` ``[..., K]``, ``weight`` ``[N, K]``), each row reduced in one fixed order."""
-    matmul_kernel, _ = _kernels()
+    matmul_kernel = _kernels()
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -121,20 +110,6 @@ def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out.reshape(*lead, n)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``RMSNorm``'s arithmetic, one program per row."""
-    _, rms_norm_kernel = _kernels()
-    n = x.shape[-1]
-    x2 = x.reshape(-1, n)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    if x2.shape[0]:
-        block = 1 << max(n - 1, 0).bit_length()
-        rms_norm_kernel[(x2.shape[0],)](x2, weight, out, x2.stride(0), out.stride(0), n, eps, BLOCK=block)
-    return out.reshape(x.shape)
-
-
 class InvariantLinear(Linear):
     """A ``Linear`` over the batch-invariant matmul (the same weight and bias parameters)."""
 
@@ -143,19 +118,12 @@ class InvariantLinear(Linear):
         return out if self.bias is None else out + self.bias
 
 
-class InvariantRMSNorm(RMSNorm):
-    """An ``RMSNorm`` over the one-program-per-row kernel."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
 def apply_cuda_batch_invariance(model: nn.Module) -> None:
-    """Swap every ``Linear`` and ``RMSNorm`` of ``model`` (on CUDA) for its batch-invariant twin, in place:
-    the twins share the parameters, so nothing is copied. ``KernelUnavailable`` without Triton."""
+    """Swap every ``Linear`` of ``model`` (on CUDA) for its batch-invariant twin, in place (sharing its
+    parameters: nothing is copied), and every ``RMSNorm`` for the one-program-a-row kernel
+    (``triton_rms_norm.py``, the CUDA default already). ``KernelUnavailable`` without Triton."""
     load()
+    use_triton_rms_norms(model)
     for module in model.modules():
         if type(module) is Linear:
             module.__class__ = InvariantLinear
-        elif type(module) is RMSNorm:
-            module.__class__ = InvariantRMSNorm
