@@ -14,8 +14,11 @@ values ``acc``) over tiles of ``BLOCK_N`` tokens, and a second small kernel merg
 
 Cache layout (engine/executor/kv_cache.py): K ``[num_blocks, num_kv_heads, head_dim, block_size]``, V
 ``[num_blocks, num_kv_heads, block_size, head_dim]``; token ``t`` of a sequence is row ``t % block_size``
-of block ``block_tables[seq, t // block_size]``. A tile of ``BLOCK_N`` tokens spans ``BLOCK_N /
-block_size`` pages (or part of one), so any power-of-two block size works.
+of block ``block_tables[seq, t // block_size]``. A tile of ``BLOCK_N`` tokens is ``BLOCK_N / block_size``
+whole pages (``BLOCK_N`` is at least a page; tiles start on page boundaries), loaded as ``[pages, rows]``:
+one block id a page, and each page's rows contiguous, so the loads are vectorised (gathering a block id
+per token hid that contiguity from the compiler: the K loads ran element by element, and a 64-sequence
+decode step of Llama-3-8B on an H200 took 10.7 ms against 9.6 ms now).
 
 Triton is imported on first use: CPU-only installs never need it (engine/executor/attention/backend.py picks this
 kernel only for CUDA tensors, when Triton imports).
