@@ -1,9 +1,11 @@
 """Loading a model as ``tensor_parallel_size`` shards, one process per rank (torch.multiprocessing,
 spawned): rank 0 is the calling process (the server); it hosts the ranks' rendezvous, starts ranks
-1..N-1, and each rank connects, binds its threads to its cores and loads only its shards from the same
-source (engine/executor/parallel/sharding.py). Once every rank has loaded, ranks 1..N-1 serve rank 0's
+1..N-1, and each rank connects, binds its threads to its cores and loads its shards from the same source:
+the native model reads only its slices (engine/executor/parallel/sharding.py); the transformers backend
+loads the whole model, then keeps its slices by the model's own tensor-parallel plan
+(engine/executor/parallel/transformers_plan.py). Once every rank has loaded, ranks 1..N-1 serve rank 0's
 messages (engine/executor/parallel/rank_loop.py) until it stops them or dies; rank 0 gets its shard with
-the handle on the others (``ShardedLlamaForCausalLM.workers``).
+the handle on the others (``workers``).
 
 A rank that fails to start or to load makes ``load_sharded`` raise ``ModelLoadError`` (its own traceback
 is in its log, on the inherited stderr): at once when its process exited, else after ``START_TIMEOUT_S``.
@@ -19,11 +21,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 
 from engine.errors import ModelLoadError
 from engine.executor.fast_paths import apply_cpu_fast_paths
@@ -33,6 +36,7 @@ from engine.executor.parallel.cores import bind_to_rank_cores
 from engine.executor.parallel.group import STORE_HOST, ShardGroup
 from engine.executor.parallel.rank_loop import RankLoop
 from engine.executor.parallel.sharded_llama import ShardedLlamaForCausalLM
+from engine.executor.parallel.sharded_transformers import ShardedTransformersForCausalLM
 from engine.executor.parallel.sharding import ShardingError, check_shardable, shard_weights
 from engine.executor.parallel.workers import IDLE_TIMEOUT_S, ShardWorkers
 from engine.loader.source import ModelSource, resolve_model
@@ -51,8 +55,13 @@ class OpenedWeights(Protocol):
     weights: Iterator[tuple[str, torch.Tensor]]
 
 
-# NOTE: model_loader's open_source, passed in (it crosses into the ranks' processes by its name).
+# NOTE: model_loader's open_source (native) or transformers_model (the transformers model, weights in),
+# passed in: it crosses into the ranks' processes by its name.
 Opener = Callable[[ModelSource, torch.dtype, torch.device], OpenedWeights]
+HfOpener = Callable[[ModelSource, torch.dtype, torch.device], nn.Module]
+
+# A rank's shard: its forward runs the collectives; rank 0's holds the other ranks (``workers``).
+ShardedModel = ShardedLlamaForCausalLM | ShardedTransformersForCausalLM
 
 
 @dataclass(frozen=True)
@@ -66,8 +75,9 @@ class ShardSpec:
     world_size: int
     port: int
     timeout_s: float
-    opener: Opener
-    prepack: bool  # the CPU fast paths (engine/executor/fast_paths.py)
+    opener: Opener | HfOpener
+    prepack: bool  # the CPU fast paths of the native model (engine/executor/fast_paths.py)
+    model_impl: str = "native"  # or "transformers"
 
     def device_of(self, rank: int) -> torch.device:
         return torch.device("cuda", rank) if self.device.type == "cuda" else self.device
@@ -76,26 +86,32 @@ class ShardSpec:
 def load_sharded(
     model: str,
     load_format: str,
-    config: ModelConfig,
+    config: ModelConfig | None,
     dtype: torch.dtype,
     device: torch.device,
     world_size: int,
-    opener: Opener,
+    opener: Opener | HfOpener,
     prepack: bool = True,
     timeout_s: float | None = None,
-) -> ShardedLlamaForCausalLM:
-    """Rank 0's shard of ``model`` (whose config is ``config``), the other ranks started and loaded.
-    Raises ``ShardingError`` (a ``ValueError``) before starting anything when ``world_size`` does not
-    divide the model. ``timeout_s``: how long a collective waits for a rank (``DEFAULT_TIMEOUT_S``)."""
-    if MODEL_CLASSES.get(config.architecture) is not LlamaForCausalLM:
-        raise ShardingError(
-            f"tensor parallelism shards the Llama family's model code; {config.architecture!r} has its own"
-        )
-    check_shardable(config, world_size)
+    model_impl: str = "native",
+) -> ShardedModel:
+    """Rank 0's shard of ``model``, the other ranks started and loaded. The native model (``config``, its
+    config; ``opener``: ``open_source``) raises ``ShardingError`` (a ``ValueError``) before starting anything
+    when ``world_size`` does not divide it; the transformers backend's (``config`` None; ``opener`` builds
+    the transformers model) is checked by the caller (``transformers_plan.planned_modules`` on the model
+    built on the meta device). ``timeout_s``: how long a collective waits for a rank (``DEFAULT_TIMEOUT_S``)."""
+    if config is not None:
+        if MODEL_CLASSES.get(config.architecture) is not LlamaForCausalLM:
+            raise ShardingError(
+                f"tensor parallelism shards the Llama family's model code; {config.architecture!r} has its own"
+            )
+        check_shardable(config, world_size)
     timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
     start = datetime.timedelta(seconds=START_TIMEOUT_S)
     store = dist.TCPStore(STORE_HOST, 0, world_size, True, timeout=start, wait_for_workers=False)
-    spec = ShardSpec(model, load_format, dtype, device, world_size, store.port, timeout_s, opener, prepack)
+    spec = ShardSpec(
+        model, load_format, dtype, device, world_size, store.port, timeout_s, opener, prepack, model_impl
+    )
     context = mp.get_context("spawn")
     processes = [
         context.Process(target=_rank_main, args=(rank, spec), name=f"cbserve-tp-rank{rank}", daemon=True)
@@ -119,9 +135,13 @@ def load_sharded(
     return net
 
 
-def _load_shard(spec: ShardSpec, group: ShardGroup) -> ShardedLlamaForCausalLM:
+def _load_shard(spec: ShardSpec, group: ShardGroup) -> ShardedModel:
     device = group.device
-    opened = spec.opener(resolve_model(spec.model, spec.load_format), spec.dtype, device)
+    source = resolve_model(spec.model, spec.load_format)
+    if spec.model_impl == "transformers":
+        hf_model = cast(HfOpener, spec.opener)(source, spec.dtype, device)
+        return ShardedTransformersForCausalLM.shard(hf_model, source.name, group)
+    opened = cast(Opener, spec.opener)(source, spec.dtype, device)
     net = ShardedLlamaForCausalLM(opened.config, group, spec.dtype, device)
     with torch.no_grad():
         net.load_weights(shard_weights(opened.weights, opened.config, group.rank, group.world_size))
