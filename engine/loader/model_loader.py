@@ -129,6 +129,7 @@ def load_model(
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     impl = choose_model_impl(_raw_config(source), model_impl)
+    _check_torchrun(tensor_parallel_size)
     if tensor_parallel_size != 1 and batch_invariant:
         raise ValueError("tensor_parallel_size > 1 runs without batch_invariant's kernels")
     if impl == "transformers":
@@ -146,6 +147,20 @@ def load_model(
     if batch_invariant and (torch_device.type != "cpu" or not prepack):
         raise ValueError("batch_invariant needs the CPU kernels (device cpu, prepacked weights)")
     return _load_native(source, torch_dtype, torch_device, prepack, batch_invariant)
+
+
+def _check_torchrun(tensor_parallel_size: int) -> None:
+    """Under torchrun every process it started is one rank of one model: ``ValueError`` unless
+    ``tensor_parallel_size`` is its ``WORLD_SIZE`` (engine/executor/parallel/torchrun.py)."""
+    from engine.executor.parallel.torchrun import TorchrunRank
+
+    torchrun = TorchrunRank.from_env()
+    if torchrun is not None and torchrun.world_size != tensor_parallel_size:
+        raise ValueError(
+            f"started by torchrun with WORLD_SIZE={torchrun.world_size}: give tensor_parallel_size "
+            f"{torchrun.world_size} (every process torchrun starts is one rank of the model), not "
+            f"{tensor_parallel_size}"
+        )
 
 
 def _load_native(

@@ -53,7 +53,7 @@ class TensorParallelRunner(ModelRunner):
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         self.check_alive()
         if not self._bound:
-            bind_to_rank_cores(0, self.world_size)
+            bind_to_rank_cores(0, self.workers.local_world_size)
             self._bound = True
         try:
             inputs = self.prepare(batch)
