@@ -22,6 +22,7 @@ from engine.executor.draft_model import DraftModel
 from engine.executor.kv_cache import KVCache
 from engine.executor.parallel.runner import TensorParallelRunner
 from engine.executor.parallel.sharded_llama import ShardedLlamaForCausalLM
+from engine.executor.parallel.sharded_transformers import ShardedTransformersForCausalLM
 from engine.executor.runner import ModelRunner
 from engine.generation.config import GenerationConfig, GenerationConfigError
 from engine.generation.processor_plugins import load_logits_processors
@@ -287,7 +288,7 @@ class Engine:
 
     def _runner(self, draft_model: DraftModel | None) -> ModelRunner:
         """The executor of a new manager: one process's, or rank 0's of a sharded model."""
-        if isinstance(self.model, ShardedLlamaForCausalLM):
+        if isinstance(self.model, ShardedLlamaForCausalLM | ShardedTransformersForCausalLM):
             return TensorParallelRunner(
                 self.model, self.kv_cache, self.block_size, self.device, self.decode_kernel, draft_model
             )

@@ -35,6 +35,7 @@ from engine.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from engine.executor.models.transformers_config import TransformersModelConfig
+    from engine.executor.parallel.sharded_transformers import ShardedTransformersForCausalLM
 
 # NOTE: a model's config: the native one, or the shape the transformers backend serves.
 AnyModelConfig = TypeVar("AnyModelConfig", "ModelConfig", "TransformersModelConfig")
@@ -118,7 +119,8 @@ def load_model(
     native model (engine/executor/fast_paths.py): matmuls over prepacked weights, the fused element-wise
     ops; in float32 (and bfloat16 on AMX) the engine then runs decode steps' layers in one C call (engine/executor/decode_stack.py).
     ``batch_invariant``: insist on kernels whose result for a row does not depend on its batch (the native
-    model's CPU kernels; float32 anywhere, bfloat16 with AMX-BF16), ``ValueError`` where they cannot run.
+    model's CPU kernels: float32 anywhere, bfloat16 with AMX-BF16; on CUDA its Triton kernels), ``ValueError``
+    where they cannot run.
     ``tensor_parallel_size`` > 1: the native model in that many shards, one process per rank, this one
     rank 0 (engine/loader/shards.py), each rank's matmuls and element-wise ops on the CPU fast paths too
     (``prepack``), not the decode stack."""
@@ -129,25 +131,40 @@ def load_model(
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     impl = choose_model_impl(_raw_config(source), model_impl)
-    if tensor_parallel_size != 1:
-        if impl == "transformers" or batch_invariant:
-            raise ValueError(
-                "tensor_parallel_size > 1 shards the native model only, without batch_invariant's kernels"
-            )
-        return _load_sharded(
-            model, load_format, source, torch_dtype, torch_device, prepack, tensor_parallel_size
-        )
+    _check_torchrun(tensor_parallel_size)
+    if tensor_parallel_size != 1 and batch_invariant:
+        raise ValueError("tensor_parallel_size > 1 runs without batch_invariant's kernels")
     if impl == "transformers":
         if batch_invariant:
             raise ValueError(
                 "batch_invariant needs the native model's CPU kernels, not the transformers backend"
             )
-        return _load_with_transformers(source, torch_dtype, torch_device)
+        return _load_with_transformers(
+            source, torch_dtype, torch_device, tensor_parallel_size, model, load_format
+        )
+    if tensor_parallel_size != 1:
+        return _load_sharded(
+            model, load_format, source, torch_dtype, torch_device, prepack, tensor_parallel_size
+        )
     if batch_invariant and not (torch_device.type == "cuda" or (torch_device.type == "cpu" and prepack)):
         raise ValueError(
             "batch_invariant needs cbserve's kernels: the CPU's (prepacked weights) or CUDA's (Triton)"
         )
     return _load_native(source, torch_dtype, torch_device, prepack, batch_invariant)
+
+
+def _check_torchrun(tensor_parallel_size: int) -> None:
+    """Under torchrun every process it started is one rank of one model: ``ValueError`` unless
+    ``tensor_parallel_size`` is its ``WORLD_SIZE`` (engine/executor/parallel/torchrun.py)."""
+    from engine.executor.parallel.torchrun import TorchrunRank
+
+    torchrun = TorchrunRank.from_env()
+    if torchrun is not None and torchrun.world_size != tensor_parallel_size:
+        raise ValueError(
+            f"started by torchrun with WORLD_SIZE={torchrun.world_size}: give tensor_parallel_size "
+            f"{torchrun.world_size} (every process torchrun starts is one rank of the model), not "
+            f"{tensor_parallel_size}"
+        )
 
 
 def _load_native(
@@ -230,30 +247,34 @@ def _load_sharded(
     )
 
 
-def _load_with_transformers(source: ModelSource, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    """The source's model through the transformers backend: its weights (``from_pretrained`` for a folder,
-    a GGUF's tensors, or random for a dummy), wrapped to serve from cbserve's paged KV cache."""
+def _load_with_transformers(
+    source: ModelSource,
+    dtype: torch.dtype,
+    device: torch.device,
+    world_size: int,
+    model: str,
+    load_format: str,
+) -> LoadedModel:
+    """The source's model through the transformers backend (``transformers_model``), wrapped to serve from
+    cbserve's paged KV cache; ``world_size`` > 1: in that many shards by the model's own tensor-parallel
+    plan, this process rank 0 (engine/loader/shards.py), ``ShardingError`` before any rank starts where
+    the model has no plan or its plan does not divide by ``world_size``."""
     from engine.executor.models.transformers_backend import TransformersForCausalLM
-    from engine.loader import transformers_weights
 
-    raw = _raw_config(source)
-    tokenizer = _tokenizer_of(source) if source.kind != "gguf" else None
-    folder = source.folder if source.kind != "dummy" or source.preset is None else None
-    defaults = load_generation_config(folder) if folder is not None and source.kind != "gguf" else {}
-    if source.kind == "safetensors":
-        hf_model = transformers_weights.from_pretrained(_path_of(source), raw, dtype, device)
-    elif source.kind == "gguf":
-        opened = open_source(source, dtype, device)
-        tokenizer, defaults = opened.tokenizer, opened.generation_defaults
-        hf_model = transformers_weights.from_tensors(raw, opened.weights, dtype, device, source.name)
+    tokenizer, defaults = _tokenizer_and_defaults(source, dtype, device)
+    net: TransformersForCausalLM
+    if world_size == 1:
+        net = TransformersForCausalLM.wrap(transformers_model(source, dtype, device), source.name)
+        full = net.config
+        _check_tokenizer(tokenizer, full.vocab_size, source)
     else:
-        hf_model = transformers_weights.random_weights(raw, dtype, device, source.name)
-    net = TransformersForCausalLM.wrap(hf_model, source.name)
-    if tokenizer is not None and tokenizer.vocab_size > net.config.vocab_size:
-        raise TokenizerMismatchError(tokenizer.vocab_size, net.config.vocab_size, source.name)
-    net.config = _with_all_eos(net.config, defaults, tokenizer)
+        sharded = _load_transformers_sharded(model, load_format, source, dtype, device, world_size, tokenizer)
+        net, full = sharded, sharded.full_config
+    config = _with_all_eos(full, defaults, tokenizer)
+    if world_size == 1:
+        net.config = config
     return LoadedModel(
-        config=net.config,
+        config=config,
         model=net,
         tokenizer=tokenizer,
         generation_defaults=defaults,
@@ -262,6 +283,69 @@ def _load_with_transformers(source: ModelSource, dtype: torch.dtype, device: tor
         dtype=dtype,
         device=device,
     )
+
+
+def _check_tokenizer(tokenizer: Tokenizer | None, vocab_size: int, source: ModelSource) -> None:
+    if tokenizer is not None and tokenizer.vocab_size > vocab_size:
+        raise TokenizerMismatchError(tokenizer.vocab_size, vocab_size, source.name)
+
+
+def _load_transformers_sharded(
+    model: str,
+    load_format: str,
+    source: ModelSource,
+    dtype: torch.dtype,
+    device: torch.device,
+    world_size: int,
+    tokenizer: Tokenizer | None,
+) -> ShardedTransformersForCausalLM:
+    """The transformers model in ``world_size`` shards (engine/loader/shards.py); its plan and tokenizer
+    checked on the model built on the meta device before any rank starts."""
+    from engine.executor.parallel.sharded_transformers import ShardedTransformersForCausalLM
+    from engine.executor.parallel.transformers_plan import heads_per_rank, planned_modules
+    from engine.loader import transformers_weights
+    from engine.loader.shards import load_sharded
+
+    meta = transformers_weights.meta_model(_raw_config(source), source.name)  # no weight read
+    hf_config: Any = meta.config
+    text = hf_config.get_text_config()
+    _check_tokenizer(tokenizer, int(text.vocab_size), source)
+    modules = planned_modules(meta, world_size, source.name)
+    heads = int(text.num_attention_heads)
+    heads_per_rank(
+        modules, heads, int(getattr(text, "num_key_value_heads", None) or heads), world_size, source.name
+    )
+    net = load_sharded(
+        model, load_format, None, dtype, device, world_size, transformers_model, model_impl="transformers"
+    )
+    assert isinstance(net, ShardedTransformersForCausalLM)
+    return net
+
+
+def _tokenizer_and_defaults(
+    source: ModelSource, dtype: torch.dtype, device: torch.device
+) -> tuple[Tokenizer | None, dict[str, Any]]:
+    """The tokenizer and generation defaults of a source served by the transformers backend."""
+    if source.kind == "gguf":
+        opened = open_source(source, dtype, device)  # NOTE: the weights are lazy: none is read
+        return opened.tokenizer, opened.generation_defaults
+    folder = source.folder if source.kind != "dummy" or source.preset is None else None
+    defaults = load_generation_config(folder) if folder is not None else {}
+    return _tokenizer_of(source), defaults
+
+
+def transformers_model(source: ModelSource, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """The source's transformers model, weights in: ``from_pretrained`` for a folder, a GGUF's tensors, or
+    random (seeded: every rank of a sharded model builds the same) for a dummy."""
+    from engine.loader import transformers_weights
+
+    raw = _raw_config(source)
+    if source.kind == "safetensors":
+        return transformers_weights.from_pretrained(_path_of(source), raw, dtype, device)
+    if source.kind == "gguf":
+        opened = open_source(source, dtype, device)
+        return transformers_weights.from_tensors(raw, opened.weights, dtype, device, source.name)
+    return transformers_weights.random_weights(raw, dtype, device, source.name)
 
 
 def _raw_config(source: ModelSource) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from engine.executor.attention.decode_kernel import DecodeKernel
 from engine.executor.kv_cache import KVCache
 from engine.executor.parallel.messages import AllocateCache, Heartbeat, RunStep, Stop, inputs_on
 from engine.executor.parallel.sharded_llama import ShardedLlamaForCausalLM
+from engine.executor.parallel.sharded_transformers import ShardedTransformersForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +21,7 @@ logger = logging.getLogger(__name__)
 class RankLoop:
     """One non-zero rank's state: its shard, its KV cache and decode kernel (once rank 0 sized them)."""
 
-    def __init__(self, model: ShardedLlamaForCausalLM) -> None:
+    def __init__(self, model: ShardedLlamaForCausalLM | ShardedTransformersForCausalLM) -> None:
         self.model = model
         self.group = model.group
         self.kv_cache: KVCache | None = None
@@ -68,4 +69,7 @@ class RankLoop:
         if message.blocks_to_copy:
             self.kv_cache.copy_blocks(message.blocks_to_copy)
         inputs = inputs_on(message.inputs, self.model.device)
-        self.model(inputs, self.kv_cache, self.decode_kernel, num_layers=message.num_layers)
+        if message.num_layers is None:
+            self.model(inputs, self.kv_cache, self.decode_kernel)
+        else:  # NOTE: a self-speculative draft: the native model's early exit
+            self.model(inputs, self.kv_cache, self.decode_kernel, num_layers=message.num_layers)

@@ -18,6 +18,7 @@ from engine.executor.kv_cache import KVCache
 from engine.executor.parallel.cores import bind_to_rank_cores
 from engine.executor.parallel.messages import AllocateCache, RunStep, inputs_on
 from engine.executor.parallel.sharded_llama import ShardedLlamaForCausalLM
+from engine.executor.parallel.sharded_transformers import ShardedTransformersForCausalLM
 from engine.executor.parallel.workers import ShardWorkers
 from engine.executor.runner import ModelRunner
 from scheduler.batch import ScheduledBatch
@@ -28,7 +29,7 @@ HOST = torch.device("cpu")
 class TensorParallelRunner(ModelRunner):
     def __init__(
         self,
-        model: ShardedLlamaForCausalLM,
+        model: ShardedLlamaForCausalLM | ShardedTransformersForCausalLM,
         kv_cache: KVCache,
         block_size: int,
         device: torch.device,
@@ -52,7 +53,7 @@ class TensorParallelRunner(ModelRunner):
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         self.check_alive()
         if not self._bound:
-            bind_to_rank_cores(0, self.world_size)
+            bind_to_rank_cores(0, self.workers.local_world_size)
             self._bound = True
         try:
             inputs = self.prepare(batch)

@@ -29,11 +29,15 @@ STOP_TIMEOUT_S = 10.0
 
 
 class ShardWorkers:
-    """Ranks 1..N-1 (``processes[i]`` is rank ``i + 1``), started and connected by the loader."""
+    """Ranks 1..N-1 (``processes[i]`` is rank ``i + 1`` where the loader spawned them), connected by the
+    loader. Under torchrun this process sees no other rank's process: a rank that dies is seen by the
+    collective that fails (gloo: at once, its connection closed; else after the timeout), and torchrun
+    itself stops the others."""
 
-    def __init__(self, group: ShardGroup, processes: list[BaseProcess]) -> None:
+    def __init__(self, group: ShardGroup, processes: list[BaseProcess], local_world_size: int) -> None:
         self.group = group
-        self.processes = processes
+        self.processes = processes  # none under torchrun: each rank is a process torchrun started
+        self.local_world_size = local_world_size  # the ranks on rank 0's machine (its share of the cores)
         self.failure: str | None = None
         self.cache_shape: AllocateCache | None = None  # what the ranks' KV caches are now
         self._lock = threading.Lock()  # NOTE: one message at a time: the engine thread's and the heartbeat's
