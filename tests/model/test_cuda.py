@@ -223,6 +223,17 @@ def _byte_tokenizer_folder(folder: Path, vocab_size: int) -> Path:
     return folder
 
 
+def _finals(manager: Any, ids: list[str]) -> dict[str, Any]:
+    """Each request's finished output, from a started manager (two minutes at most between outputs)."""
+    finals: dict[str, Any] = {}
+    while len(finals) < len(ids):
+        out = manager.get_result(timeout=120)
+        assert out is not None, "the engine stalled"
+        if out.is_finished:
+            finals[out.request_id] = out
+    return finals
+
+
 def test_cuda_graph_decode_steps_match_eager_steps(tmp_path: Path) -> None:
     """Every decode step the engine replays from a graph (batch sizes padded to 1, 2, 4, 8) gives the logits
     the eager forward gives for the same step; and greedy generations agree with an engine without graphs."""
@@ -262,12 +273,7 @@ def test_cuda_graph_decode_steps_match_eager_steps(tmp_path: Path) -> None:
             manager.add_request(p, max_new_tokens=6 + 5 * i, do_sample=False, ignore_eos=True)
             for i, p in enumerate(prompts)
         ]
-        graphs: dict[str, Any] = {}
-        while len(graphs) < len(ids):
-            out = manager.get_result(timeout=120)
-            assert out is not None, "the engine stalled"
-            if out.is_finished:
-                graphs[out.request_id] = out
+        graphs = _finals(manager, ids)
     finally:
         manager.stop()
     assert set(replayed) >= {5, 3, 1}, replayed  # padded to 8, 4 and 1
@@ -317,12 +323,7 @@ def test_speculative_verify_rows_give_plain_greedy_tokens(tmp_path: Path, dtype:
             ids = [
                 manager.add_request(p, max_new_tokens=24, do_sample=False, ignore_eos=True) for p in prompts
             ]
-            finals: dict[str, Any] = {}
-            while len(finals) < len(ids):
-                out = manager.get_result(timeout=120)
-                assert out is not None, "the engine stalled"
-                if out.is_finished:
-                    finals[out.request_id] = out
+            finals = _finals(manager, ids)
         finally:
             manager.stop()
         stats = manager.stats()
@@ -398,12 +399,7 @@ def _logprobs_of(engine: Any, batch: list[tuple[list[int], int]]) -> list[tuple[
             manager.add_request(p, max_new_tokens=n, do_sample=False, ignore_eos=True, output_logprobs=True)
             for p, n in batch
         ]
-        finals: dict[str, Any] = {}
-        while len(finals) < len(ids):
-            out = manager.get_result(timeout=120)
-            assert out is not None, "the engine stalled"
-            if out.is_finished:
-                finals[out.request_id] = out
+        finals = _finals(manager, ids)
     finally:
         manager.stop()
     return [
