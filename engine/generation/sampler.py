@@ -34,19 +34,31 @@ __all__ = ["SampledToken", "Sampler", "SamplingRow"]
 ARGMAX_BLOCK = 1024
 
 
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(dim=1)``, the first index of each row's maximum, for rows without NaN, in two cheap
-    passes: PyTorch's CPU argmax (an index-tracking reduction) is not vectorised, ``amax`` is (measured:
-    docs/benchmarks-log.md, session 8). The maxima of blocks of ``ARGMAX_BLOCK`` columns, the first block
-    holding the row's maximum, then argmax inside that block alone."""
+def block_maxima(logits: torch.Tensor) -> torch.Tensor:
+    """The maxima of each row's blocks of ``ARGMAX_BLOCK`` columns (the last one shorter where the vocabulary
+    is not a multiple), ``[R, ceil(V / ARGMAX_BLOCK)]``, in one vectorised pass. NaN propagates, so their
+    maximum is exactly ``logits.amax(dim=1)``: the sampler reads both its dead rows and its greedy picks
+    from them."""
     num_rows, vocab = logits.shape
     whole = vocab // ARGMAX_BLOCK
-    if whole < 2:
+    parts: list[torch.Tensor] = []
+    if whole:
+        parts.append(logits[:, : whole * ARGMAX_BLOCK].view(num_rows, whole, ARGMAX_BLOCK).amax(dim=2))
+    if vocab > whole * ARGMAX_BLOCK:
+        parts.append(logits[:, whole * ARGMAX_BLOCK :].amax(dim=1, keepdim=True))
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # [R, blocks]
+
+
+def argmax_rows(logits: torch.Tensor, block_max: torch.Tensor | None = None) -> torch.Tensor:
+    """``logits.argmax(dim=1)``, the first index of each row's maximum, for rows without NaN, in two cheap
+    passes: PyTorch's CPU argmax (an index-tracking reduction) is not vectorised, ``amax`` is (measured:
+    docs/benchmarks-log.md, session 8). The rows' ``block_maxima`` (computed here when not given), the first
+    block holding the row's maximum, then argmax inside that block alone."""
+    vocab = logits.shape[1]
+    if vocab < 2 * ARGMAX_BLOCK:
         return logits.argmax(dim=1)
-    blocks = logits[:, : whole * ARGMAX_BLOCK].view(num_rows, whole, ARGMAX_BLOCK)
-    block_max = blocks.amax(dim=2)  # [R, whole]
-    if vocab > whole * ARGMAX_BLOCK:  # a shorter last block
-        block_max = torch.cat((block_max, logits[:, whole * ARGMAX_BLOCK :].amax(dim=1, keepdim=True)), dim=1)
+    if block_max is None:
+        block_max = block_maxima(logits)  # [R, blocks]
     row_max = block_max.amax(dim=1, keepdim=True)  # [R, 1]
     start = (block_max == row_max).to(torch.uint8).argmax(dim=1) * ARGMAX_BLOCK  # [R]: its first block
     # NOTE: in a shorter last block the clamped columns repeat the last one, after it: argmax stays first.
@@ -120,8 +132,10 @@ class Sampler:
 
         # Every token masked (max -inf), or a penalty that pushed a logit to +inf or NaN (torch.max propagates
         # NaN): the request's options did it.
-        # NOTE: amax, not max(dim=1): the same values (NaN propagates), without max's slow index tracking.
-        dead = (~torch.isfinite(logits.amax(dim=1))).tolist()
+        # NOTE: the rows' maxima from their block maxima (NaN propagates), which the greedy rows' argmax reads
+        # too: one pass over the logits for both, and none of max(dim=1)'s slow index tracking.
+        block_max = block_maxima(logits)  # [R, blocks]
+        dead = (~torch.isfinite(block_max.amax(dim=1))).tolist()
         for i, is_dead in enumerate(dead):
             if is_dead and errors[i] is None:
                 errors[i] = (
@@ -130,7 +144,7 @@ class Sampler:
                 )
                 codes[i] = UnsatisfiableOptionsError.code
 
-        tokens = self._pick(logits, rows, errors)
+        tokens = self._pick(logits, block_max, rows, errors)
         logprobs = self._logprobs(logits, rows, errors, tokens)
         return [
             SampledToken(token_id=-1, error=errors[i], error_code=codes[i])
@@ -165,19 +179,25 @@ class Sampler:
             if not before and errors[i] is not None:
                 codes[i] = PROCESSOR_FAILED
 
-    def _pick(self, logits: torch.Tensor, rows: Sequence[SamplingRow], errors: list[str | None]) -> list[int]:
+    def _pick(
+        self,
+        logits: torch.Tensor,
+        block_max: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        errors: list[str | None],
+    ) -> list[int]:
         """The next token of every row without an error (-1 for the others): greedy rows by argmax in one
-        batch, sampling rows by their own draws."""
+        batch (``block_max``: the rows' ``block_maxima``), sampling rows by their own draws."""
         tokens = [-1] * len(rows)
         greedy = [i for i, r in enumerate(rows) if r.config.is_greedy and errors[i] is None]
         sampled = [i for i, r in enumerate(rows) if not r.config.is_greedy and errors[i] is None]
         if greedy:
             if len(greedy) < len(rows):
                 picked = torch.tensor(greedy, dtype=torch.int64, device=logits.device)
-                greedy_logits = logits.index_select(0, picked)
+                greedy_logits, greedy_max = logits.index_select(0, picked), block_max.index_select(0, picked)
             else:
-                greedy_logits = logits
-            for i, t in zip(greedy, argmax_rows(greedy_logits).tolist(), strict=True):
+                greedy_logits, greedy_max = logits, block_max
+            for i, t in zip(greedy, argmax_rows(greedy_logits, greedy_max).tolist(), strict=True):
                 tokens[i] = int(t)
         if sampled:
             for i, t in zip(sampled, self._sample_rows(logits, rows, sampled), strict=True):

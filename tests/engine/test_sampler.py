@@ -11,7 +11,7 @@ import torch
 from engine.generation.config import GenerationConfig
 from engine.generation.rng import RequestRNG
 from engine.generation.rows import SamplingRow
-from engine.generation.sampler import Sampler, argmax_rows
+from engine.generation.sampler import Sampler, argmax_rows, block_maxima
 
 V = 256
 
@@ -202,4 +202,18 @@ def test_argmax_rows_is_torch_argmax_with_ties_masks_and_a_short_last_block(voca
     logits[5] = 0.0  # every token tied
     logits[6, 0] = top  # the very first token
     assert torch.equal(argmax_rows(logits), logits.argmax(dim=1))
+    assert torch.equal(argmax_rows(logits, block_maxima(logits)), logits.argmax(dim=1))
     assert argmax_rows(logits)[5].item() == 0
+
+
+@pytest.mark.parametrize("vocab", [49152, 3000, 1024, 7])
+def test_block_maxima_give_each_rows_maximum_nan_and_infinities_included(vocab: int) -> None:
+    """The sampler's dead-row check reads the rows' maxima from their block maxima: exactly amax(dim=1)."""
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(vocab))
+    logits[1, vocab - 1] = float("nan")  # in the (short) last block
+    logits[2] = float("-inf")  # every token masked
+    logits[3, vocab // 2] = float("inf")
+    expected = logits.amax(dim=1)
+    got = block_maxima(logits).amax(dim=1)
+    assert torch.equal(got.isnan(), expected.isnan())
+    assert torch.equal(got.nan_to_num(), expected.nan_to_num())
