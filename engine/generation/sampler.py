@@ -16,7 +16,7 @@ from engine.errors import UnsatisfiableOptionsError
 from engine.generation.grammar_mask import apply_grammar_masks, compute_grammar_masks
 from engine.generation.logprobs import compute_logprobs
 from engine.generation.mask_prefetch import MaskPrefetcher, PendingMasks
-from engine.generation.processors import apply_logits_processors
+from engine.generation.processors import apply_logits_processors, processes
 from engine.generation.rng import RequestRNG
 from engine.generation.rows import SampledToken, SamplingRow
 from engine.generation.user_processors import (
@@ -105,7 +105,7 @@ class Sampler:
         if not rows:
             return []
         # NOTE: the model may pad its vocabulary past the tokenizer's; those columns can never be chosen.
-        logits = logits[:, : self.vocab_size].float().clone()  # [R, V]
+        logits = logits[:, : self.vocab_size].float()  # [R, V]
         errors: list[str | None] = [None] * len(rows)
         # NOTE: one reduction instead of an elementwise pass: a NaN or +inf anywhere makes the row's sum NaN
         # or +inf, and finite logits (|x| < 1e30) cannot overflow a float32 sum over a vocabulary. -inf is a
@@ -113,22 +113,27 @@ class Sampler:
         # caught below with the other rows that leave no token.
         sums = logits.sum(dim=1)
         bad = (torch.isnan(sums) | (sums == float("inf"))).tolist()
-        if any(bad):
-            for i, is_bad in enumerate(bad):
-                if is_bad:
-                    errors[i] = "the model produced NaN or infinite logits for this sequence"
-            # neutral values keep a broken row from producing warnings or NaNs in shared ops
-            logits[torch.tensor(bad, device=logits.device)] = 0.0
-
         grammar = masks.result() if masks is not None else None
         if grammar is None and any(row.grammar is not None for row in rows):
             grammar = compute_grammar_masks(rows, self.vocab_size, self.eos_token_ids)
-        if grammar is not None:
-            apply_grammar_masks(logits, grammar, errors)
         codes: list[str | None] = [None] * len(rows)
-        apply_logits_processors(
-            logits, rows, self.eos_token_ids, lambda lg: self._apply_user_processors(lg, rows, errors, codes)
-        )
+        # NOTE: the caller's logits stay as they were: a private copy, only where something writes (plain
+        # greedy rows read them as they are, the copy of [R, V] float32 a step saved).
+        if any(bad) or grammar is not None or any(self._processes(row) for row in rows):
+            logits = logits.clone()
+            for i, is_bad in enumerate(bad):
+                if is_bad:
+                    errors[i] = "the model produced NaN or infinite logits for this sequence"
+            if any(bad):  # neutral values keep a broken row from producing warnings or NaNs in shared ops
+                logits[torch.tensor(bad, device=logits.device)] = 0.0
+            if grammar is not None:
+                apply_grammar_masks(logits, grammar, errors)
+            apply_logits_processors(
+                logits,
+                rows,
+                self.eos_token_ids,
+                lambda lg: self._apply_user_processors(lg, rows, errors, codes),
+            )
 
         # Every token masked (max -inf), or a penalty that pushed a logit to +inf or NaN (torch.max propagates
         # NaN): the request's options did it.
@@ -152,6 +157,14 @@ class Sampler:
             else SampledToken(token_id=tokens[i], logprob=logprobs.get(i))
             for i in range(len(rows))
         ]
+
+    def _processes(self, row: SamplingRow) -> bool:
+        """Whether the processors, cbserve's or the user's, may change ``row``'s logits."""
+        return (
+            processes(row)
+            or row.hooks is not None
+            or (bool(self.logits_processors) and row.config.logits_processor_args is not None)
+        )
 
     def _apply_user_processors(
         self,

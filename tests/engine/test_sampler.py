@@ -183,6 +183,22 @@ def test_input_logits_are_not_modified() -> None:
     assert torch.equal(logits, before)
 
 
+@pytest.mark.parametrize("bad_row", [False, True])
+def test_plain_greedy_rows_leave_the_input_as_it_was_and_take_its_argmax(bad_row: bool) -> None:
+    """Rows that nothing processes are read in place (no copy) unless a bad row must be neutralised: either
+    way the caller's logits stay untouched."""
+    logits = _logits(3, seed=9)
+    if bad_row:
+        logits[1, 4] = float("nan")
+    before = logits.clone()
+    out = Sampler(V).sample(logits, [_row(), _row(), _row()])
+    assert torch.equal(logits.nan_to_num(), before.nan_to_num()) and bool(logits[1, 4].isnan()) == bad_row
+    assert [t.token_id for t in out] == [
+        -1 if bad_row and i == 1 else int(logits[i].argmax()) for i in range(3)
+    ]
+    assert (out[1].error is not None) == bad_row
+
+
 def test_shape_mismatch_is_an_error() -> None:
     with pytest.raises(ValueError):
         Sampler(V).sample(_logits(2), [_row()])
