@@ -107,12 +107,16 @@ class Sampler:
         # NOTE: the model may pad its vocabulary past the tokenizer's; those columns can never be chosen.
         logits = logits[:, : self.vocab_size].float()  # [R, V]
         errors: list[str | None] = [None] * len(rows)
-        # NOTE: one reduction instead of an elementwise pass: a NaN or +inf anywhere makes the row's sum NaN
-        # or +inf, and finite logits (|x| < 1e30) cannot overflow a float32 sum over a vocabulary. -inf is a
-        # token the model rules out (DoLa's contrast does: engine/executor/dola.py); a row of them only is
-        # caught below with the other rows that leave no token.
-        sums = logits.sum(dim=1)
-        bad = (torch.isnan(sums) | (sums == float("inf"))).tolist()
+        # NOTE: a row's maximum is NaN where any of its logits is (amax propagates NaN) and +inf where any is:
+        # the block maxima that the greedy argmax reads (one vectorised pass) tell the broken rows too. -inf
+        # is a token the model rules out (DoLa's contrast does: engine/executor/dola.py); a row of them only
+        # is caught below with the other rows that leave no token.
+        block_max = block_maxima(logits)  # [R, blocks]
+        row_max = block_max.amax(dim=1)  # [R]
+        bad = (torch.isnan(row_max) | (row_max == float("inf"))).tolist()
+        for i, is_bad in enumerate(bad):
+            if is_bad:
+                errors[i] = "the model produced NaN or infinite logits for this sequence"
         grammar = masks.result() if masks is not None else None
         if grammar is None and any(row.grammar is not None for row in rows):
             grammar = compute_grammar_masks(rows, self.vocab_size, self.eos_token_ids)
@@ -121,9 +125,6 @@ class Sampler:
         # greedy rows read them as they are, the copy of [R, V] float32 a step saved).
         if any(bad) or grammar is not None or any(self._processes(row) for row in rows):
             logits = logits.clone()
-            for i, is_bad in enumerate(bad):
-                if is_bad:
-                    errors[i] = "the model produced NaN or infinite logits for this sequence"
             if any(bad):  # neutral values keep a broken row from producing warnings or NaNs in shared ops
                 logits[torch.tensor(bad, device=logits.device)] = 0.0
             if grammar is not None:
@@ -134,12 +135,10 @@ class Sampler:
                 self.eos_token_ids,
                 lambda lg: self._apply_user_processors(lg, rows, errors, codes),
             )
+            block_max = block_maxima(logits)  # [R, blocks], of the processed logits
 
-        # Every token masked (max -inf), or a penalty that pushed a logit to +inf or NaN (torch.max propagates
-        # NaN): the request's options did it.
-        # NOTE: the rows' maxima from their block maxima (NaN propagates), which the greedy rows' argmax reads
-        # too: one pass over the logits for both, and none of max(dim=1)'s slow index tracking.
-        block_max = block_maxima(logits)  # [R, blocks]
+        # Every token masked (max -inf), or a penalty that pushed a logit to +inf or NaN: the request's
+        # options did it.
         dead = (~torch.isfinite(block_max.amax(dim=1))).tolist()
         for i, is_dead in enumerate(dead):
             if is_dead and errors[i] is None:

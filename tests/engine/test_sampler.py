@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from engine.errors import UnsatisfiableOptionsError
 from engine.generation.config import GenerationConfig
 from engine.generation.rng import RequestRNG
 from engine.generation.rows import SamplingRow
@@ -156,6 +157,19 @@ def test_nan_row_fails_alone() -> None:
     assert out[0].error is None and out[0].token_id == int(logits[0].argmax())
     assert out[1].error is not None and "NaN" in out[1].error and out[1].token_id == -1
     assert out[2].error is not None
+
+
+def test_infinite_and_ruled_out_logits_of_greedy_rows() -> None:
+    """+inf beside -inf is a broken row (the model's fault, no code); -inf alone is a token ruled out, and a
+    row of nothing else leaves no token (the request's options: its code)."""
+    logits = _logits(3, seed=6)
+    logits[0, 3], logits[0, 5] = float("inf"), float("-inf")
+    logits[1, 2] = float("-inf")
+    logits[2] = float("-inf")
+    out = Sampler(V).sample(logits, [_row(), _row(), _row()])
+    assert out[0].error is not None and "infinite" in out[0].error and out[0].error_code is None
+    assert out[1].error is None and out[1].token_id == int(logits[1].argmax())
+    assert out[2].error is not None and out[2].error_code == UnsatisfiableOptionsError.code
 
 
 def test_fully_masked_row_fails_alone() -> None:
