@@ -117,25 +117,10 @@ class Sampler:
         for i, is_bad in enumerate(bad):
             if is_bad:
                 errors[i] = "the model produced NaN or infinite logits for this sequence"
-        grammar = masks.result() if masks is not None else None
-        if grammar is None and any(row.grammar is not None for row in rows):
-            grammar = compute_grammar_masks(rows, self.vocab_size, self.eos_token_ids)
         codes: list[str | None] = [None] * len(rows)
-        # NOTE: the caller's logits stay as they were: a private copy, only where something writes (plain
-        # greedy rows read them as they are, the copy of [R, V] float32 a step saved).
-        if any(bad) or grammar is not None or any(self._processes(row) for row in rows):
-            logits = logits.clone()
-            if any(bad):  # neutral values keep a broken row from producing warnings or NaNs in shared ops
-                logits[torch.tensor(bad, device=logits.device)] = 0.0
-            if grammar is not None:
-                apply_grammar_masks(logits, grammar, errors)
-            apply_logits_processors(
-                logits,
-                rows,
-                self.eos_token_ids,
-                lambda lg: self._apply_user_processors(lg, rows, errors, codes),
-            )
-            block_max = block_maxima(logits)  # [R, blocks], of the processed logits
+        processed = self._processed(logits, rows, masks, bad, errors, codes)
+        if processed is not None:
+            logits, block_max = processed, block_maxima(processed)  # [R, blocks], of the processed logits
 
         # Every token masked (max -inf), or a penalty that pushed a logit to +inf or NaN: the request's
         # options did it.
@@ -156,6 +141,33 @@ class Sampler:
             else SampledToken(token_id=tokens[i], logprob=logprobs.get(i))
             for i in range(len(rows))
         ]
+
+    def _processed(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        masks: PendingMasks | None,
+        bad: list[bool],
+        errors: list[str | None],
+        codes: list[str | None],
+    ) -> torch.Tensor | None:
+        """A copy of ``logits`` with the broken rows neutralised, the grammar masks, cbserve's processors and
+        the user's applied; None where none of them writes (plain greedy rows: the caller's logits stay as
+        they are, and no copy of ``[R, V]`` float32 is made)."""
+        grammar = masks.result() if masks is not None else None
+        if grammar is None and any(row.grammar is not None for row in rows):
+            grammar = compute_grammar_masks(rows, self.vocab_size, self.eos_token_ids)
+        if not (any(bad) or grammar is not None or any(self._processes(row) for row in rows)):
+            return None
+        logits = logits.clone()
+        if any(bad):  # neutral values keep a broken row from producing warnings or NaNs in shared ops
+            logits[torch.tensor(bad, device=logits.device)] = 0.0
+        if grammar is not None:
+            apply_grammar_masks(logits, grammar, errors)
+        apply_logits_processors(
+            logits, rows, self.eos_token_ids, lambda lg: self._apply_user_processors(lg, rows, errors, codes)
+        )
+        return logits
 
     def _processes(self, row: SamplingRow) -> bool:
         """Whether the processors, cbserve's or the user's, may change ``row``'s logits."""
