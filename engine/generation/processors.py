@@ -381,6 +381,27 @@ def apply_eta(logits: torch.Tensor, rows: Sequence[SamplingRow], idx: list[int])
 
 
 # ---------------------------------------------------------------------------------------- pipeline
+def processes(row: SamplingRow) -> bool:
+    """Whether ``apply_logits_processors`` may change ``row``'s logits (the user's processors aside): False
+    only for a greedy row with every option of the pipeline below off, which the sampler then reads as the
+    model gave it."""
+    c = row.config
+    return not (
+        c.is_greedy
+        and not c.sequence_bias
+        and not c.logit_bias
+        and c.repetition_penalty == 1.0
+        and c.presence_penalty == 0.0
+        and c.frequency_penalty == 0.0
+        and c.no_repeat_ngram_size <= 0
+        and not c.bad_words_ids
+        and row.num_output_tokens >= c.min_new_tokens
+        and not c.suppress_tokens
+        and not c.begin_suppress_tokens
+        and c.watermarking_config is None
+    )
+
+
 def apply_logits_processors(
     logits: torch.Tensor,
     rows: Sequence[SamplingRow],

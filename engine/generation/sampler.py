@@ -16,7 +16,7 @@ from engine.errors import UnsatisfiableOptionsError
 from engine.generation.grammar_mask import apply_grammar_masks, compute_grammar_masks
 from engine.generation.logprobs import compute_logprobs
 from engine.generation.mask_prefetch import MaskPrefetcher, PendingMasks
-from engine.generation.processors import apply_logits_processors
+from engine.generation.processors import apply_logits_processors, processes
 from engine.generation.rng import RequestRNG
 from engine.generation.rows import SampledToken, SamplingRow
 from engine.generation.user_processors import (
@@ -34,19 +34,31 @@ __all__ = ["SampledToken", "Sampler", "SamplingRow"]
 ARGMAX_BLOCK = 1024
 
 
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(dim=1)``, the first index of each row's maximum, for rows without NaN, in two cheap
-    passes: PyTorch's CPU argmax (an index-tracking reduction) is not vectorised, ``amax`` is (measured:
-    docs/benchmarks-log.md, session 8). The maxima of blocks of ``ARGMAX_BLOCK`` columns, the first block
-    holding the row's maximum, then argmax inside that block alone."""
+def block_maxima(logits: torch.Tensor) -> torch.Tensor:
+    """The maxima of each row's blocks of ``ARGMAX_BLOCK`` columns (the last one shorter where the vocabulary
+    is not a multiple), ``[R, ceil(V / ARGMAX_BLOCK)]``, in one vectorised pass. NaN propagates, so their
+    maximum is exactly ``logits.amax(dim=1)``: the sampler reads both its dead rows and its greedy picks
+    from them."""
     num_rows, vocab = logits.shape
     whole = vocab // ARGMAX_BLOCK
-    if whole < 2:
+    parts: list[torch.Tensor] = []
+    if whole:
+        parts.append(logits[:, : whole * ARGMAX_BLOCK].view(num_rows, whole, ARGMAX_BLOCK).amax(dim=2))
+    if vocab > whole * ARGMAX_BLOCK:
+        parts.append(logits[:, whole * ARGMAX_BLOCK :].amax(dim=1, keepdim=True))
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # [R, blocks]
+
+
+def argmax_rows(logits: torch.Tensor, block_max: torch.Tensor | None = None) -> torch.Tensor:
+    """``logits.argmax(dim=1)``, the first index of each row's maximum, for rows without NaN, in two cheap
+    passes: PyTorch's CPU argmax (an index-tracking reduction) is not vectorised, ``amax`` is (measured:
+    docs/benchmarks-log.md, session 8). The rows' ``block_maxima`` (computed here when not given), the first
+    block holding the row's maximum, then argmax inside that block alone."""
+    vocab = logits.shape[1]
+    if vocab < 2 * ARGMAX_BLOCK:
         return logits.argmax(dim=1)
-    blocks = logits[:, : whole * ARGMAX_BLOCK].view(num_rows, whole, ARGMAX_BLOCK)
-    block_max = blocks.amax(dim=2)  # [R, whole]
-    if vocab > whole * ARGMAX_BLOCK:  # a shorter last block
-        block_max = torch.cat((block_max, logits[:, whole * ARGMAX_BLOCK :].amax(dim=1, keepdim=True)), dim=1)
+    if block_max is None:
+        block_max = block_maxima(logits)  # [R, blocks]
     row_max = block_max.amax(dim=1, keepdim=True)  # [R, 1]
     start = (block_max == row_max).to(torch.uint8).argmax(dim=1) * ARGMAX_BLOCK  # [R]: its first block
     # NOTE: in a shorter last block the clamped columns repeat the last one, after it: argmax stays first.
@@ -93,35 +105,26 @@ class Sampler:
         if not rows:
             return []
         # NOTE: the model may pad its vocabulary past the tokenizer's; those columns can never be chosen.
-        logits = logits[:, : self.vocab_size].float().clone()  # [R, V]
+        logits = logits[:, : self.vocab_size].float()  # [R, V]
         errors: list[str | None] = [None] * len(rows)
-        # NOTE: one reduction instead of an elementwise pass: a NaN or +inf anywhere makes the row's sum NaN
-        # or +inf, and finite logits (|x| < 1e30) cannot overflow a float32 sum over a vocabulary. -inf is a
-        # token the model rules out (DoLa's contrast does: engine/executor/dola.py); a row of them only is
-        # caught below with the other rows that leave no token.
-        sums = logits.sum(dim=1)
-        bad = (torch.isnan(sums) | (sums == float("inf"))).tolist()
-        if any(bad):
-            for i, is_bad in enumerate(bad):
-                if is_bad:
-                    errors[i] = "the model produced NaN or infinite logits for this sequence"
-            # neutral values keep a broken row from producing warnings or NaNs in shared ops
-            logits[torch.tensor(bad, device=logits.device)] = 0.0
-
-        grammar = masks.result() if masks is not None else None
-        if grammar is None and any(row.grammar is not None for row in rows):
-            grammar = compute_grammar_masks(rows, self.vocab_size, self.eos_token_ids)
-        if grammar is not None:
-            apply_grammar_masks(logits, grammar, errors)
+        # NOTE: a row's maximum is NaN where any of its logits is (amax propagates NaN) and +inf where any is:
+        # the block maxima that the greedy argmax reads (one vectorised pass) tell the broken rows too. -inf
+        # is a token the model rules out (DoLa's contrast does: engine/executor/dola.py); a row of them only
+        # is caught below with the other rows that leave no token.
+        block_max = block_maxima(logits)  # [R, blocks]
+        row_max = block_max.amax(dim=1)  # [R]
+        bad = (torch.isnan(row_max) | (row_max == float("inf"))).tolist()
+        for i, is_bad in enumerate(bad):
+            if is_bad:
+                errors[i] = "the model produced NaN or infinite logits for this sequence"
         codes: list[str | None] = [None] * len(rows)
-        apply_logits_processors(
-            logits, rows, self.eos_token_ids, lambda lg: self._apply_user_processors(lg, rows, errors, codes)
-        )
+        processed = self._processed(logits, rows, masks, bad, errors, codes)
+        if processed is not None:
+            logits, block_max = processed, block_maxima(processed)  # [R, blocks], of the processed logits
 
-        # Every token masked (max -inf), or a penalty that pushed a logit to +inf or NaN (torch.max propagates
-        # NaN): the request's options did it.
-        # NOTE: amax, not max(dim=1): the same values (NaN propagates), without max's slow index tracking.
-        dead = (~torch.isfinite(logits.amax(dim=1))).tolist()
+        # Every token masked (max -inf), or a penalty that pushed a logit to +inf or NaN: the request's
+        # options did it.
+        dead = (~torch.isfinite(block_max.amax(dim=1))).tolist()
         for i, is_dead in enumerate(dead):
             if is_dead and errors[i] is None:
                 errors[i] = (
@@ -130,7 +133,7 @@ class Sampler:
                 )
                 codes[i] = UnsatisfiableOptionsError.code
 
-        tokens = self._pick(logits, rows, errors)
+        tokens = self._pick(logits, block_max, rows, errors)
         logprobs = self._logprobs(logits, rows, errors, tokens)
         return [
             SampledToken(token_id=-1, error=errors[i], error_code=codes[i])
@@ -138,6 +141,41 @@ class Sampler:
             else SampledToken(token_id=tokens[i], logprob=logprobs.get(i))
             for i in range(len(rows))
         ]
+
+    def _processed(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        masks: PendingMasks | None,
+        bad: list[bool],
+        errors: list[str | None],
+        codes: list[str | None],
+    ) -> torch.Tensor | None:
+        """A copy of ``logits`` with the broken rows neutralised, the grammar masks, cbserve's processors and
+        the user's applied; None where none of them writes (plain greedy rows: the caller's logits stay as
+        they are, and no copy of ``[R, V]`` float32 is made)."""
+        grammar = masks.result() if masks is not None else None
+        if grammar is None and any(row.grammar is not None for row in rows):
+            grammar = compute_grammar_masks(rows, self.vocab_size, self.eos_token_ids)
+        if not (any(bad) or grammar is not None or any(self._processes(row) for row in rows)):
+            return None
+        logits = logits.clone()
+        if any(bad):  # neutral values keep a broken row from producing warnings or NaNs in shared ops
+            logits[torch.tensor(bad, device=logits.device)] = 0.0
+        if grammar is not None:
+            apply_grammar_masks(logits, grammar, errors)
+        apply_logits_processors(
+            logits, rows, self.eos_token_ids, lambda lg: self._apply_user_processors(lg, rows, errors, codes)
+        )
+        return logits
+
+    def _processes(self, row: SamplingRow) -> bool:
+        """Whether the processors, cbserve's or the user's, may change ``row``'s logits."""
+        return (
+            processes(row)
+            or row.hooks is not None
+            or (bool(self.logits_processors) and row.config.logits_processor_args is not None)
+        )
 
     def _apply_user_processors(
         self,
@@ -165,19 +203,25 @@ class Sampler:
             if not before and errors[i] is not None:
                 codes[i] = PROCESSOR_FAILED
 
-    def _pick(self, logits: torch.Tensor, rows: Sequence[SamplingRow], errors: list[str | None]) -> list[int]:
+    def _pick(
+        self,
+        logits: torch.Tensor,
+        block_max: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        errors: list[str | None],
+    ) -> list[int]:
         """The next token of every row without an error (-1 for the others): greedy rows by argmax in one
-        batch, sampling rows by their own draws."""
+        batch (``block_max``: the rows' ``block_maxima``), sampling rows by their own draws."""
         tokens = [-1] * len(rows)
         greedy = [i for i, r in enumerate(rows) if r.config.is_greedy and errors[i] is None]
         sampled = [i for i, r in enumerate(rows) if not r.config.is_greedy and errors[i] is None]
         if greedy:
             if len(greedy) < len(rows):
                 picked = torch.tensor(greedy, dtype=torch.int64, device=logits.device)
-                greedy_logits = logits.index_select(0, picked)
+                greedy_logits, greedy_max = logits.index_select(0, picked), block_max.index_select(0, picked)
             else:
-                greedy_logits = logits
-            for i, t in zip(greedy, argmax_rows(greedy_logits).tolist(), strict=True):
+                greedy_logits, greedy_max = logits, block_max
+            for i, t in zip(greedy, argmax_rows(greedy_logits, greedy_max).tolist(), strict=True):
                 tokens[i] = int(t)
         if sampled:
             for i, t in zip(sampled, self._sample_rows(logits, rows, sampled), strict=True):

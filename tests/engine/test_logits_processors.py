@@ -11,7 +11,7 @@ import torch
 from transformers.generation import logits_process as hf
 
 from engine.generation.config import GenerationConfig
-from engine.generation.processors import apply_logits_processors
+from engine.generation.processors import apply_logits_processors, processes
 from engine.generation.rows import SamplingRow
 
 V = 512
@@ -245,6 +245,9 @@ def test_every_option_changes_its_row_and_only_it() -> None:
     changed = [not torch.equal(batch[i], logits[i]) for i in range(len(rows))]
     assert changed == [False] + [True] * (len(rows) - 1)
     assert all(math.isfinite(float(batch[i].max())) for i in range(len(rows)))
+    # the sampler skips the pipeline (and its copy of the logits) for the rows that ``processes`` says it
+    # leaves alone: exactly the rows it leaves alone here
+    assert [processes(row) for row in rows] == changed
 
 
 @pytest.mark.parametrize("top_k", [1, 7, 20, 100, 600, 0])

@@ -8,10 +8,11 @@ from typing import Any
 import pytest
 import torch
 
+from engine.errors import UnsatisfiableOptionsError
 from engine.generation.config import GenerationConfig
 from engine.generation.rng import RequestRNG
 from engine.generation.rows import SamplingRow
-from engine.generation.sampler import Sampler, argmax_rows
+from engine.generation.sampler import Sampler, argmax_rows, block_maxima
 
 V = 256
 
@@ -158,6 +159,19 @@ def test_nan_row_fails_alone() -> None:
     assert out[2].error is not None
 
 
+def test_infinite_and_ruled_out_logits_of_greedy_rows() -> None:
+    """+inf beside -inf is a broken row (the model's fault, no code); -inf alone is a token ruled out, and a
+    row of nothing else leaves no token (the request's options: its code)."""
+    logits = _logits(3, seed=6)
+    logits[0, 3], logits[0, 5] = float("inf"), float("-inf")
+    logits[1, 2] = float("-inf")
+    logits[2] = float("-inf")
+    out = Sampler(V).sample(logits, [_row(), _row(), _row()])
+    assert out[0].error is not None and "infinite" in out[0].error and out[0].error_code is None
+    assert out[1].error is None and out[1].token_id == int(logits[1].argmax())
+    assert out[2].error is not None and out[2].error_code == UnsatisfiableOptionsError.code
+
+
 def test_fully_masked_row_fails_alone() -> None:
     sampler = Sampler(8)
     logits = _logits(2, seed=5, vocab=8)
@@ -183,6 +197,22 @@ def test_input_logits_are_not_modified() -> None:
     assert torch.equal(logits, before)
 
 
+@pytest.mark.parametrize("bad_row", [False, True])
+def test_plain_greedy_rows_leave_the_input_as_it_was_and_take_its_argmax(bad_row: bool) -> None:
+    """Rows that nothing processes are read in place (no copy) unless a bad row must be neutralised: either
+    way the caller's logits stay untouched."""
+    logits = _logits(3, seed=9)
+    if bad_row:
+        logits[1, 4] = float("nan")
+    before = logits.clone()
+    out = Sampler(V).sample(logits, [_row(), _row(), _row()])
+    assert torch.equal(logits.nan_to_num(), before.nan_to_num()) and bool(logits[1, 4].isnan()) == bad_row
+    assert [t.token_id for t in out] == [
+        -1 if bad_row and i == 1 else int(logits[i].argmax()) for i in range(3)
+    ]
+    assert (out[1].error is not None) == bad_row
+
+
 def test_shape_mismatch_is_an_error() -> None:
     with pytest.raises(ValueError):
         Sampler(V).sample(_logits(2), [_row()])
@@ -202,4 +232,18 @@ def test_argmax_rows_is_torch_argmax_with_ties_masks_and_a_short_last_block(voca
     logits[5] = 0.0  # every token tied
     logits[6, 0] = top  # the very first token
     assert torch.equal(argmax_rows(logits), logits.argmax(dim=1))
+    assert torch.equal(argmax_rows(logits, block_maxima(logits)), logits.argmax(dim=1))
     assert argmax_rows(logits)[5].item() == 0
+
+
+@pytest.mark.parametrize("vocab", [49152, 3000, 1024, 7])
+def test_block_maxima_give_each_rows_maximum_nan_and_infinities_included(vocab: int) -> None:
+    """The sampler's dead-row check reads the rows' maxima from their block maxima: exactly amax(dim=1)."""
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(vocab))
+    logits[1, vocab - 1] = float("nan")  # in the (short) last block
+    logits[2] = float("-inf")  # every token masked
+    logits[3, vocab // 2] = float("inf")
+    expected = logits.amax(dim=1)
+    got = block_maxima(logits).amax(dim=1)
+    assert torch.equal(got.isnan(), expected.isnan())
+    assert torch.equal(got.nan_to_num(), expected.nan_to_num())
