@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from default_engine import engine_on
 
 from engine.cpu.native_build import KernelUnavailable
 from engine.engine import Engine
@@ -31,12 +32,13 @@ def _random_prompt(rng: random.Random, length: int) -> list[int]:
     return [rng.randrange(100, 40000) for _ in range(length)]
 
 
-def _engine(dtype: str) -> Engine:
-    if dtype == "bfloat16":
-        try:
-            amx_gemm.load()
-        except KernelUnavailable as e:
-            pytest.skip(f"batch-invariant bfloat16 needs AMX-BF16: {e}")
+def _engine(dtype: str, request: pytest.FixtureRequest) -> Engine:
+    if dtype == "float32":  # the session's batch-invariant float32 load
+        return engine_on(request.getfixturevalue("invariant_model"), max_batch_tokens=STEP_TOKENS)
+    try:
+        amx_gemm.load()
+    except KernelUnavailable as e:
+        pytest.skip(f"batch-invariant bfloat16 needs AMX-BF16: {e}")
     return Engine.from_pretrained(
         "default", device="cpu", dtype=dtype, batch_invariant=True, max_batch_tokens=STEP_TOKENS
     )
@@ -75,8 +77,10 @@ def _outputs(
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_logprobs_are_the_same_bits_whatever_shares_the_steps(dtype: str) -> None:
-    engine = _engine(dtype)
+def test_logprobs_are_the_same_bits_whatever_shares_the_steps(
+    dtype: str, request: pytest.FixtureRequest
+) -> None:
+    engine = _engine(dtype, request)
     assert engine.batch_invariant
     rng = random.Random(0)
     greedy, seeded = {"do_sample": False}, {"do_sample": True, "seed": 7, "temperature": 1.0}
