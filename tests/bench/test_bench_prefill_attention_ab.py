@@ -4,15 +4,20 @@ the engine's prefill path as it found it."""
 from __future__ import annotations
 
 import pytest
+from default_engine import reuse_default_loads
 
 from bench import prefill_attention_ab
 from engine.executor.attention import paged
 from engine.executor.models import llama
+from engine.loader.model_loader import LoadedModel
 
 pytestmark = pytest.mark.slow  # both sides timed on the default model
 
 
-def test_prints_both_sides_and_restores_the_kernel(capsys: pytest.CaptureFixture[str]) -> None:
+def test_prints_both_sides_and_restores_the_kernel(
+    capsys: pytest.CaptureFixture[str], default_model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reuse_default_loads(default_model, monkeypatch)  # the session's load of the bench's model
     part, attention = paged._prefill_part, llama.paged_attention
     rc = prefill_attention_ab.main(["--runs", "2", "--prompts", "3", "--prompt-len", "20"])
     out = capsys.readouterr().out

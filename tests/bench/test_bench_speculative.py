@@ -7,13 +7,18 @@ import json
 from pathlib import Path
 
 import pytest
+from default_engine import reuse_default_loads
 
 from bench import speculative
+from engine.loader.model_loader import LoadedModel
 
 pytestmark = pytest.mark.slow  # the default model
 
 
-def test_one_round_of_every_system(tmp_path: Path) -> None:
+def test_one_round_of_every_system(
+    tmp_path: Path, default_model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reuse_default_loads(default_model, monkeypatch)  # the session's load of the bench's model
     out = tmp_path / "spec.json"
     argv = ["--rounds", "1", "--num-seqs", "1", "--new-tokens", "8", "--systems", "ngram", "early_exit"]
     argv += ["--workloads", "grounded"]

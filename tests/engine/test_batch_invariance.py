@@ -2,7 +2,11 @@
 the default model, two prompts' logprobs (a short greedy one, a long seeded one) alone are the same bits as
 side by side beside long prefill chunks, inside a decode batch of 16 rows, and when the long one is split
 into chunks by an earlier long prompt (docs/GENERATION.md, "Batch invariance"). With ``batch_invariant=True``: float32 on every CPU (the small kernel for every call),
-bfloat16 where the CPU has AMX-BF16 (the AMX kernel for every call)."""
+bfloat16 where the CPU has AMX-BF16 (the AMX kernel for every call).
+
+The engine's steps hold ``STEP_TOKENS`` tokens (the server's default is 2,048) and the prompts are sized
+against that budget: a step still mixes prefill chunks of hundreds of rows with decode rows, and a prompt
+is still split by one before it, at a quarter of the prefill work."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from default_engine import engine_on
 
 from engine.cpu.native_build import KernelUnavailable
 from engine.engine import Engine
@@ -20,19 +25,23 @@ from engine.outputs import GenerationOutput
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 12
+STEP_TOKENS = 512  # max_batch_tokens: well past the 64 rows where the default path would leave the kernels
 
 
 def _random_prompt(rng: random.Random, length: int) -> list[int]:
     return [rng.randrange(100, 40000) for _ in range(length)]
 
 
-def _engine(dtype: str) -> Engine:
-    if dtype == "bfloat16":
-        try:
-            amx_gemm.load()
-        except KernelUnavailable as e:
-            pytest.skip(f"batch-invariant bfloat16 needs AMX-BF16: {e}")
-    return Engine.from_pretrained("default", device="cpu", dtype=dtype, batch_invariant=True)
+def _engine(dtype: str, request: pytest.FixtureRequest) -> Engine:
+    if dtype == "float32":  # the session's batch-invariant float32 load
+        return engine_on(request.getfixturevalue("invariant_model"), max_batch_tokens=STEP_TOKENS)
+    try:
+        amx_gemm.load()
+    except KernelUnavailable as e:
+        pytest.skip(f"batch-invariant bfloat16 needs AMX-BF16: {e}")
+    return Engine.from_pretrained(
+        "default", device="cpu", dtype=dtype, batch_invariant=True, max_batch_tokens=STEP_TOKENS
+    )
 
 
 def _outputs(
@@ -68,19 +77,23 @@ def _outputs(
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_logprobs_are_the_same_bits_whatever_shares_the_steps(dtype: str) -> None:
-    engine = _engine(dtype)
+def test_logprobs_are_the_same_bits_whatever_shares_the_steps(
+    dtype: str, request: pytest.FixtureRequest
+) -> None:
+    engine = _engine(dtype, request)
     assert engine.batch_invariant
     rng = random.Random(0)
     greedy, seeded = {"do_sample": False}, {"do_sample": True, "seed": 7, "temperature": 1.0}
     # a short greedy prompt and a long seeded one, checked side by side in every batch
     checked = [
         (engine.tokenizer.encode("Once upon a time, in a small village by the sea, there lived"), greedy),
-        (_random_prompt(rng, 600), seeded),
+        (_random_prompt(rng, STEP_TOKENS * 3 // 10), seeded),
     ]
-    long_prompts = [_random_prompt(rng, 1200) for _ in range(2)]  # their chunks fill the 2,048-token steps
+    # their chunks fill the steps
+    long_prompts = [_random_prompt(rng, STEP_TOKENS * 6 // 10) for _ in range(2)]
     decoding = [_random_prompt(rng, 20) for _ in range(14)]  # with the two: a decode batch of 16 rows
-    first_long = _random_prompt(rng, 1800)  # takes most of a step: the long prompt after it is split in two
+    # takes most of a step: the long prompt after it is split in two
+    first_long = _random_prompt(rng, STEP_TOKENS * 9 // 10)
     alone = [_outputs(engine, [request])[0] for request in checked]
     for before, after in (
         ([], [(p, greedy) for p in long_prompts]),

@@ -16,6 +16,7 @@ from default_engine import engine_on
 from engine.engine import Engine
 from engine.generation.config import GenerationConfigError
 from engine.generation.grammar_spec import GrammarSpec
+from engine.loader.model_loader import LoadedModel
 from engine.manager import ContinuousBatchingManager
 from engine.outputs import GenerationOutput, RequestStatus
 from engine.speculative.config import SpeculativeConfig, SpeculativeConfigError
@@ -35,8 +36,10 @@ CODE = (
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine.from_pretrained("default", dtype="float32", num_blocks=512, batch_invariant=True)
+def engine(invariant_model: LoadedModel) -> Engine:
+    engine = engine_on(invariant_model, num_blocks=512)
+    assert engine.batch_invariant
+    return engine
 
 
 def chat(engine: Engine, text: str) -> list[int]:

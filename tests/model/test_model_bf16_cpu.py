@@ -10,7 +10,7 @@ from model_harness import prompt_logits
 from engine.executor.kernels import prepacked
 from engine.executor.kernels.modules import PackedLinear
 from engine.executor.kv_cache import KVCache
-from engine.loader.model_loader import load_model
+from engine.loader.model_loader import LoadedModel, load_model
 
 pytestmark = pytest.mark.slow  # the real model, in float32 and bfloat16
 
@@ -22,8 +22,8 @@ TEXTS = [
 ]
 
 
-def test_bfloat16_logits_track_float32() -> None:
-    fp32 = load_model("default", dtype="float32", device="cpu")
+def test_bfloat16_logits_track_float32(default_model: LoadedModel) -> None:
+    fp32 = default_model  # the session's float32 load
     bf16 = load_model("default", dtype="bfloat16", device="cpu")
     assert next(bf16.model.parameters()).dtype is torch.bfloat16
     prompts = [fp32.tokenizer.encode(t) for t in TEXTS]
@@ -47,7 +47,9 @@ def test_bfloat16_prepacks_only_where_the_cpu_has_bfloat16_matmuls(monkeypatch: 
     it raises, so there the matmuls stay on F.linear and the model still loads and runs."""
     cpu = torch.device("cpu")
     native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    assert prepacked.can_prepack(cpu, torch.bfloat16) == (native and prepacked.can_prepack(cpu, torch.float32))
+    assert prepacked.can_prepack(cpu, torch.bfloat16) == (
+        native and prepacked.can_prepack(cpu, torch.float32)
+    )
     monkeypatch.setattr(prepacked, "_cpu_has_bf16_matmuls", lambda: False)
     assert not prepacked.can_prepack(cpu, torch.bfloat16)
     loaded = load_model("default", dtype="bfloat16", device="cpu")

@@ -18,7 +18,7 @@ from engine.executor.kernels.modules import QuantPanelLinear, SmallGemmLinear
 from engine.executor.kernels.small_gemm import PANEL, QUANTIZED_MAX_ROWS, SmallGemm, load, qblock_bytes
 from engine.executor.kv_cache import KVCache
 from engine.executor.models import LlamaForCausalLM
-from engine.loader.model_loader import load_model
+from engine.loader.model_loader import LoadedModel, load_model
 
 pytestmark = pytest.mark.slow  # the real model's quantized blocks, step by step
 
@@ -112,10 +112,11 @@ def test_cat_refuses_mixed_kinds() -> None:
 
 
 @pytest.fixture(scope="module")
-def models(kernel: SmallGemm) -> tuple[CpuDecodeStack, CpuDecodeStack]:
-    """The default model as the engine loads it (its Q4_1 and Q8_0 matrices in quantized panels too), and the
-    same file with float32 panels only; each with its decode stack, as the engine runs them."""
-    quantized = load_model("default", dtype="float32", device="cpu").model
+def models(kernel: SmallGemm, default_model: LoadedModel) -> tuple[CpuDecodeStack, CpuDecodeStack]:
+    """The default model as the engine loads it (the session's load: its Q4_1 and Q8_0 matrices in quantized
+    panels too), and the same file with float32 panels only; each with its decode stack, as the engine runs
+    them."""
+    quantized = default_model.model
     plain = load_model("default", dtype="float32", device="cpu", prepack=False).model
     assert isinstance(quantized, LlamaForCausalLM) and isinstance(plain, LlamaForCausalLM)
     with torch.no_grad():

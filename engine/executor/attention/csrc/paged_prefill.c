@@ -93,24 +93,14 @@ static inline __attribute__((always_inline)) void weigh_values(v8 acc[PV_ROWS][P
     }
 }
 
-/* One work item: queries [i0, i1) of a sequence (positions base + i), KV head h. `scores`: at least
- * TILE * MAX_GROUP * (padded key range) floats. Inlined into one copy per cache dtype (`bf16` a literal),
- * so the inner loops carry no dtype test and their accumulators stay in registers. */
-static inline __attribute__((always_inline)) void attend_tile(float *out, const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                        int bf16, const int64_t *table, int64_t base, int64_t i0, int64_t i1, int64_t h,
-                        int64_t num_heads, int64_t group, int64_t head_dim, int64_t block_size,
-                        int64_t block_stride, float scale, int64_t window, float softcap, float *scores) {
-    const int64_t rows = (i1 - i0) * group, head_page = h * head_dim * block_size;
-    /* key range of the tile: from the first query's first key to the last query's own key */
-    const int64_t first_pos = base + i0, last_pos = base + i1 - 1;
-    const int64_t key_lo = window > 0 && first_pos - window + 1 > 0 ? first_pos - window + 1 : 0;
-    const int64_t b_lo = key_lo / block_size, b_hi = last_pos / block_size + 1;
-    const int64_t k0 = b_lo * block_size, ld = (b_hi - b_lo) * block_size; /* scores row r: key k0 + c */
-    const float *row_q[TILE * MAX_GROUP];
-    for (int64_t r = 0; r < rows; r++)
-        row_q[r] = q + (i0 + r / group) * q_stride + (h * group + r % group) * head_dim;
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-    /* S: page by page, row blocks of QK_ROWS (pages past a row's position are computed and not read) */
+/* S: scores[r, c] = scale * <q of row r, key k0 + c> for the tile's `rows` rows, page by page over blocks
+ * [b_lo, b_hi), row blocks of QK_ROWS (pages past a row's position are computed and not read) */
+ALWAYS_INLINE void score_tile(float *scores, int64_t ld, const float *const *row_q, int64_t rows,
+                              const void *k_cache, int bf16, const int64_t *table, int64_t b_lo, int64_t b_hi,
+                              int64_t head_page, int64_t head_dim, int64_t block_size, int64_t block_stride,
+                              float scale) {
     for (int64_t b = b_lo; b < b_hi; b++) {
         const int64_t page = table[b] * block_stride + head_page;
         for (int64_t t = 0; t < block_size; t += 16)
@@ -127,8 +117,12 @@ static inline __attribute__((always_inline)) void attend_tile(float *out, const 
                 }
             }
     }
+}
 
-    /* P: each row's softmax over its own keys [lo, hi) (relative to k0); 0 elsewhere in the range */
+/* P: each row's softmax over its own keys [lo, hi) (relative to k0); 0 elsewhere in the range. Row r is
+ * query base + i0 + r / group. */
+ALWAYS_INLINE void softmax_rows(float *scores, int64_t ld, int64_t rows, int64_t base, int64_t i0, int64_t group,
+                                int64_t k0, int64_t window, float softcap) {
     for (int64_t r = 0; r < rows; r++) {
         const int64_t pos = base + i0 + r / group;
         const int64_t lo = (window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0) - k0, hi = pos + 1 - k0;
@@ -145,8 +139,14 @@ static inline __attribute__((always_inline)) void attend_tile(float *out, const 
         for (int64_t j = lo; j < hi; j++) s[j] *= inv;
         for (int64_t j = hi; j < ld; j++) s[j] = 0.0f;
     }
+}
 
-    /* O: row blocks of PV_ROWS, head_dim in slices of PV_VECS vectors, over the block's keys only */
+/* O: out[query, head] = sum_j P[r, j] V[j] for the tile's rows, in row blocks of PV_ROWS, head_dim in slices
+ * of PV_VECS vectors, over each block's keys only */
+ALWAYS_INLINE void weigh_tile(float *out, const float *scores, int64_t ld, int64_t rows, const void *v_cache,
+                              int bf16, const int64_t *table, int64_t base, int64_t i0, int64_t h,
+                              int64_t num_heads, int64_t group, int64_t head_dim, int64_t block_size,
+                              int64_t block_stride, int64_t head_page, int64_t k0, int64_t window) {
     for (int64_t r0 = 0; r0 < rows; r0 += PV_ROWS) {
         const int64_t M = rows - r0 < PV_ROWS ? rows - r0 : PV_ROWS;
         const int64_t last = base + i0 + (r0 + M - 1) / group; /* the block's latest position */
@@ -179,6 +179,30 @@ static inline __attribute__((always_inline)) void attend_tile(float *out, const 
         }
     }
 }
+
+/* One work item: queries [i0, i1) of a sequence (positions base + i), KV head h. `scores`: at least
+ * TILE * MAX_GROUP * (padded key range) floats. Inlined into one copy per cache dtype (`bf16` a literal),
+ * so the inner loops carry no dtype test and their accumulators stay in registers. */
+ALWAYS_INLINE void attend_tile(float *out, const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                               int bf16, const int64_t *table, int64_t base, int64_t i0, int64_t i1, int64_t h,
+                               int64_t num_heads, int64_t group, int64_t head_dim, int64_t block_size,
+                               int64_t block_stride, float scale, int64_t window, float softcap, float *scores) {
+    const int64_t rows = (i1 - i0) * group, head_page = h * head_dim * block_size;
+    /* key range of the tile: from the first query's first key to the last query's own key */
+    const int64_t first_pos = base + i0, last_pos = base + i1 - 1;
+    const int64_t key_lo = window > 0 && first_pos - window + 1 > 0 ? first_pos - window + 1 : 0;
+    const int64_t b_lo = key_lo / block_size, b_hi = last_pos / block_size + 1;
+    const int64_t k0 = b_lo * block_size, ld = (b_hi - b_lo) * block_size; /* scores row r: key k0 + c */
+    const float *row_q[TILE * MAX_GROUP];
+    for (int64_t r = 0; r < rows; r++)
+        row_q[r] = q + (i0 + r / group) * q_stride + (h * group + r % group) * head_dim;
+    score_tile(scores, ld, row_q, rows, k_cache, bf16, table, b_lo, b_hi, head_page, head_dim, block_size,
+               block_stride, scale);
+    softmax_rows(scores, ld, rows, base, i0, group, k0, window, softcap);
+    weigh_tile(out, scores, ld, rows, v_cache, bf16, table, base, i0, h, num_heads, group, head_dim, block_size,
+               block_stride, head_page, k0, window);
+}
+#undef ALWAYS_INLINE
 
 #define TILE_ARGS                                                                                           \
     float *out, const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, const int64_t *table, \

@@ -97,12 +97,44 @@ static void amx_shared(uint16_t *out, const uint16_t *x, const uint16_t *tiles, 
 #endif
 }
 
-/* One step of the model's dtype: the element-wise ops (cpu_ops.c) and the matmuls, on rows of `es` bytes. */
+/* A step's batch, as cbserve_decode_stack takes it: sequence s computes the token at positions[s], whose K
+ * and V go to slots[s]; its KV length with that token is seq_lens[s], its pages block_tables[s * table_stride
+ * + b]. */
 typedef struct {
+    const int64_t *positions, *slots, *block_tables, *seq_lens;
+    int64_t table_stride;
+} batch;
+
+/* The step's buffers, one allocation (`base`): the activations in the model's dtype, `padded_rows` each (the
+ * matmuls' inputs with zero rows past the sequences); then float32: the queries and the attention's output
+ * (bfloat16 only), each thread's scores; then each thread's AMX scratch block (bfloat16 only). */
+typedef struct {
+    char *base;
+    char *residual;    /* [hidden]: h, the residual stream, before the last block's output y is added */
+    char *normed;      /* [hidden]: a norm of h, a block's input */
+    char *y;           /* [hidden]: the last block's output (attention or MLP) */
+    char *qkv;         /* [q_size + 2 * kv_size] */
+    char *attn;        /* [q_size]: the attention's output, o's input */
+    char *gate_up;     /* [2 * intermediate] */
+    char *act;         /* [intermediate]: act(gate) * up, down's input */
+    float *queries, *attn_out; /* [q_size] each, float32 (bfloat16 only) */
+    float *scores;     /* scores_per_thread per thread */
+    char *amx_scratches; /* amx_scratch bytes per thread */
+    int64_t scores_per_thread;
+    size_t amx_scratch;
+} buffers;
+
+/* One thread's view of a step: the model's dtype, for the element-wise ops (cpu_ops.c) and the matmuls on
+ * rows of `es` bytes; the batch; the buffers; this thread's scratch. */
+typedef struct {
+    const cbserve_model *m;
+    const batch *in;
+    const buffers *b;
     int bf16;
-    int64_t es;     /* bytes per element: 2 or 4 */
-    int64_t rows;   /* the sequences */
-    int64_t padded; /* rows the bfloat16 matmuls compute (zero rows past `rows`); `rows` in float32 */
+    int64_t es;        /* bytes per element: 2 or 4 */
+    int64_t rows;      /* the sequences */
+    int64_t padded;    /* rows the bfloat16 matmuls compute (zero rows past `rows`); `rows` in float32 */
+    float *scores;     /* this thread's attention scores */
     uint16_t *scratch; /* this thread's AMX scratch block (bfloat16) */
 } step;
 
@@ -145,6 +177,166 @@ static int64_t padded_rows(int64_t S, int bf16) {
     return S <= 16 ? 16 : (S + 31) / 32 * 32;
 }
 
+/* cbserve_decode_stack's codes for a step of S sequences (0: the kernels take it); *max_len: the longest
+ * sequence. */
+static int check_inputs(const cbserve_model *m, const cbserve_layer *layers, const batch *in, int64_t S,
+                        int64_t *max_len) {
+    const int64_t H = m->hidden, I = m->intermediate, bs = m->block_size, q_size = m->num_heads * m->head_dim;
+    if (!supported(m->num_heads, m->num_kv_heads, m->head_dim, bs) ||
+        (m->bf16 && (!HAVE_AMX || H % TILE_K || q_size % TILE_K || I % TILE_K)))
+        return -2;
+    *max_len = 1;
+    for (int64_t s = 0; s < S; s++) {
+        const int64_t len = in->seq_lens[s], *table = in->block_tables + s * in->table_stride;
+        if (in->slots[s] < 0 || in->slots[s] >= m->num_blocks * bs) return -3;
+        if (in->positions[s] < 0 || in->positions[s] >= m->max_positions) return -4;
+        if (len < 1 || (len + bs - 1) / bs > in->table_stride) return -5;
+        for (int64_t b = 0; b < (len + bs - 1) / bs; b++)
+            if (table[b] < 0 || table[b] >= m->num_blocks) return -5;
+        *max_len = len > *max_len ? len : *max_len;
+    }
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const cbserve_layer *w = &layers[l];
+        if (((w->qkv_q || w->gate_up_q) && H % QBLOCK) || (w->o_q && q_size % QBLOCK) || (w->down_q && I % QBLOCK))
+            return -2;
+    }
+    return 0;
+}
+
+/* The buffers of a step of S sequences of at most max_len keys on `threads` threads; 0: out of memory. */
+static int allocate(buffers *b, const cbserve_model *m, int64_t S, int64_t max_len, int threads) {
+    const int bf16 = m->bf16 != 0;
+    const int64_t H = m->hidden, I = m->intermediate, q_size = m->num_heads * m->head_dim;
+    const int64_t qkv_size = q_size + 2 * m->num_kv_heads * m->head_dim;
+    const int64_t Sp = padded_rows(S, bf16), es = bf16 ? 2 : 4;
+    const int64_t widest = H > I ? (H > q_size ? H : q_size) : (I > q_size ? I : q_size);
+    b->scores_per_thread = scores_size(m->num_heads / m->num_kv_heads, max_len, m->block_size);
+    b->amx_scratch = bf16 ? (size_t)(BIG_ROWS * widest * 2) : 0;
+    const size_t activations = (size_t)(Sp * (3 * H + qkv_size + q_size + 3 * I) * es);
+    const size_t floats = (size_t)((bf16 ? 2 * S * q_size : 0) + threads * b->scores_per_thread);
+    b->base = malloc(activations + sizeof(float) * floats + threads * b->amx_scratch);
+    if (b->base == NULL) return 0;
+    b->residual = b->base, b->normed = b->residual + Sp * H * es, b->y = b->normed + Sp * H * es;
+    b->qkv = b->y + Sp * H * es, b->attn = b->qkv + Sp * qkv_size * es, b->gate_up = b->attn + Sp * q_size * es;
+    b->act = b->gate_up + Sp * 2 * I * es;
+    b->queries = (float *)(b->base + activations), b->attn_out = b->queries + (bf16 ? S * q_size : 0);
+    b->scores = b->attn_out + (bf16 ? S * q_size : 0);
+    b->amx_scratches = (char *)(b->scores + threads * b->scores_per_thread);
+    if (Sp > S) { /* the matmuls' inputs: zero rows past the sequences */
+        memset(b->normed + S * H * es, 0, (size_t)((Sp - S) * H * es));
+        memset(b->attn + S * q_size * es, 0, (size_t)((Sp - S) * q_size * es));
+        memset(b->act + S * I * es, 0, (size_t)((Sp - S) * I * es));
+    }
+    return 1;
+}
+
+/* out = norm(h) row by row, h = residual + y, kept in `residual` (with x, the embeddings: h = x) */
+static void add_and_norm(const step *st, void *out, const void *x, const void *weight) {
+    const int64_t H = st->m->hidden;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < st->rows; r++) {
+        if (x != NULL) {
+            memcpy(ROW(st->b->residual, r, H), ROW(x, r, H), (size_t)(H * st->es));
+            norm(st, ROW(out, r, H), NULL, ROW(x, r, H), weight, H, st->m->eps);
+        } else {
+            norm(st, ROW(out, r, H), ROW(st->b->residual, r, H), ROW(st->b->y, r, H), weight, H, st->m->eps);
+        }
+    }
+}
+
+/* y = norm(y) row by row, where there is a norm (Gemma's norms of each block's output) */
+static void norm_output(const step *st, const void *weight) {
+    if (weight == NULL) return;
+    const int64_t H = st->m->hidden;
+    char *y = st->b->y;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < st->rows; r++) norm(st, ROW(y, r, H), NULL, ROW(y, r, H), weight, H, st->m->eps);
+}
+
+/* Row by row: q and k normed per head (Qwen3, Gemma 3), then rotated to the token's position (the layer's
+ * table; not in a NoPE layer); k and v stored in the token's slot; in bfloat16 the queries widened to
+ * float32, as the layer-by-layer path hands them to the attention. */
+static void rotate_and_store_kv(const step *st, const cbserve_layer *w) {
+    const cbserve_model *m = st->m;
+    const int64_t nh = m->num_heads, nkv = m->num_kv_heads, hd = m->head_dim, es = st->es;
+    const int64_t q_size = nh * hd, kv_size = nkv * hd, qkv_size = q_size + 2 * kv_size;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < st->rows; t++) {
+        char *row = ROW(st->b->qkv, t, qkv_size);
+        if (w->q_norm != NULL)
+            for (int64_t h = 0; h < nh; h++)
+                norm(st, row + h * hd * es, NULL, row + h * hd * es, w->q_norm, hd, m->eps);
+        if (w->k_norm != NULL)
+            for (int64_t h = nh; h < nh + nkv; h++)
+                norm(st, row + h * hd * es, NULL, row + h * hd * es, w->k_norm, hd, m->eps);
+        const int64_t position = st->in->positions[t];
+        const char *c = ROW(w->cos, position, hd), *sn = ROW(w->sin_signed, position, hd);
+        if (w->rotate)
+            for (int64_t h = 0; h < nh + nkv; h++) rotate(st, row + h * hd * es, c, sn, hd / 2);
+        write_token_kv(w->k_cache, w->v_cache, row + q_size * es, row + (q_size + kv_size) * es, st->in->slots[t],
+                       nkv, hd, m->block_size, es);
+        if (st->bf16)
+            for (int64_t i = 0; i < q_size; i++) st->b->queries[t * q_size + i] = load(row, i, 1);
+    }
+}
+
+/* attn = attention(q, the pages) (paged_decode.c): one item per (sequence, KV head), in the layer's window,
+ * the scores soft-capped where the model caps them; in bfloat16 the float32 output is rounded for o. */
+static void paged_attention(const step *st, const cbserve_layer *w) {
+    const cbserve_model *m = st->m;
+    const buffers *b = st->b;
+    const int64_t nh = m->num_heads, nkv = m->num_kv_heads, hd = m->head_dim, group = nh / nkv;
+    const int64_t q_size = nh * hd, qkv_size = q_size + 2 * nkv * hd;
+    const float *q = st->bf16 ? b->queries : (const float *)b->qkv;
+    float *a = st->bf16 ? b->attn_out : (float *)b->attn;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < st->rows * nkv; item++) {
+        const int64_t s = item / nkv, h = item % nkv;
+        attend_item(a, q, st->bf16 ? q_size : qkv_size, w->k_cache, w->v_cache, st->bf16, st->in->block_tables,
+                    st->in->table_stride, st->in->seq_lens, nh, nkv, hd, m->block_size, m->scale, w->sliding_window,
+                    m->softcap, s, h, st->scores);
+        if (st->bf16) { /* this item's heads rounded to bfloat16 for o */
+            const int64_t first = s * q_size + h * group * hd;
+            for (int64_t i = first; i < first + group * hd; i++) store(b->attn, i, b->attn_out[i], 1);
+        }
+    }
+}
+
+/* y = o(attention(q, k, v)), q, k, v = qkv(normed): llama.py's Attention (Gemma: y normed after o) */
+static void self_attention(const step *st, const cbserve_layer *w) {
+    const buffers *b = st->b;
+    const int64_t H = st->m->hidden, q_size = st->m->num_heads * st->m->head_dim;
+    const int64_t qkv_size = q_size + 2 * st->m->num_kv_heads * st->m->head_dim;
+    project(st, b->qkv, b->normed, w->qkv, w->qkv_q, w->qkv_q_offsets, w->qkv_bias, qkv_size, H);
+    rotate_and_store_kv(st, w);
+    paged_attention(st, w);
+    project(st, b->y, b->attn, w->o, w->o_q, w->o_q_offsets, w->o_bias, H, q_size);
+    norm_output(st, w->post_attn_norm);
+}
+
+/* y = down(act(gate) * up), gate, up = gate_up(normed): the gated MLP, act SiLU (Gemma: GELU-tanh, and y
+ * normed after down) */
+static void mlp(const step *st, const cbserve_layer *w) {
+    const buffers *b = st->b;
+    const int64_t H = st->m->hidden, I = st->m->intermediate;
+    project(st, b->gate_up, b->normed, w->gate_up, w->gate_up_q, w->gate_up_q_offsets, NULL, 2 * I, H);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < st->rows; r++)
+        gate_mul(st, ROW(b->act, r, I), ROW(b->gate_up, r, 2 * I), ROW(b->gate_up, r, 2 * I) + I * st->es, I,
+                 (int)w->gelu);
+    project(st, b->y, b->act, w->down, w->down_q, w->down_q_offsets, NULL, H, I);
+    norm_output(st, w->post_ff_norm);
+}
+
+/* One decoder layer, llama.py's DecoderLayer: h = residual + y (layer 0: h = x, the embeddings);
+ * y = self_attention(input_norm(h)); h = h + y; y = mlp(post_norm(h)). */
+static void decoder_layer(const step *st, const cbserve_layer *w, const void *x) {
+    add_and_norm(st, st->b->normed, x, w->input_norm);
+    self_attention(st, w);
+    add_and_norm(st, st->b->normed, NULL, w->post_norm);
+    mlp(st, w);
+}
+
 /* Returns 0; -2: a shape (or dtype) the kernels do not take; -3: a slot outside the cache; -4: a position
  * outside the rotary table; -5: a sequence length below 1 or a table entry outside the cache; -1: out of
  * memory. Nothing is written unless it returns 0. */
@@ -157,128 +349,29 @@ int cbserve_decode_stack(const cbserve_model *m, const cbserve_layer *layers,
                          int64_t table_stride,
                          const int64_t *seq_lens,     /* [num_seqs] KV length with the new token */
                          int64_t num_seqs) {
-    const int64_t S = num_seqs, H = m->hidden, hd = m->head_dim, nh = m->num_heads, nkv = m->num_kv_heads;
-    const int64_t I = m->intermediate, bs = m->block_size;
-    const int64_t q_size = nh * hd, kv_size = nkv * hd, qkv_size = q_size + 2 * kv_size;
-    const int bf16 = m->bf16 != 0;
-    if (!supported(nh, nkv, hd, bs) || (bf16 && (!HAVE_AMX || H % TILE_K || q_size % TILE_K || I % TILE_K)))
-        return -2;
-    const int64_t group = nh / nkv;
+    const batch in = {positions, slots, block_tables, seq_lens, table_stride};
     int64_t max_len = 1;
-    for (int64_t s = 0; s < S; s++) {
-        if (slots[s] < 0 || slots[s] >= m->num_blocks * bs) return -3;
-        if (positions[s] < 0 || positions[s] >= m->max_positions) return -4;
-        if (seq_lens[s] < 1 || (seq_lens[s] + bs - 1) / bs > table_stride) return -5;
-        for (int64_t b = 0; b < (seq_lens[s] + bs - 1) / bs; b++)
-            if (block_tables[s * table_stride + b] < 0 || block_tables[s * table_stride + b] >= m->num_blocks)
-                return -5;
-        max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
-    }
-    for (int64_t l = 0; l < m->num_layers; l++) {
-        const cbserve_layer *w = &layers[l];
-        if (((w->qkv_q || w->gate_up_q) && H % QBLOCK) || (w->o_q && q_size % QBLOCK) || (w->down_q && I % QBLOCK))
-            return -2;
-    }
+    const int rc = check_inputs(m, layers, &in, num_seqs, &max_len);
+    if (rc != 0) return rc;
     const int threads = omp_get_max_threads();
-    const int64_t Sp = padded_rows(S, bf16), es = bf16 ? 2 : 4;
-    const int64_t scratch = scores_size(group, max_len, bs);
-    const int64_t widest = H > I ? (H > q_size ? H : q_size) : (I > q_size ? I : q_size);
-    /* the activations (model dtype, Sp rows), then float32: the queries and the attention's output
-     * (bfloat16 only), each thread's scores; then each thread's AMX scratch block (bfloat16 only) */
-    const size_t activations = (size_t)(Sp * (3 * H + qkv_size + q_size + 3 * I) * es);
-    const size_t floats = (size_t)((bf16 ? 2 * S * q_size : 0) + threads * scratch);
-    const size_t amx_scratch = bf16 ? (size_t)(BIG_ROWS * widest * 2) : 0;
-    char *buffer = malloc(activations + sizeof(float) * floats + threads * amx_scratch);
-    if (buffer == NULL) return -1;
-    char *residual = buffer, *normed = residual + Sp * H * es, *y = normed + Sp * H * es;
-    char *qkv = y + Sp * H * es, *attn = qkv + Sp * qkv_size * es, *gate_up = attn + Sp * q_size * es;
-    char *act = gate_up + Sp * 2 * I * es;
-    float *queries = (float *)(buffer + activations), *attn_out = queries + (bf16 ? S * q_size : 0);
-    float *scores = attn_out + (bf16 ? S * q_size : 0);
-    char *amx_scratches = (char *)(scores + threads * scratch);
-    if (Sp > S) { /* the matmuls' inputs: zero rows past the sequences */
-        memset(normed + S * H * es, 0, (size_t)((Sp - S) * H * es));
-        memset(attn + S * q_size * es, 0, (size_t)((Sp - S) * q_size * es));
-        memset(act + S * I * es, 0, (size_t)((Sp - S) * I * es));
-    }
+    buffers b;
+    if (!allocate(&b, m, num_seqs, max_len, threads)) return -1;
+    const int bf16 = m->bf16 != 0;
 
 #pragma omp parallel num_threads(threads)
     {
         const int me = omp_get_thread_num();
-        float *my_scores = scores + me * scratch;
-        const step st_ = {bf16, es, S, Sp, (uint16_t *)(amx_scratches + me * amx_scratch)}, *st = &st_;
+        const step st = {m, &in, &b, bf16, bf16 ? 2 : 4, num_seqs, padded_rows(num_seqs, bf16),
+                         b.scores + me * b.scores_per_thread, (uint16_t *)(b.amx_scratches + me * b.amx_scratch)};
 #if HAVE_AMX
         if (bf16) configure_tiles();
 #endif
-        for (int64_t l = 0; l < m->num_layers; l++) {
-            const cbserve_layer *w = &layers[l];
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < S; r++) {
-                if (l == 0) {
-                    memcpy(ROW(residual, r, H), ROW(x, r, H), (size_t)(H * es));
-                    norm(st, ROW(normed, r, H), NULL, ROW(x, r, H), w->input_norm, H, m->eps);
-                } else {
-                    norm(st, ROW(normed, r, H), ROW(residual, r, H), ROW(y, r, H), w->input_norm, H, m->eps);
-                }
-            }
-            project(st, qkv, normed, w->qkv, w->qkv_q, w->qkv_q_offsets, w->qkv_bias, qkv_size, H);
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < S; t++) {
-                char *row = ROW(qkv, t, qkv_size);
-                if (w->q_norm != NULL)
-                    for (int64_t h = 0; h < nh; h++) norm(st, row + h * hd * es, NULL, row + h * hd * es, w->q_norm, hd, m->eps);
-                if (w->k_norm != NULL)
-                    for (int64_t h = nh; h < nh + nkv; h++)
-                        norm(st, row + h * hd * es, NULL, row + h * hd * es, w->k_norm, hd, m->eps);
-                const char *c = ROW(w->cos, positions[t], hd), *sn = ROW(w->sin_signed, positions[t], hd);
-                if (w->rotate)
-                    for (int64_t h = 0; h < nh + nkv; h++) rotate(st, row + h * hd * es, c, sn, hd / 2);
-                write_token_kv(w->k_cache, w->v_cache, row + q_size * es, row + (q_size + kv_size) * es, slots[t],
-                               nkv, hd, bs, es);
-                if (bf16) /* the queries widened to float32, as the layer-by-layer path hands them over */
-                    for (int64_t i = 0; i < q_size; i++) queries[t * q_size + i] = load(row, i, 1);
-            }
-            const float *q = bf16 ? queries : (const float *)qkv;
-            float *a = bf16 ? attn_out : (float *)attn;
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t item = 0; item < S * nkv; item++) {
-                const int64_t s = item / nkv, h = item % nkv;
-                attend_item(a, q, bf16 ? q_size : qkv_size, w->k_cache, w->v_cache, bf16, block_tables, table_stride,
-                            seq_lens, nh, nkv, hd, bs, m->scale, w->sliding_window, m->softcap, s, h, my_scores);
-                if (bf16) { /* this item's heads rounded to bfloat16 for o */
-                    const int64_t first = s * q_size + h * group * hd;
-                    for (int64_t i = first; i < first + group * hd; i++) store(attn, i, attn_out[i], 1);
-                }
-            }
-            project(st, y, attn, w->o, w->o_q, w->o_q_offsets, w->o_bias, H, q_size);
-            if (w->post_attn_norm != NULL) {
-#pragma omp for schedule(static)
-                for (int64_t r = 0; r < S; r++) norm(st, ROW(y, r, H), NULL, ROW(y, r, H), w->post_attn_norm, H, m->eps);
-            }
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < S; r++)
-                norm(st, ROW(normed, r, H), ROW(residual, r, H), ROW(y, r, H), w->post_norm, H, m->eps);
-            project(st, gate_up, normed, w->gate_up, w->gate_up_q, w->gate_up_q_offsets, NULL, 2 * I, H);
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < S; r++)
-                gate_mul(st, ROW(act, r, I), ROW(gate_up, r, 2 * I), ROW(gate_up, r, 2 * I) + I * es, I, (int)w->gelu);
-            project(st, y, act, w->down, w->down_q, w->down_q_offsets, NULL, H, I);
-            if (w->post_ff_norm != NULL) {
-#pragma omp for schedule(static)
-                for (int64_t r = 0; r < S; r++) norm(st, ROW(y, r, H), NULL, ROW(y, r, H), w->post_ff_norm, H, m->eps);
-            }
-        }
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < S; r++) {
-            if (m->num_layers == 0)
-                norm(st, ROW(out, r, H), NULL, ROW(x, r, H), m->final_norm, H, m->eps);
-            else
-                norm(st, ROW(out, r, H), ROW(residual, r, H), ROW(y, r, H), m->final_norm, H, m->eps);
-        }
+        for (int64_t l = 0; l < m->num_layers; l++) decoder_layer(&st, &layers[l], l == 0 ? x : NULL);
+        add_and_norm(&st, out, m->num_layers == 0 ? x : NULL, m->final_norm); /* the rows the head takes */
 #if HAVE_AMX
         if (bf16) _tile_release();
 #endif
     }
-    free(buffer);
+    free(b.base);
     return 0;
 }
