@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--q-heads", type=int, default=9)
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--work", type=float, default=3e8, help="multiply-adds each timing repeats a call to")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = p.parse_args(argv)
     cpu = torch.device("cpu")
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                 ours_name: functools.partial(ours.linear, x, panels, n, None),
                 "F.linear": functools.partial(F.linear, x, w),
             }
-            reps = max(2, int(3e8 / (m * k * n)))
+            reps = max(2, int(args.work / (m * k * n)))
             for name, seconds in best_seconds(fns, reps, args.rounds).items():
                 totals[name] = totals.get(name, 0.0) + seconds
             flops += 2 * m * k * n

@@ -35,7 +35,7 @@ def test_prints_one_line_per_row_count(capsys: pytest.CaptureFixture[str]) -> No
         "--kv-heads",
         "2",
     ]
-    assert main([*argv, "--rounds", "1"]) == 0
+    assert main([*argv, "--rounds", "1", "--work", "1e6"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("rows")]
     assert [line.split(":")[0].split()[-1] for line in lines] == ["3", "40"]
     assert all(line.count("GFLOPS") == 3 for line in lines)
