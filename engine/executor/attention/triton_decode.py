@@ -468,11 +468,11 @@ class BatchInvariantTritonKernel(TritonDecodeKernel):
         """Causal attention of each sequence's new queries (``PrefillKernel``): row ``i`` of sequence ``s``
         is a decode query over the first ``seq_lens[s] - (its rows after i)`` tokens of ``s``'s pages."""
         num_tokens = q.shape[0]
-        q_lens = (query_starts[1:] - query_starts[:-1]).to(q.device, non_blocking=True)
+        starts = query_starts.to(q.device, non_blocking=True)
         seq_of_row = torch.repeat_interleave(
-            torch.arange(len(q_lens), device=q.device), q_lens, output_size=num_tokens
+            torch.arange(len(starts) - 1, device=q.device), starts[1:] - starts[:-1], output_size=num_tokens
         )  # [num_tokens]
-        ends = query_starts[1:].to(q.device, non_blocking=True)[seq_of_row]  # one past the row's sequence
+        ends = starts[1:][seq_of_row]  # one past the row's sequence
         rows = torch.arange(num_tokens, device=q.device)
         kv_lens = seq_lens[seq_of_row] - (ends - 1 - rows)  # [num_tokens]: the row's position + 1
         return self(q, k_cache, v_cache, block_tables[seq_of_row], kv_lens, scale, sliding_window, softcap)
