@@ -339,6 +339,7 @@ def _serve(args: argparse.Namespace) -> int:
         logger.error("give --kv-cache-memory or --num-blocks, not both")
         return 2
     # NOTE: imported here so that `cbserve --help` and `cbserve bench` do not pay for torch.
+    from engine.executor.parallel.torchrun import exit_if_torchrun_rank
     from server.app import build_app
     from server.config import ServerConfig, ServerConfigError
     from server.kv_events_config import KVEventsConfig
@@ -371,7 +372,9 @@ def _serve(args: argparse.Namespace) -> int:
         server.run()
     finally:
         engine.close()
-    return 0 if server.started and not app.state.server.failed else 1
+    code = 0 if server.started and not app.state.server.failed else 1
+    exit_if_torchrun_rank(code)  # NOTE: rank 0 of a torchrun job ends as its other ranks do
+    return code
 
 
 def _load_engine(args: argparse.Namespace) -> Any:

@@ -7,7 +7,9 @@ single ``cbserve`` hosts on 127.0.0.1 for the ranks it spawns (engine/loader/sha
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -43,3 +45,16 @@ class TorchrunRank:
         timeout = datetime.timedelta(seconds=timeout_s)
         store, _rank, _world_size = next(dist.rendezvous("env://", timeout=timeout))
         return dist.PrefixStore("cbserve", store)
+
+
+def exit_if_torchrun_rank(code: int) -> None:
+    """Under torchrun, end this process now with ``code`` (after flushing its logs and output), as the other
+    ranks end theirs: the interpreter's own shutdown could destroy the process groups' C++ threads while
+    they still run (``terminate called without an active exception``, exit -6, seen once in a test run),
+    and torchrun would then report the whole job failed. Without torchrun, nothing happens."""
+    if TorchrunRank.from_env() is None:
+        return
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
