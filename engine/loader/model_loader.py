@@ -176,6 +176,7 @@ def _load_native(
 ) -> LoadedModel:
     from engine.executor.fast_paths import apply_cpu_fast_paths
     from engine.executor.kernels.cuda_batch_invariant import apply_cuda_batch_invariance
+    from engine.executor.kernels.triton_elementwise import use_triton_elementwise
     from engine.executor.kernels.triton_rms_norm import use_triton_rms_norms
     from engine.executor.models.registry import build_model
 
@@ -192,8 +193,9 @@ def _load_native(
     if device.type == "cuda":
         try:
             use_triton_rms_norms(net)
+            use_triton_elementwise(net)
         except KernelUnavailable as e:
-            logger.warning("the norms run in PyTorch (%s)", e)
+            logger.warning("the norms, rotations and gates run in PyTorch (%s)", e)
     if batch_invariant and device.type == "cuda":
         try:
             apply_cuda_batch_invariance(net)

@@ -128,6 +128,25 @@ def test_triton_kernel_in_mixed_batches(triton_kernel: DecodeKernel) -> None:
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_rotary_and_gate_match_pytorch(dtype: torch.dtype) -> None:
+    """The one-kernel rotation and SwiGLU gate that native models take on CUDA give PyTorch's forms'
+    results (the same roundings; the gate's exp within an ulp)."""
+    pytest.importorskip("triton")
+    from engine.executor.kernels import triton_elementwise
+    from engine.executor.models.layers import RotaryEmbedding, SiluAndMul
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rotary = RotaryEmbedding(128, 4096, 500000.0, None, dtype, torch.device("cuda"))
+    qkv = torch.randn(70, 48 * 128, device="cuda", generator=gen).to(dtype)
+    qk = qkv[:, : 40 * 128].view(70, 40, 128)  # Llama-3-8B's 32 + 8 heads of a fused qkv row
+    cos, sin = rotary.cos_sin(torch.randint(0, 4096, (70,), device="cuda", generator=gen))
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 8e-3, "rtol": 8e-3}
+    torch.testing.assert_close(triton_elementwise.rotate(qk, cos, sin), rotary.rotate(qk, cos, sin), **tol)
+    gate_up = torch.randn(70, 2 * 14336, device="cuda", generator=gen).to(dtype)
+    torch.testing.assert_close(triton_elementwise.silu_and_mul(gate_up), SiluAndMul()(gate_up), **tol)
+
+
 def test_kv_cache_sized_from_free_gpu_memory() -> None:
     free, _ = torch.cuda.mem_get_info()
     cache = KVCache.allocate(2, 16, 2, 64, torch.bfloat16, "cuda", memory_fraction=0.01)

@@ -17,8 +17,8 @@ import torch
 pytest.importorskip("triton")
 
 from engine.executor.attention import triton_decode  # noqa: E402
-from engine.executor.kernels import cuda_batch_invariant, triton_rms_norm  # noqa: E402
-from engine.executor.models.layers import RMSNorm  # noqa: E402
+from engine.executor.kernels import cuda_batch_invariant, triton_elementwise, triton_rms_norm  # noqa: E402
+from engine.executor.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul  # noqa: E402
 
 # NOTE: Triton reads TRITON_INTERPRET when it is imported (its own library functions are jitted then), so
 # the checks below run in a child pytest started with it; in this process they skip.
@@ -48,7 +48,7 @@ def test_the_kernels_under_tritons_interpreter() -> None:
     done = subprocess.run(
         argv, env=env, cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=300
     )
-    assert done.returncode == 0 and "7 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
+    assert done.returncode == 0 and "8 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
 
 
 @inside
@@ -65,6 +65,23 @@ def test_matmul_and_norm_match_float64_and_a_row_alone() -> None:
     norm = RMSNorm(96, 1e-5, torch.float32, torch.device("cpu"))
     norm.weight.data.copy_(g)
     torch.testing.assert_close(triton_rms_norm.rms_norm(x, g, 1e-5), norm(x), atol=1e-5, rtol=1e-5)
+
+
+@inside
+def test_rotary_and_gate_match_pytorchs_forms() -> None:
+    """The rotation (q and k of a fused qkv row, a strided view, as attention passes it) and SwiGLU's gate
+    against the PyTorch modules they replace, in float64 as the reference."""
+    gen = torch.Generator().manual_seed(1)
+    rotary = RotaryEmbedding(HEAD_DIM, 64, 10000.0, None, torch.float64, torch.device("cpu"))
+    qkv = torch.randn(9, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen)
+    qk = qkv[:, : (HEADS + KV_HEADS) * HEAD_DIM].view(9, HEADS + KV_HEADS, HEAD_DIM)
+    cos, sin = rotary.cos_sin(torch.tensor([0, 1, 2, 3, 40, 41, 42, 63, 5]))
+    out = triton_elementwise.rotate(qk, cos.float(), sin.float())
+    torch.testing.assert_close(out.double(), rotary.rotate(qk.double(), cos, sin), **TOL)
+    gate_up = torch.randn(5, 2 * 1500, generator=gen)  # two programs a row, the second partly masked
+    torch.testing.assert_close(
+        triton_elementwise.silu_and_mul(gate_up).double(), SiluAndMul()(gate_up.double()), **TOL
+    )
 
 
 def _reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, length: int,
