@@ -334,14 +334,21 @@ def transformers_rank_model(
     source: ModelSource, dtype: torch.dtype, device: torch.device, rank: int, world_size: int
 ) -> tuple[nn.Module, dict[str, str]]:
     """Rank ``rank`` of ``world_size``'s transformers model, holding its parts of the modules its
-    tensor-parallel plan cuts, and those modules (``planned_modules``). A safetensors folder is read slice by
-    slice (engine/loader/transformers_slices.py); a GGUF or dummy model is built whole, then cut."""
+    tensor-parallel plan cuts, and those modules (``planned_modules``): a safetensors folder read slice by
+    slice, a GGUF's tensors cut as they come (engine/loader/transformers_slices.py); a dummy model is built
+    whole (seeded: every rank builds the same), then cut."""
     from engine.executor.parallel.transformers_plan import cut_to_rank, planned_modules
-    from engine.loader.transformers_slices import load_rank_slices
+    from engine.loader import transformers_slices
 
+    raw = _raw_config(source)
     if source.kind == "safetensors":
-        raw = _raw_config(source)
-        return load_rank_slices(_path_of(source), raw, dtype, device, rank, world_size, source.name)
+        folder = _path_of(source)
+        return transformers_slices.load_rank_slices(folder, raw, dtype, device, rank, world_size, source.name)
+    if source.kind == "gguf":
+        weights = open_source(source, dtype, device).weights
+        return transformers_slices.cut_rank_tensors(
+            weights, raw, dtype, device, rank, world_size, source.name
+        )
     hf_model = transformers_model(source, dtype, device)
     modules = planned_modules(hf_model, world_size, source.name)
     cut_to_rank(hf_model, modules, rank, world_size)

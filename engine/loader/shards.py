@@ -102,8 +102,8 @@ def load_sharded(
 ) -> ShardedModel:
     """Rank 0's shard of ``model``, the other ranks started and loaded. The native model (``config``, its
     config; ``opener``: ``open_source``) raises ``ShardingError`` (a ``ValueError``) before starting anything
-    when ``world_size`` does not divide it; the transformers backend's (``config`` None; ``opener`` builds
-    the transformers model) is checked by the caller (``transformers_plan.planned_modules`` on the model
+    when ``world_size`` does not divide it; the transformers backend's (``config`` None; ``opener``
+    builds a rank's transformers model, its parts in) is checked by the caller (``transformers_plan.planned_modules`` on the model
     built on the meta device). ``timeout_s``: how long a collective waits for a rank (``DEFAULT_TIMEOUT_S``).
     Under torchrun, ``world_size`` is its ``WORLD_SIZE``."""
     if config is not None:

@@ -21,7 +21,7 @@ from torch import nn
 from engine.errors import ModelLoadError
 from engine.executor.parallel.transformers_plan import cut_to_rank, part_of, planned_modules
 from engine.loader import transformers_slices
-from engine.loader.transformers_slices import load_rank_slices
+from engine.loader.transformers_slices import cut_rank_tensors, load_rank_slices
 from engine.loader.transformers_weights import from_pretrained
 
 CPU = torch.device("cpu")
@@ -137,6 +137,21 @@ def test_a_planned_weight_is_read_only_as_the_ranks_part(
     held = {(p := mine.get_parameter(name)).data_ptr(): p.nbytes for name in sharded}  # tied: held once
     padding = stored["model.embed_tokens.weight"][0].nbytes  # the last rank's zero row: embedding, head
     assert sum(held.values()) <= sum(stored[name].nbytes for name in sharded) / WORLD_SIZE + 2 * padding
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_whole_tensors_that_come_one_at_a_time_are_cut_as_they_come(
+    folders: dict[str, Path], arch: str
+) -> None:
+    folder = folders[arch]
+    stream = iter(load_file(str(folder / "model.safetensors")).items())  # as a GGUF's, dequantized
+    mine, modules = cut_rank_tensors(stream, _raw(folder), torch.float32, CPU, 1, WORLD_SIZE, arch)
+    expected = _slices(folder, 1)[0]
+    assert mine.state_dict().keys() == expected.state_dict().keys()
+    for name, tensor in expected.state_dict().items():
+        assert torch.equal(mine.state_dict()[name], tensor), name
+    for name, param in mine.named_parameters():
+        assert param.untyped_storage().nbytes() == param.nbytes, name  # no whole tensor kept alive by a view
 
 
 def test_a_multi_file_checkpoint_is_read_through_its_index(folders: dict[str, Path], tmp_path: Path) -> None:
