@@ -301,8 +301,9 @@ def _load_transformers_sharded(
     world_size: int,
     tokenizer: Tokenizer | None,
 ) -> ShardedTransformersForCausalLM:
-    """The transformers model in ``world_size`` shards (engine/loader/shards.py); its plan and tokenizer
-    checked on the model built on the meta device before any rank starts."""
+    """The transformers model in ``world_size`` shards (engine/loader/shards.py), each rank's made by
+    ``transformers_rank_model``; its plan and tokenizer checked on the model built on the meta device
+    before any rank starts."""
     from engine.executor.parallel.sharded_transformers import ShardedTransformersForCausalLM
     from engine.executor.parallel.transformers_plan import heads_per_rank, planned_modules
     from engine.loader import transformers_weights
@@ -318,10 +319,42 @@ def _load_transformers_sharded(
         modules, heads, int(getattr(text, "num_key_value_heads", None) or heads), world_size, source.name
     )
     net = load_sharded(
-        model, load_format, None, dtype, device, world_size, transformers_model, model_impl="transformers"
+        model,
+        load_format,
+        None,
+        dtype,
+        device,
+        world_size,
+        transformers_rank_model,
+        model_impl="transformers",
     )
     assert isinstance(net, ShardedTransformersForCausalLM)
     return net
+
+
+def transformers_rank_model(
+    source: ModelSource, dtype: torch.dtype, device: torch.device, rank: int, world_size: int
+) -> tuple[nn.Module, dict[str, str]]:
+    """Rank ``rank`` of ``world_size``'s transformers model, holding its parts of the modules its
+    tensor-parallel plan cuts, and those modules (``planned_modules``): a safetensors folder read slice by
+    slice, a GGUF's tensors cut as they come (engine/loader/transformers_slices.py); a dummy model is built
+    whole (seeded: every rank builds the same), then cut."""
+    from engine.executor.parallel.transformers_plan import cut_to_rank, planned_modules
+    from engine.loader import transformers_slices
+
+    raw = _raw_config(source)
+    if source.kind == "safetensors":
+        folder = _path_of(source)
+        return transformers_slices.load_rank_slices(folder, raw, dtype, device, rank, world_size, source.name)
+    if source.kind == "gguf":
+        weights = open_source(source, dtype, device).weights
+        return transformers_slices.cut_rank_tensors(
+            weights, raw, dtype, device, rank, world_size, source.name
+        )
+    hf_model = transformers_model(source, dtype, device)
+    modules = planned_modules(hf_model, world_size, source.name)
+    cut_to_rank(hf_model, modules, rank, world_size)
+    return hf_model, modules
 
 
 def _tokenizer_and_defaults(

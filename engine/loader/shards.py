@@ -1,9 +1,9 @@
 """Loading a model as ``tensor_parallel_size`` shards, one process per rank (torch.multiprocessing,
 spawned): rank 0 is the calling process (the server); it hosts the ranks' rendezvous, starts ranks
 1..N-1, and each rank connects, binds its threads to its cores and loads its shards from the same source:
-the native model reads only its slices (engine/executor/parallel/sharding.py); the transformers backend
-loads the whole model, then keeps its slices by the model's own tensor-parallel plan
-(engine/executor/parallel/transformers_plan.py). Once every rank has loaded, ranks 1..N-1 serve rank 0's
+the native model keeps only its slices of each tensor as read (engine/executor/parallel/sharding.py); the
+transformers backend reads only its parts of a safetensors checkpoint under the model's own tensor-parallel
+plan (engine/loader/transformers_slices.py, engine/executor/parallel/transformers_plan.py). Once every rank has loaded, ranks 1..N-1 serve rank 0's
 messages (engine/executor/parallel/rank_loop.py) until it stops them or dies; rank 0 gets its shard with
 the handle on the others (``workers``).
 
@@ -60,10 +60,10 @@ class OpenedWeights(Protocol):
     weights: Iterator[tuple[str, torch.Tensor]]
 
 
-# NOTE: model_loader's open_source (native) or transformers_model (the transformers model, weights in),
-# passed in: it crosses into the ranks' processes by its name.
+# NOTE: model_loader's open_source (native) or transformers_rank_model (a rank's transformers model, its
+# parts in, and its planned modules), passed in: it crosses into the ranks' processes by its name.
 Opener = Callable[[ModelSource, torch.dtype, torch.device], OpenedWeights]
-HfOpener = Callable[[ModelSource, torch.dtype, torch.device], nn.Module]
+HfOpener = Callable[[ModelSource, torch.dtype, torch.device, int, int], tuple[nn.Module, dict[str, str]]]
 
 # A rank's shard: its forward runs the collectives; rank 0's holds the other ranks (``workers``).
 ShardedModel = ShardedLlamaForCausalLM | ShardedTransformersForCausalLM
@@ -102,8 +102,8 @@ def load_sharded(
 ) -> ShardedModel:
     """Rank 0's shard of ``model``, the other ranks started and loaded. The native model (``config``, its
     config; ``opener``: ``open_source``) raises ``ShardingError`` (a ``ValueError``) before starting anything
-    when ``world_size`` does not divide it; the transformers backend's (``config`` None; ``opener`` builds
-    the transformers model) is checked by the caller (``transformers_plan.planned_modules`` on the model
+    when ``world_size`` does not divide it; the transformers backend's (``config`` None; ``opener``
+    builds a rank's transformers model, its parts in) is checked by the caller (``transformers_plan.planned_modules`` on the model
     built on the meta device). ``timeout_s``: how long a collective waits for a rank (``DEFAULT_TIMEOUT_S``).
     Under torchrun, ``world_size`` is its ``WORLD_SIZE``."""
     if config is not None:
@@ -160,8 +160,9 @@ def _load_shard(spec: ShardSpec, group: ShardGroup) -> ShardedModel:
     device = group.device
     source = resolve_model(spec.model, spec.load_format)
     if spec.model_impl == "transformers":
-        hf_model = cast(HfOpener, spec.opener)(source, spec.dtype, device)
-        return ShardedTransformersForCausalLM.shard(hf_model, source.name, group)
+        opener = cast(HfOpener, spec.opener)
+        hf_model, modules = opener(source, spec.dtype, device, group.rank, group.world_size)
+        return ShardedTransformersForCausalLM.shard(hf_model, modules, source.name, group)
     opened = cast(Opener, spec.opener)(source, spec.dtype, device)
     net = ShardedLlamaForCausalLM(opened.config, group, spec.dtype, device)
     with torch.no_grad():

@@ -135,10 +135,11 @@ def random_weights(
     return net  # type: ignore[no-any-return]
 
 
-def meta_model(raw: dict[str, Any], model: str) -> nn.Module:
-    """The model of ``raw`` on the meta device: its modules, shapes and plans, no memory, no weight read."""
+def meta_model(raw: dict[str, Any], model: str, dtype: torch.dtype | None = None) -> nn.Module:
+    """The model of ``raw`` on the meta device (in ``dtype``, else its config's): its modules, shapes and
+    plans, no memory, no weight read."""
     hf_config, cls = build_hf_config(raw, model)
     transformers_attention.register()
     with torch.device("meta"), _pluggable(model):
-        net = cls._from_config(hf_config, attn_implementation=ATTN_IMPLEMENTATION)
+        net = cls._from_config(hf_config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
     return net  # type: ignore[no-any-return]

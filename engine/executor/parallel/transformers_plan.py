@@ -5,9 +5,11 @@ its class's ``_tp_plan``, e.g. ``{"model.layers.*.self_attn.q_proj": "colwise", 
 transformers applies its plan with DTensor parameters over a ``DeviceMesh``, which needs torch.distributed's
 one default process group per process (``init_process_group``). Rank 0 is the server's process: its groups
 are plain gloo/NCCL groups of their own, several may live in one process (one per engine), and a dead peer
-must fail a step, not the process. So the plan's styles are applied here with the same Megatron rules, by
-slicing the planned modules' parameters in place and hooking their forwards to the ranks' collectives
-(transformers' own inference path does the same: the local matmul, then one all-reduce):
+must fail a step, not the process. So the plan's styles are applied here with the same Megatron rules: a
+rank holds the part of each planned module's parameters that ``part_of`` names (read as such from a
+safetensors checkpoint, engine/loader/transformers_slices.py; or cut from a whole model, ``cut_to_rank``),
+and ``hook_plan`` hooks the modules' forwards to the ranks' collectives (transformers' own inference path
+does the same: the local matmul, then one all-reduce):
 
     colwise                  rows [r O/N, (r+1) O/N) of weight and bias: the rank's heads / intermediate rows
     rowwise                  columns [r I/N, (r+1) I/N) of weight; y = all_reduce(x W_r^T) + b
@@ -17,13 +19,14 @@ slicing the planned modules' parameters in place and hooking their forwards to t
     replicate, replicated_with_grad_allreduce   whole on every rank (nothing to do at inference)
 
 A model without a plan, or whose plan uses another style (packed MoE experts, MLA's fused projections,
-sequence parallelism), is refused with ``ShardingError`` before any rank starts (``check_plan``).
+sequence parallelism), is refused with ``ShardingError`` before any rank starts (``planned_modules``).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,6 +45,7 @@ LINEAR_STYLES = (
 )
 EMBEDDING_STYLES = ("embedding_rowwise",)
 WHOLE_STYLES = ("replicate", "replicated_with_grad_allreduce")
+ROWWISE_STYLES = ("rowwise", "rowwise_split_input", "rowwise_rep")
 STYLES = LINEAR_STYLES + EMBEDDING_STYLES + WHOLE_STYLES
 
 
@@ -108,36 +112,74 @@ def _check_module(name: str, module: nn.Module, style: str, world_size: int, mod
         raise ShardingError(
             f"{model}: tensor_parallel_size {world_size} must divide the {module.weight.shape[0]} outputs of {name}"
         )
-    if style in ("rowwise", "rowwise_split_input", "rowwise_rep") and module.weight.shape[1] % world_size:
+    if style in ROWWISE_STYLES and module.weight.shape[1] % world_size:
         raise ShardingError(
             f"{model}: tensor_parallel_size {world_size} must divide the {module.weight.shape[1]} inputs of {name}"
         )
 
 
-def apply_plan(hf_model: nn.Module, modules: dict[str, str], group: ShardGroup) -> None:
-    """Cut each of ``modules`` (``planned_modules``) to rank ``group.rank``'s part and hook its forward to
-    the collectives its style needs. Tied parameters are cut once per module: each module gets its own."""
+@dataclass(frozen=True)
+class Part:
+    """The part of a whole parameter that one rank holds: ``[start, stop)`` along ``dim`` (0: rows,
+    1: columns), zero-padded to ``size`` rows (the last rank's vocabulary rows)."""
+
+    dim: int
+    start: int
+    stop: int
+    size: int
+
+    def take(self, whole: Any) -> torch.Tensor:
+        """The part of ``whole``: a tensor, or a safetensors slice (``safe_open(...).get_slice(name)``),
+        which then reads only these rows / columns from its file."""
+        span = slice(self.start, self.stop)
+        mine: torch.Tensor = whole[span] if self.dim == 0 else whole[:, span]
+        if mine.shape[0] == self.size or self.dim != 0:
+            return mine
+        return torch.cat((mine, mine.new_zeros((self.size - mine.shape[0], *mine.shape[1:]))))
+
+
+def part_of(style: str | None, param: str, shape: torch.Size, rank: int, world_size: int) -> Part | None:
+    """The part of parameter ``param`` (``weight``, ``bias``; whole shape ``shape``) of a module planned
+    ``style`` (None: not planned) that rank ``rank`` holds, or None where every rank holds it whole."""
+    if style in ("colwise", "colwise_gather_output", "colwise_rep") or (
+        style in EMBEDDING_STYLES and param == "weight"
+    ):
+        padded = style != "colwise"  # NOTE: a vocabulary need not divide; heads and intermediate rows do
+        per_rank = vocab_per_rank(shape[0], world_size) if padded else shape[0] // world_size
+        start = min(rank * per_rank, shape[0])
+        return Part(0, start, min(start + per_rank, shape[0]), per_rank)
+    if style in ROWWISE_STYLES and param == "weight":
+        per_rank = shape[1] // world_size
+        return Part(1, rank * per_rank, (rank + 1) * per_rank, per_rank)
+    return None  # a row-parallel bias is added once, after the sum
+
+
+def cut_to_rank(hf_model: nn.Module, modules: dict[str, str], rank: int, world_size: int) -> None:
+    """Cut the whole parameters of ``modules`` (``planned_modules``) to rank ``rank``'s parts in place. Tied
+    parameters are cut once per module: each module gets its own."""
     named = dict(hf_model.named_modules())
     with torch.no_grad():
         for name, style in modules.items():
-            APPLY[style](named[name], group)
+            module = named[name]
+            for param, value in list(module.named_parameters(recurse=False)):
+                part = part_of(style, param, value.shape, rank, world_size)
+                if part is not None:
+                    _keep(module, param, part.take(value))
 
 
-def _keep(module: nn.Module, param: str, value: torch.Tensor | None) -> None:
+def hook_plan(hf_model: nn.Module, modules: dict[str, str], group: ShardGroup) -> None:
+    """Hook each of ``modules`` to the collectives its style needs. Its parameters are rank ``group.rank``'s
+    parts already (``cut_to_rank``, or read as such: engine/loader/transformers_slices.py); its attributes
+    (``out_features``, ``num_embeddings``) still the whole module's, and set here to the part's."""
+    named = dict(hf_model.named_modules())
+    with torch.no_grad():
+        for name, style in modules.items():
+            HOOKS[style](named[name], group)
+
+
+def _keep(module: nn.Module, param: str, value: torch.Tensor) -> None:
     """Replace ``module``'s parameter ``param`` by ``value`` (a fresh parameter: a tied one stays whole)."""
-    if value is None:
-        module.register_parameter(param, None)
-    else:
-        module.register_parameter(param, nn.Parameter(value.contiguous(), requires_grad=False))
-
-
-def _rows(x: torch.Tensor, rank: int, world_size: int, padded: bool = False) -> torch.Tensor:
-    """Rank's ``1/N`` of ``x``'s rows; ``padded``: ``ceil(rows/N)`` each, the last rank's missing rows 0."""
-    per_rank = vocab_per_rank(x.shape[0], world_size) if padded else x.shape[0] // world_size
-    mine = x[rank * per_rank : (rank + 1) * per_rank]
-    if mine.shape[0] == per_rank:
-        return mine
-    return torch.cat((mine, mine.new_zeros((per_rank - mine.shape[0], *x.shape[1:]))))
+    module.register_parameter(param, nn.Parameter(value.contiguous(), requires_grad=False))
 
 
 def _columns(x: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -145,18 +187,15 @@ def _columns(x: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return x[..., rank * per_rank : (rank + 1) * per_rank]
 
 
-def _colwise(linear: nn.Module, group: ShardGroup, padded: bool = False) -> None:
+def _colwise(linear: nn.Module, group: ShardGroup) -> None:
     assert isinstance(linear, nn.Linear)
-    _keep(linear, "weight", _rows(linear.weight, group.rank, group.world_size, padded))
-    if linear.bias is not None:
-        _keep(linear, "bias", _rows(linear.bias, group.rank, group.world_size, padded))
     linear.out_features = linear.weight.shape[0]
 
 
 def _colwise_gather(linear: nn.Module, group: ShardGroup) -> None:
     assert isinstance(linear, nn.Linear)
     width = linear.out_features
-    _colwise(linear, group, padded=True)
+    _colwise(linear, group)
 
     def gather(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
         rows = output.reshape(-1, output.shape[-1])  # [tokens, O / N]
@@ -169,7 +208,6 @@ def _colwise_gather(linear: nn.Module, group: ShardGroup) -> None:
 def _rowwise(linear: nn.Module, group: ShardGroup, split_input: bool = False) -> None:
     assert isinstance(linear, nn.Linear)
     bias = None if linear.bias is None else linear.bias.detach()
-    _keep(linear, "weight", _columns(linear.weight, group.rank, group.world_size))
     linear.register_parameter("bias", None)  # NOTE: added once, after the sum
     linear.in_features = linear.weight.shape[1]
 
@@ -187,9 +225,8 @@ def _rowwise(linear: nn.Module, group: ShardGroup, split_input: bool = False) ->
 
 def _embedding_rows(embedding: nn.Module, group: ShardGroup) -> None:
     assert isinstance(embedding, nn.Embedding)
-    rows = vocab_per_rank(embedding.num_embeddings, group.world_size)
+    rows = embedding.weight.shape[0]  # [ceil(V / N), hidden]
     start = group.rank * rows
-    _keep(embedding, "weight", _rows(embedding.weight, group.rank, group.world_size, padded=True))
     embedding.num_embeddings = rows
     embedding.padding_idx = None  # NOTE: it only stops gradients, and may lie outside the rank's rows
     outside: list[torch.Tensor] = []  # the ids of the forward under way that other ranks embed
@@ -206,7 +243,7 @@ def _embedding_rows(embedding: nn.Module, group: ShardGroup) -> None:
     embedding.register_forward_hook(reduce)
 
 
-APPLY: dict[str, Callable[[nn.Module, ShardGroup], None]] = {
+HOOKS: dict[str, Callable[[nn.Module, ShardGroup], None]] = {
     "colwise": _colwise,
     "rowwise": _rowwise,
     "colwise_gather_output": _colwise_gather,
