@@ -153,7 +153,11 @@ def _tiny_hf_model(kind: str) -> Any:
     config_cls, extra = TINY_CONFIGS[kind]
     hf_config = getattr(transformers, config_cls)(**COMMON, **extra)
     torch.manual_seed(0)
-    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    # NOTE: soft-capped attention scores in eager attention, the one implementation that caps them in every
+    # transformers 5.x: 5.17 (the H200's) ran Gemma 2 on SDPA, which dropped the cap silently (its reference
+    # was 8e-3 off ours on CUDA, where ours matched 5.24's to 5e-7); 5.24 refuses SDPA with a cap.
+    attn = {"attn_implementation": "eager"} if getattr(hf_config, "attn_logit_softcapping", None) else {}
+    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config, **attn).eval()
     _randomize(hf_model, seed=1)
     return hf_model
 
@@ -295,6 +299,18 @@ def test_tiny_configs_exercise_the_features_they_name() -> None:
         100.0, 1e6, {"rope_type": "linear", "factor": 4.0},
     )  # fmt: skip
     assert gemma3.attn_logit_softcapping is None and gemma3.final_logit_softcapping is None
+
+
+def test_the_gemma_2_reference_soft_caps_attention_scores() -> None:
+    """Guards the oracle: transformers' Gemma 2 logits move when its layers' soft cap is taken away (an
+    attention implementation that ignores the cap, as SDPA did in some versions, would not move them)."""
+    hf_model = _tiny_hf_model("gemma2_softcap_window")
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 320, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+    capped = _hf_last_logits(hf_model, prompts)
+    for layer in hf_model.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    assert (_hf_last_logits(hf_model, prompts) - capped).abs().max().item() > 3e-3
 
 
 @pytest.mark.parametrize("feature", ["attention soft-capping", "sliding window"])
