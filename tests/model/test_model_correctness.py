@@ -358,6 +358,27 @@ def test_gemma_in_bfloat16_stays_close_to_transformers(kind: str) -> None:
     assert (logits - ref).abs().max().item() <= 0.05 * ref.abs().max().item() + 0.02
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", ["gemma2_softcap_window", "gemma3_local_rope"])
+def test_gemma_in_bfloat16_is_as_close_to_float32_as_transformers_bfloat16(kind: str, mode: Mode) -> None:
+    """Gemma's norms in bfloat16 round as transformers' do (scaled by ``1 + weight`` in float32, rounded
+    once): on the PyTorch path, from the bfloat16 weights of transformers' bfloat16 model, our logits are at
+    most 1.5x as far from transformers' float32 ones as that model's (1.0x Gemma 2, 1.3-1.4x Gemma 3; in the
+    Llama order, rounded, then scaled by a rounded ``1 + weight``, they were 1.5x and 2.1-2.3x)."""
+    hf_model = _tiny_hf_model(kind)
+    config = ModelConfig.from_hf_dict(hf_model.config.to_dict())
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+    ref = _hf_last_logits(hf_model, prompts)
+    hf_model.to(torch.bfloat16)
+    theirs = (_hf_last_logits(hf_model, prompts).float() - ref).abs().max().item()
+    model = build_model(config, torch.bfloat16, "cpu")
+    model.load_weights(hf_model.state_dict().items())
+    cache = KVCache(2, 64, 4, config.num_key_value_heads, config.head_dim, torch.bfloat16, "cpu")
+    ours = (prompt_logits(model, cache, prompts, mode) - ref).abs().max().item()
+    assert ours <= 1.5 * theirs
+
+
 # ---------------------------------------------------------------------- load_weights errors
 @pytest.fixture(scope="module")
 def llama_pair() -> tuple[Any, LlamaForCausalLM]:
