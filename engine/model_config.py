@@ -180,6 +180,12 @@ class ModelConfig:
         return None if layer in self.full_attention_layers else self.sliding_window
 
     @property
+    def norms_scale_in_float32(self) -> bool:
+        """Gemma's RMSNorms scale by ``1 + weight`` in float32 and round once (transformers' Gemma norms);
+        the others round the norm to the model's dtype, then scale (``RMSNorm``)."""
+        return self.architecture in GEMMA_ARCHITECTURES
+
+    @property
     def checkpoint_fuses_projections(self) -> bool:
         """The checkpoint stores ``qkv_proj`` and ``gate_up_proj`` fused (Phi-3) rather than their parts."""
         return self.architecture == "phi3"

@@ -81,6 +81,7 @@ class _Model(ctypes.Structure):
         ("softcap", _f32),
         ("final_norm", _ptr),
         ("bf16", _i64),
+        ("f32_norms", _i64),
     ]
 
 
@@ -128,6 +129,19 @@ class StackLayer:
     q_norm: torch.Tensor | None  # per-head norms of q and k (Qwen3, Gemma 3)
     k_norm: torch.Tensor | None
     rotary: FusedRotaryEmbedding  # the layer's tables (Gemma 3's local layers have their own)
+
+    @property
+    def norm_dtypes(self) -> set[torch.dtype]:
+        """Its norms' weights' dtypes: the model's, or float32 (Gemma's, scaling before the rounding)."""
+        norms = (
+            self.input_norm,
+            self.post_norm,
+            self.post_attn_norm,
+            self.post_ff_norm,
+            self.q_norm,
+            self.k_norm,
+        )
+        return {w.dtype for w in norms if w is not None}
 
     @staticmethod
     def of(layer: LayerModules, rotary: nn.Module) -> StackLayer | None:
@@ -223,6 +237,8 @@ class CpuDecodeStack:
         projections = [p for layer in stack_layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         if len(stack_layers) < len(layers) or not all(isinstance(p, matmuls) for p in [*projections, head]):
             return None
+        if any(layer.norm_dtypes != {norm.weight.dtype} for layer in stack_layers):
+            return None  # NOTE: the C step takes one dtype for every norm's weight (the final norm's)
         try:
             kernel = load()
         except KernelUnavailable as e:
@@ -279,6 +295,7 @@ class CpuDecodeStack:
             cfg.head_dim, cfg.intermediate_size, kv_cache.num_blocks, kv_cache.block_size,
             self.rotary.cos.shape[0], cfg.rms_norm_eps, cfg.attention_scale, cfg.attn_logit_softcapping or 0.0,
             self.final_norm.weight.data_ptr(), int(dtype == torch.bfloat16),
+            int(self.final_norm.weight.dtype == torch.float32),
         )  # fmt: skip
         self._tables = (kv_cache, desc, layers)
         return desc, layers

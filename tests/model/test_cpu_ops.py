@@ -42,25 +42,27 @@ def _close(ours: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
         torch.testing.assert_close(ours.float(), ref.float(), rtol=2**-7, atol=1e-3)
 
 
-def _norm(dim: int, dtype: torch.dtype, gen: torch.Generator) -> RMSNorm:
-    norm = RMSNorm(dim, 1e-5, dtype, CPU)
+def _norm(dim: int, dtype: torch.dtype, gen: torch.Generator, scale_in_float32: bool = False) -> RMSNorm:
+    norm = RMSNorm(dim, 1e-5, dtype, CPU, scale_in_float32)
     norm.weight.data.copy_(torch.rand(dim, generator=gen) + 0.5)
     return norm
 
 
+@pytest.mark.parametrize("scale_in_float32", [False, True], ids=["weight-in-dtype", "float32-weight"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cols", [64, 40, 7])
 def test_rms_norm_with_and_without_the_residual_matches_pytorch(
-    ops: CpuOps, dtype: torch.dtype, cols: int
+    ops: CpuOps, dtype: torch.dtype, cols: int, scale_in_float32: bool
 ) -> None:
     """Both forms, and PyTorch's path, within rounding of a float64 reference: the float32 sum of squares
     (gamma(cols), Higham 3.1) and at most 16 ulp for the ops after it (eps, the square root, its reciprocal
     -- 2 ulp where -ffast-math uses rsqrt -- and two products), plus, in bfloat16, the two roundings to
-    bfloat16 of csrc/cpu_ops.c. Bits are asserted only for IEEE-defined results and between our own calls.
+    bfloat16 of csrc/cpu_ops.c (Llama's order), or the one of a float32 weight (Gemma's: scaled, then
+    rounded). Bits are asserted only for IEEE-defined results and between our own calls.
     NOTE: with and without the residual may differ in the last bits: -ffast-math lets the compiler order
     the two sums of squares differently (it does at 7 columns on AVX-512)."""
     gen = torch.Generator().manual_seed(cols)
-    norm = _norm(cols, dtype, gen)
+    norm = _norm(cols, dtype, gen, scale_in_float32)
     wide = (torch.randn(9, cols + 5, generator=gen) * 3).to(dtype)
     x = wide[:, :cols]  # rows with a stride
     residual = torch.randn(9, cols, generator=gen).to(dtype)
@@ -76,7 +78,7 @@ def test_rms_norm_with_and_without_the_residual_matches_pytorch(
     exact = w64 * h64 / torch.sqrt(h64.square().mean(-1, keepdim=True) + norm.eps)
     rtol = (cols + 16) * 2.0**-24 / (1 - (cols + 16) * 2.0**-24)
     if dtype == torch.bfloat16:
-        rtol += 2 * 2.0**-8
+        rtol += (1 if scale_in_float32 else 2) * 2.0**-8
     for ours in (out, plain, norm(h)):  # norm(h): no cpu_ops on the module, PyTorch's path
         error = (ours.double() - exact).abs()
         assert bool((error <= rtol * exact.abs()).all()), (
@@ -137,8 +139,8 @@ def test_nan_stays_nan(ops: CpuOps, dtype: torch.dtype) -> None:
 
 def test_bad_arguments_are_refused(ops: CpuOps) -> None:
     w = torch.ones(8)
-    with pytest.raises(ValueError, match="one dtype"):
-        ops.rms_norm(torch.ones(2, 8, dtype=torch.bfloat16), w, 1e-5)
+    with pytest.raises(ValueError, match="one dtype"):  # a weight in another dtype than float32
+        ops.rms_norm(torch.ones(2, 8), w.bfloat16(), 1e-5)
     with pytest.raises(ValueError, match="float32 and bfloat16"):
         ops.silu_and_mul(torch.ones(2, 8, dtype=torch.float16))
     with pytest.raises(ValueError, match="2-D"):

@@ -220,6 +220,27 @@ def test_tiny_models_bf16(tiny: dict[str, Any], mode: Mode) -> None:
     assert torch.equal(logits.argmax(-1)[clear], ref.argmax(-1)[clear])
 
 
+@pytest.mark.parametrize("scale_in_float32", [False, True], ids=["weight-in-dtype", "float32-weight"])
+def test_the_triton_norm_rounds_where_rmsnorm_does(scale_in_float32: bool) -> None:
+    """bfloat16 rows: the Triton norm and ``RMSNorm``'s PyTorch path are each within their roundings of a
+    float64 reference: two with a bfloat16 weight (Llama's order: rounded, then scaled), one with a float32
+    weight (Gemma's: scaled in float32, rounded once); plus the float32 sum of squares and a few ulp."""
+    pytest.importorskip("triton")
+    from engine.executor.kernels.triton_rms_norm import rms_norm
+    from engine.executor.models.layers import RMSNorm
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(64, 512, device="cuda", generator=gen) * 3).bfloat16()
+    norm = RMSNorm(512, 1e-5, torch.bfloat16, torch.device("cuda"), scale_in_float32)
+    norm.weight.data.copy_(torch.rand(512, device="cuda", generator=gen) + 0.5)
+    x64, w64 = x.double(), norm.weight.double()
+    exact = w64 * x64 / torch.sqrt(x64.square().mean(-1, keepdim=True) + 1e-5)
+    rtol = 600 * 2.0**-24 + (1 if scale_in_float32 else 2) * 2.0**-8
+    for ours in (rms_norm(x, norm.weight, 1e-5), norm(x)):
+        assert ours.dtype == torch.bfloat16
+        assert bool(((ours.double() - exact).abs() <= rtol * exact.abs()).all())
+
+
 # ---------------------------------------------------------------------- CUDA graphs of the decode step
 def _byte_tokenizer_folder(folder: Path, vocab_size: int) -> Path:
     """A byte-level tokenizer (256 byte tokens + <eos>) and a tiny Llama config: any machine can build it."""

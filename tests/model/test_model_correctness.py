@@ -153,7 +153,11 @@ def _tiny_hf_model(kind: str) -> Any:
     config_cls, extra = TINY_CONFIGS[kind]
     hf_config = getattr(transformers, config_cls)(**COMMON, **extra)
     torch.manual_seed(0)
-    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    # NOTE: soft-capped attention scores in eager attention, the one implementation that caps them in every
+    # transformers 5.x: 5.17 (the H200's) ran Gemma 2 on SDPA, which dropped the cap silently (its reference
+    # was 8e-3 off ours on CUDA, where ours matched 5.24's to 5e-7); 5.24 refuses SDPA with a cap.
+    attn = {"attn_implementation": "eager"} if getattr(hf_config, "attn_logit_softcapping", None) else {}
+    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config, **attn).eval()
     _randomize(hf_model, seed=1)
     return hf_model
 
@@ -297,6 +301,18 @@ def test_tiny_configs_exercise_the_features_they_name() -> None:
     assert gemma3.attn_logit_softcapping is None and gemma3.final_logit_softcapping is None
 
 
+def test_the_gemma_2_reference_soft_caps_attention_scores() -> None:
+    """Guards the oracle: transformers' Gemma 2 logits move when its layers' soft cap is taken away (an
+    attention implementation that ignores the cap, as SDPA did in some versions, would not move them)."""
+    hf_model = _tiny_hf_model("gemma2_softcap_window")
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 320, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+    capped = _hf_last_logits(hf_model, prompts)
+    for layer in hf_model.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    assert (_hf_last_logits(hf_model, prompts) - capped).abs().max().item() > 3e-3
+
+
 @pytest.mark.parametrize("feature", ["attention soft-capping", "sliding window"])
 def test_gemma_features_change_the_logits(feature: str) -> None:
     """Guards the Gemma 2 fixture: without its soft cap of attention scores, or without its window, the
@@ -340,6 +356,27 @@ def test_gemma_in_bfloat16_stays_close_to_transformers(kind: str) -> None:
     logits = prompt_logits(model, cache, prompts, "chunked", decode_kernel=cpu_kernel_or_skip())
     ref = _hf_last_logits(hf_model, prompts)
     assert (logits - ref).abs().max().item() <= 0.05 * ref.abs().max().item() + 0.02
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", ["gemma2_softcap_window", "gemma3_local_rope"])
+def test_gemma_in_bfloat16_is_as_close_to_float32_as_transformers_bfloat16(kind: str, mode: Mode) -> None:
+    """Gemma's norms in bfloat16 round as transformers' do (scaled by ``1 + weight`` in float32, rounded
+    once): on the PyTorch path, from the bfloat16 weights of transformers' bfloat16 model, our logits are at
+    most 1.5x as far from transformers' float32 ones as that model's (1.0x Gemma 2, 1.3-1.4x Gemma 3; in the
+    Llama order, rounded, then scaled by a rounded ``1 + weight``, they were 1.5x and 2.1-2.3x)."""
+    hf_model = _tiny_hf_model(kind)
+    config = ModelConfig.from_hf_dict(hf_model.config.to_dict())
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+    ref = _hf_last_logits(hf_model, prompts)
+    hf_model.to(torch.bfloat16)
+    theirs = (_hf_last_logits(hf_model, prompts).float() - ref).abs().max().item()
+    model = build_model(config, torch.bfloat16, "cpu")
+    model.load_weights(hf_model.state_dict().items())
+    cache = KVCache(2, 64, 4, config.num_key_value_heads, config.head_dim, torch.bfloat16, "cpu")
+    ours = (prompt_logits(model, cache, prompts, mode) - ref).abs().max().item()
+    assert ours <= 1.5 * theirs
 
 
 # ---------------------------------------------------------------------- load_weights errors

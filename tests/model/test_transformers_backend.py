@@ -101,7 +101,10 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def reference(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
     """transformers' greedy ``generate()`` of each prompt on ``folder`` (``MAX_NEW`` tokens, no EOS stop)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    # NOTE: eager attention soft-caps Gemma 2's scores in every transformers 5.x (5.17 ran SDPA, which did not)
+    capped = getattr(transformers.AutoConfig.from_pretrained(folder), "attn_logit_softcapping", None)
+    attn = {"attn_implementation": "eager"} if capped else {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **attn).eval()
     return [
         model.generate(
             torch.tensor([p]),

@@ -39,7 +39,7 @@ class CpuOps:
         lib = ctypes.CDLL(str(path))
         i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
         self._rms_norm = lib.cbserve_rms_norm
-        self._rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, i64, f32, i32]
+        self._rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, i64, f32, i32, i32]
         self._rms_norm.restype = None
         self._silu_and_mul = lib.cbserve_silu_and_mul
         self._silu_and_mul.argtypes = [ptr, ptr, i64, i64, i64, i32]
@@ -69,18 +69,21 @@ class CpuOps:
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
     ) -> torch.Tensor:
         """RMSNorm of ``x`` ``[rows, hidden]``; with ``residual``, first ``residual += x`` (in place) and
-        the norm of the new ``residual``."""
-        bf16 = self._check(x, weight, *(() if residual is None else (residual,)))
+        the norm of the new ``residual``. ``weight`` in ``x``'s dtype, or float32 (Gemma's: bfloat16 rows
+        are then scaled in float32 and rounded once, as ``RMSNorm`` does)."""
+        bf16 = self._check(x, *(() if residual is None else (residual,)))
+        f32_weight = weight.dtype == torch.float32
+        if not f32_weight:
+            self._check(x, weight)
         rows, cols, x_stride = _rows_of(x)
-        if weight.shape != (cols,) or not weight.is_contiguous():
-            raise ValueError(f"weight of shape {tuple(weight.shape)} for rows of {cols}")
+        if weight.device.type != "cpu" or weight.shape != (cols,) or not weight.is_contiguous():
+            raise ValueError(f"weight of shape {tuple(weight.shape)} on {weight.device} for rows of {cols}")
         if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):
             raise ValueError("the residual must be a contiguous tensor of x's shape")
         out = torch.empty(rows, cols, dtype=x.dtype)
         res_ptr = None if residual is None else residual.data_ptr()
-        self._rms_norm(
-            out.data_ptr(), cols, res_ptr, x.data_ptr(), x_stride, weight.data_ptr(), rows, cols, eps, bf16
-        )
+        args = (out.data_ptr(), cols, res_ptr, x.data_ptr(), x_stride, weight.data_ptr(), rows, cols, eps)
+        self._rms_norm(*args, bf16, int(f32_weight))
         return out
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

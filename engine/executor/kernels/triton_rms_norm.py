@@ -1,5 +1,6 @@
 """RMSNorm on CUDA in one Triton kernel: one program a row reads the row once, normalises it in float32,
-rounds it to the model's dtype and scales it, as ``RMSNorm`` does (engine/executor/models/layers.py).
+rounds it to the model's dtype and scales it, as ``RMSNorm`` does (engine/executor/models/layers.py); with
+a float32 weight (Gemma's), scales it in float32 and rounds once, as ``RMSNorm`` does then.
 
 Why: PyTorch's path for ``RMSNorm.forward`` is five kernels (the float32 copy, the norm's reduction and
 scaling, the cast back, the weight's product), each a pass over the activations; a decode step runs 65 of
@@ -29,22 +30,27 @@ def _kernel() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, BLOCK: tl.constexpr):
+    def rms_norm_kernel(
+        x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, BLOCK: tl.constexpr, SCALE_IN_FLOAT32: tl.constexpr
+    ):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < N
         x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
-        normed = (x * rstd).to(out_ptr.dtype.element_ty)  # as RMSNorm: rounded, then scaled
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0)
-        out = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        normed = x * rstd
+        if not SCALE_IN_FLOAT32:  # as RMSNorm with a weight in the model's dtype: rounded, then scaled
+            normed = normed.to(out_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        out = (w * normed).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * stride_o + cols, out, mask=ok)
 
     return rms_norm_kernel
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``RMSNorm``'s arithmetic over the last axis of ``x``, one program a row."""
+    """``RMSNorm``'s arithmetic over the last axis of ``x``, one program a row (``weight`` in ``x``'s dtype,
+    or float32: scaled before the rounding)."""
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
     if x2.stride(-1) != 1:
@@ -52,7 +58,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         block = 1 << max(n - 1, 0).bit_length()
-        _kernel()[(x2.shape[0],)](x2, weight, out, x2.stride(0), out.stride(0), n, eps, BLOCK=block)
+        args = (x2, weight, out, x2.stride(0), out.stride(0), n, eps)
+        _kernel()[(x2.shape[0],)](*args, BLOCK=block, SCALE_IN_FLOAT32=weight.dtype == torch.float32)
     return out.reshape(x.shape)
 
 

@@ -39,7 +39,9 @@ class DecoderStack(nn.Module):
         super().__init__()
         self.embed_tokens = empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(layer(config, i, dtype, device) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, dtype, device, config.norms_scale_in_float32
+        )
 
 
 class DecoderOnlyLM(nn.Module):

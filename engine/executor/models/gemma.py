@@ -20,8 +20,11 @@ paths swap the same modules (engine/executor/fast_paths.py, the GELU gate too); 
 (engine/executor/decode_stack.py) runs the layers from ``decoder_table``.
 
 NOTE: the ``(1 + weight)`` of the norms is added to the loaded weights once (``fold_into_weights``), so the
-norms are the Llama code's ``RMSNorm`` and take the fused CPU op. In float32 that is the same arithmetic as
-transformers'; in bfloat16 the sum is rounded once at load.
+norms are the Llama code's ``RMSNorm`` and take the fused ops (CPU, Triton). Their weights are float32
+(``ModelConfig.norms_scale_in_float32``) in any dtype: the sum is transformers' ``1.0 + weight.float()``,
+and the norm is scaled in float32 and rounded once, as transformers' Gemma norms do (in bfloat16 the
+Llama order, rounded then scaled by a rounded ``1 + weight``, took the logits twice as far from
+transformers' float32 ones as transformers' own bfloat16).
 """
 
 from __future__ import annotations
@@ -61,14 +64,15 @@ class GemmaDecoderLayer(nn.Module):
         self, config: ModelConfig, layer_index: int, dtype: torch.dtype, device: torch.device
     ) -> None:
         super().__init__()
-        hidden, eps = config.hidden_size, config.rms_norm_eps
+        hidden = config.hidden_size
+        norm = (hidden, config.rms_norm_eps, dtype, device, config.norms_scale_in_float32)  # float32 weights
         self.window = config.layer_window(layer_index)  # None: a global layer
-        self.input_layernorm = RMSNorm(hidden, eps, dtype, device)
+        self.input_layernorm = RMSNorm(*norm)
         self.self_attn = Attention(config, layer_index, dtype, device)
-        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device)
-        self.pre_feedforward_layernorm = RMSNorm(hidden, eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(*norm)
+        self.pre_feedforward_layernorm = RMSNorm(*norm)
         self.mlp = GatedMLP(hidden, config.intermediate_size, dtype, device, GeluTanhAndMul())
-        self.post_feedforward_layernorm = RMSNorm(hidden, eps, dtype, device)
+        self.post_feedforward_layernorm = RMSNorm(*norm)
 
     def forward(
         self,
@@ -184,7 +188,8 @@ class GemmaForCausalLM(DecoderOnlyLM):
 
     def fold_into_weights(self) -> None:
         """Gemma's RMSNorms scale by ``1 + weight`` (checkpoints store the offset from 1): the 1 is added
-        here, once, so the norms are plain RMSNorms (and the fused CPU op takes them)."""
+        here, once, in float32 (the norms' weights' dtype), so the norms are plain RMSNorms (and the fused
+        ops take them)."""
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.weight.add_(1.0)

@@ -49,15 +49,25 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """``weight * x / sqrt(mean(x^2) + eps)`` over the last axis, computed in fp32 as transformers does."""
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last axis, normalised in float32 as transformers does.
 
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+    The weight's dtype says where the result is rounded to ``x``'s dtype, in the order of the model's
+    transformers code: a weight in the model's dtype scales the rounded norm (Llama: ``weight *
+    normed.to(dtype)``, two roundings in bfloat16); a float32 weight (``scale_in_float32``: Gemma, whose
+    ``(1 + weight)`` transformers computes in float32) scales the float32 norm, rounded once. In a float32
+    model both are the same product."""
+
+    def __init__(
+        self, dim: int, eps: float, dtype: torch.dtype, device: torch.device, scale_in_float32: bool = False
+    ) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = empty_param(dim, dtype=dtype, device=device)
+        self.weight = empty_param(dim, dtype=torch.float32 if scale_in_float32 else dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        if self.weight.dtype == torch.float32:
+            return (normed * self.weight).to(x.dtype)
         return self.weight * normed.to(x.dtype)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

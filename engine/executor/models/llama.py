@@ -69,8 +69,8 @@ class Attention(nn.Module):
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
+            norm = (self.head_dim, config.rms_norm_eps, dtype, device, config.norms_scale_in_float32)
+            self.q_norm, self.k_norm = RMSNorm(*norm), RMSNorm(*norm)
 
     def forward(
         self,

@@ -10,6 +10,7 @@
  * here at the same point (round to nearest even), so the results are those of the PyTorch path in
  * engine/executor/models/layers.py up to the order of the float32 sums (and libm's expf against torch's exp):
  *   rms_norm:     residual = bf16(residual + x); out = bf16(weight * bf16(h * inv_rms))
+ *                 with a float32 weight (Gemma's 1 + w): out = bf16(weight * (h * inv_rms)), rounded once
  *   silu_and_mul: out = bf16(bf16(silu(gate)) * up)      (gelu_tanh_and_mul likewise)
  *   rotary:       out = bf16(bf16(x * cos) + rolled * sin_signed)     (torch.addcmul rounds once)
  * Rows are split over threads with OpenMP when there are enough of them to pay for it.
@@ -112,8 +113,11 @@ INLINE v16f exp16(v16f x) { /* vectorised by the compiler into libmvec's SIMD ex
     return r;
 }
 
+/* `f32_weight`: the weight is float32 and scales the float32 norm, rounded once (else the weight has the rows'
+ * dtype and scales the norm rounded to it: the same in float32) */
 INLINE void rms_norm_row(void *out, void *residual, const void *x, const void *weight, int64_t cols, float eps,
-                         const int bf16) {
+                         const int bf16, const int f32_weight) {
+    const int bf16_weight = bf16 && !f32_weight; /* and the norm rounded to bfloat16 before it scales it */
     const int64_t vec_end = cols - cols % LANES;
     const void *h = residual != NULL ? residual : x;
     v16f sum16 = {0};
@@ -139,9 +143,9 @@ INLINE void rms_norm_row(void *out, void *residual, const void *x, const void *w
     for (int j = 0; j < LANES; j++) sum += sum16[j];
     const float inv_rms = 1.0f / sqrtf(sum / (float)cols + eps);
     for (int64_t c = 0; c < vec_end; c += LANES)
-        store16(out, c, load16(weight, c, bf16) * round16(load16(h, c, bf16) * inv_rms, bf16), bf16);
+        store16(out, c, load16(weight, c, bf16_weight) * round16(load16(h, c, bf16) * inv_rms, bf16_weight), bf16);
     for (int64_t c = vec_end; c < cols; c++)
-        store(out, c, load(weight, c, bf16) * round_to(load(h, c, bf16) * inv_rms, bf16), bf16);
+        store(out, c, load(weight, c, bf16_weight) * round_to(load(h, c, bf16) * inv_rms, bf16_weight), bf16);
 }
 
 INLINE void silu_and_mul_row(void *out, const void *gate, const void *up, int64_t inter, const int bf16) {
@@ -204,7 +208,7 @@ INLINE void rotary_head(void *x, const void *c, const void *s, int64_t half, con
 
 /* float32 rows, for the decode stack and the entry points below alike */
 NOIPA void rms_norm_f32(float *out, float *residual, const float *x, const float *weight, int64_t cols, float eps) {
-    rms_norm_row(out, residual, x, weight, cols, eps, 0);
+    rms_norm_row(out, residual, x, weight, cols, eps, 0, 0);
 }
 
 NOIPA void silu_and_mul_f32(float *out, const float *gate, const float *up, int64_t inter) {
@@ -220,7 +224,13 @@ NOIPA void rotary_f32(float *x, const float *c, const float *s, int64_t half) { 
 /* bfloat16 rows (uint16_t bits), for the decode stack and the entry points below alike */
 NOIPA void rms_norm_bf16(uint16_t *out, uint16_t *residual, const uint16_t *x, const uint16_t *weight, int64_t cols,
                          float eps) {
-    rms_norm_row(out, residual, x, weight, cols, eps, 1);
+    rms_norm_row(out, residual, x, weight, cols, eps, 1, 0);
+}
+
+/* bfloat16 rows with a float32 weight, scaled before the one rounding (Gemma's norms) */
+NOIPA void rms_norm_bf16_f32_weight(uint16_t *out, uint16_t *residual, const uint16_t *x, const float *weight,
+                                    int64_t cols, float eps) {
+    rms_norm_row(out, residual, x, weight, cols, eps, 1, 1);
 }
 
 NOIPA void silu_and_mul_bf16(uint16_t *out, const uint16_t *gate, const uint16_t *up, int64_t inter) {
@@ -239,13 +249,16 @@ NOIPA void rotary_bf16(uint16_t *x, const uint16_t *c, const uint16_t *s, int64_
 #define AT(p, i) ((void *)((char *)(p) + (i) * (bf16 ? 2 : 4)))
 #define CAT(p, i) ((const void *)((const char *)(p) + (i) * (bf16 ? 2 : 4)))
 
-/* out, x: [rows, cols] with row strides; residual (NULL: none): [rows, cols] contiguous, updated in place */
+/* out, x: [rows, cols] with row strides; residual (NULL: none): [rows, cols] contiguous, updated in place;
+ * weight: [cols], in the rows' dtype, or float32 where f32_weight (bfloat16 rows: scaled before rounding) */
 void cbserve_rms_norm(void *out, int64_t out_stride, void *residual, const void *x, int64_t x_stride,
-                      const void *weight, int64_t rows, int64_t cols, float eps, int bf16) {
+                      const void *weight, int64_t rows, int64_t cols, float eps, int bf16, int f32_weight) {
 #pragma omp parallel for schedule(static) if (rows * cols >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         void *res = residual != NULL ? AT(residual, r * cols) : NULL;
-        if (bf16)
+        if (bf16 && f32_weight)
+            rms_norm_bf16_f32_weight(AT(out, r * out_stride), res, CAT(x, r * x_stride), weight, cols, eps);
+        else if (bf16)
             rms_norm_bf16(AT(out, r * out_stride), res, CAT(x, r * x_stride), weight, cols, eps);
         else
             rms_norm_f32((float *)out + r * out_stride, res, (const float *)x + r * x_stride, weight, cols, eps);

@@ -65,6 +65,7 @@ typedef struct {
     float eps, scale, softcap /* <= 0: none */;
     const void *final_norm;        /* [hidden] */
     int64_t bf16;                  /* 1: weights, activations and the KV cache in bfloat16; 0: float32 */
+    int64_t f32_norms;             /* 1: every norm's weight float32, scaling before the rounding (Gemma) */
 } cbserve_model;
 
 /* y[:, 0:N] = x W^T (+ b) for M rows: the output panels shared out among the threads of the region; from
@@ -142,7 +143,9 @@ typedef struct {
 
 static inline void norm(const step *st, void *out, void *residual, const void *x, const void *w, int64_t n,
                         float eps) {
-    if (st->bf16)
+    if (st->bf16 && st->m->f32_norms)
+        rms_norm_bf16_f32_weight(out, residual, x, w, n, eps);
+    else if (st->bf16)
         rms_norm_bf16(out, residual, x, w, n, eps);
     else
         rms_norm_f32(out, residual, x, w, n, eps);
