@@ -5,8 +5,9 @@
 # (--seed), so no run is served from a prefix cache that an earlier run filled.
 #
 #   bench/compare_servers.sh OUTDIR [SYSTEM ...]
-#       SYSTEM: cbserve cbserve-bf16 cbserve-bi cbserve-bf16-bi cbserve-spec transformers transformers-bf16
-#       llamacpp vllm (-bi: cbserve with --batch-invariant; -spec: with prompt lookup speculative decoding,
+#       SYSTEM: cbserve cbserve-bf16 cbserve-bf16-mixed cbserve-bi cbserve-bf16-bi cbserve-spec transformers transformers-bf16
+#       llamacpp vllm (-bi: cbserve with --batch-invariant; -mixed: with
+#       --max-mixed-prefill-tokens MIXED_CAP (default 256); -spec: with prompt lookup speculative decoding,
 #       SPEC_CONFIG; vllm: vLLM's CPU build in bfloat16, bench/peers.sh vllm)
 #
 # Environment: CONCURRENCIES (default "1 8 16 32"), INPUT_LEN (128), OUTPUT_LEN (64), LLAMACPP_PYTHON
@@ -35,6 +36,8 @@ start() {  # start SYSTEM in the background on $PORT; sets PID and EXTRA
     case "$1" in
         cbserve) .venv/bin/cbserve serve --port "$PORT" --dtype float32 --max-num-seqs 64 --log-level warning & ;;
         cbserve-bf16) .venv/bin/cbserve serve --port "$PORT" --dtype bfloat16 --max-num-seqs 64 --log-level warning & ;;
+        cbserve-bf16-mixed) .venv/bin/cbserve serve --port "$PORT" --dtype bfloat16 --max-num-seqs 64 \
+            --max-mixed-prefill-tokens "${MIXED_CAP:-256}" --log-level warning & ;;
         cbserve-bi|cbserve-bf16-bi)
             if [[ "$1" == cbserve-bf16-bi ]]; then DTYPE=bfloat16; else DTYPE=float32; fi
             .venv/bin/cbserve serve --port "$PORT" --dtype "$DTYPE" --batch-invariant --max-num-seqs 64 \

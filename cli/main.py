@@ -177,6 +177,12 @@ def _add_serve_flags(serve: argparse.ArgumentParser) -> None:
     a("--scheduler", choices=["fifo", "prefill_first"], default="fifo")
     a("--max-batch-tokens", type=_positive_int, default=2048, help="tokens computed per engine step, at most")
     a("--max-num-seqs", type=_positive_int, default=64, help="sequences running at once, at most")
+    a(
+        "--max-mixed-prefill-tokens",
+        type=_positive_int,
+        default=None,
+        help="prompt tokens in a step that also decodes (default: --max-batch-tokens)",
+    )
     a("--block-size", type=_positive_int, default=16, help="tokens per KV-cache block")
     a("--kv-cache-memory", type=parse_bytes, default=None, help="KV-cache size in bytes (2GiB, 512MiB, ...)")
     a("--num-blocks", type=_positive_int, default=None, help="KV-cache size in blocks (instead of bytes)")
@@ -395,6 +401,7 @@ def _load_engine(args: argparse.Namespace) -> Any:
             scheduler=args.scheduler,
             max_batch_tokens=args.max_batch_tokens,
             max_num_seqs=args.max_num_seqs,
+            max_mixed_prefill_tokens=args.max_mixed_prefill_tokens,
             block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory,
             num_blocks=args.num_blocks,

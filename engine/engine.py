@@ -63,6 +63,9 @@ class CacheOptions:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
     safety_margin: float = 0.2
+    max_mixed_prefill_tokens: int | None = (
+        None  # prompt tokens in a step that also decodes (scheduler/config.py)
+    )
     enforce_eager: bool = False  # CUDA: no graphs of the decode step (engine/executor/cuda_graphs.py)
 
 
@@ -259,6 +262,7 @@ class Engine:
             block_size=self.block_size,
             num_blocks=self.num_blocks,
             safety_margin=opts["safety_margin"],
+            max_mixed_prefill_tokens=opts["max_mixed_prefill_tokens"],
             enable_prefix_caching=opts["enable_prefix_caching"],
             max_model_len=self.max_model_len,
             enable_kv_cache_events=enable_kv_cache_events,

@@ -165,6 +165,8 @@ class Scheduler(ABC):
         batch = ScheduledBatch()
         chunks: dict[str, ScheduledRequest] = {}  # insertion order is the batch order
         budget = self.config.max_batch_tokens
+        prefill_budget = self._prefill_budget()  # of those, prompt tokens (chunks of prefills)
+        prefills: dict[str, int] = {}  # this step's prefill chunks: their tokens
         preempted = False
 
         for req in self.order_running(self._running):
@@ -173,7 +175,10 @@ class Scheduler(ABC):
             if len(chunks) >= self.config.max_num_seqs or budget == 0:
                 break
             drafts = self._schedulable_drafts(req, budget)
-            num_new = min(req.num_uncomputed_tokens, budget) + len(drafts)
+            known = req.num_uncomputed_tokens
+            if req.status is not RequestStatus.DECODING:
+                known = min(known, prefill_budget)
+            num_new = min(known, budget) + len(drafts)
             if num_new <= 0:
                 continue
             num_tokens = req.num_computed_tokens + num_new
@@ -184,6 +189,7 @@ class Scheduler(ABC):
                     dropped = chunks.pop(victim.request_id, None)
                     if dropped is not None:
                         budget += dropped.num_tokens
+                        prefill_budget += prefills.pop(victim.request_id, 0)
                     self._preempt(victim, batch)
                 preempted = True
                 if req.status is RequestStatus.WAITING:
@@ -193,14 +199,24 @@ class Scheduler(ABC):
             self.kv_manager.allocate_slots(req.request_id, num_tokens)
             chunks[req.request_id] = self._chunk(req, num_new, drafts)
             budget -= num_new
+            if req.status is not RequestStatus.DECODING:
+                prefills[req.request_id] = num_new
+                prefill_budget -= num_new
 
         if not preempted:
-            budget = self._admit_waiting(chunks, budget)
+            self._admit_waiting(chunks, min(budget, prefill_budget))
 
         batch.requests = list(chunks.values())
         # The engine copies before this step's forward (copy-on-write of forks scheduled for the first time).
         batch.blocks_to_copy = self.kv_manager.take_pending_copies(chunks)
         return batch
+
+    def _prefill_budget(self) -> int:
+        """The prompt tokens this step may compute: ``max_mixed_prefill_tokens`` while a request decodes."""
+        cap = self.config.max_mixed_prefill_tokens
+        if cap is not None and any(r.status is RequestStatus.DECODING for r in self._running):
+            return cap
+        return self.config.max_batch_tokens
 
     def _admit_waiting(self, chunks: dict[str, ScheduledRequest], budget: int) -> int:
         """Admit waiting requests in arrival order while everything allows; returns the budget left."""

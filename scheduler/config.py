@@ -18,6 +18,10 @@ class SchedulerConfig:
     - ``enable_prefix_caching``: reuse the KV blocks of equal prompt prefixes.
     - ``max_model_len``: the longest sequence (prompt + generated) a request may reach, or None for no limit.
     - ``enable_kv_cache_events``: record the prefix cache's changes for KV-aware routers (kvcache/events.py).
+    - ``max_mixed_prefill_tokens``: prompt tokens (prefill chunks) in a step that also decodes, or None for
+      the whole ``max_batch_tokens``. A step's time grows with its prefill tokens, and every decoding
+      request waits for the whole step: a smaller cap bounds their inter-token latency while prompts are
+      prefilled beside them, at the price of more steps to prefill them (a later first token).
     """
 
     max_batch_tokens: int = 2048
@@ -28,6 +32,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
     enable_kv_cache_events: bool = False
+    max_mixed_prefill_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "max_batch_tokens", "max_num_seqs", "block_size"):
@@ -46,6 +51,12 @@ class SchedulerConfig:
         ):
             raise ValueError(
                 f"SchedulerConfig.max_model_len must be a positive int or None, got {self.max_model_len!r}"
+            )
+
+        cap = self.max_mixed_prefill_tokens
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+            raise ValueError(
+                f"SchedulerConfig.max_mixed_prefill_tokens must be a positive int or None, got {cap!r}"
             )
 
     @property

@@ -17,7 +17,9 @@ from engine.loader.model_loader import LoadedModel
 from engine.manager import ContinuousBatchingManager
 from engine.outputs import RequestStatus
 from scheduler.errors import RequestTooLargeError
+from scheduler.fifo import FIFOScheduler
 from scheduler.request import FinishReason
+from scheduler.request import RequestStatus as SchedulerStatus
 
 pytestmark = pytest.mark.slow  # the real model, float32
 
@@ -101,6 +103,33 @@ def test_concurrent_equals_one_at_a_time(engine, prompts, reference, policy, pre
     assert got == reference
     if prefix_caching:
         assert scheduler.prefix_cache_hits > 0  # the shared system prefix was reused
+
+
+def test_prompts_beside_decodes_take_at_most_max_mixed_prefill_tokens(
+    engine, prompts, reference, monkeypatch
+):
+    """Every step that decodes carries at most 8 prompt tokens (the rest of the 64-token budget unused
+    while anyone decodes); the outputs are those of each prompt alone. (That prompts alone take the whole
+    budget: tests/scheduler/test_scheduler_fifo.py; here the requests arrive while the loop runs.)"""
+    steps: list[tuple[int, int]] = []  # per step: (decoding rows, prompt tokens)
+    schedule = FIFOScheduler.schedule
+
+    def recorded(self):
+        batch = schedule(self)
+        decodes = [c for c in batch.requests if c.request.status is SchedulerStatus.DECODING]
+        steps.append(
+            (len(decodes), sum(c.num_tokens for c in batch.requests) - sum(c.num_tokens for c in decodes))
+        )
+        return batch
+
+    monkeypatch.setattr(FIFOScheduler, "schedule", recorded)
+    got, scheduler = run_concurrently(
+        engine, prompts, max_batch_tokens=64, max_mixed_prefill_tokens=8, enable_prefix_caching=False
+    )
+    assert scheduler.config.max_mixed_prefill_tokens == 8
+    assert got == reference
+    mixed = [prompt for decodes, prompt in steps if decodes and prompt]
+    assert mixed and max(mixed) <= 8
 
 
 def test_preemption_keeps_outputs(engine, prompts, reference):

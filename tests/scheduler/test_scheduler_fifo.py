@@ -86,6 +86,36 @@ def test_decodes_go_first_and_prefill_takes_the_rest_of_the_budget(
     assert plan(batch) == [("a", 4, 1), ("b", 7, 7)]
 
 
+@pytest.mark.parametrize("policy", ["fifo", "prefill_first"])
+def test_max_mixed_prefill_tokens_caps_prompts_beside_decodes(
+    make: Callable[..., Scheduler],
+    req: Callable[..., Request],
+    engine_step: Callable[[Scheduler, ScheduledBatch], list[Request]],
+    plan: Callable[[ScheduledBatch], list[tuple[str, int, int]]],
+    policy: str,
+) -> None:
+    """Alone, a prompt takes the whole budget; beside a decoding request, its chunks (running or newly
+    admitted, together) take at most the cap, and the decode its one token."""
+    s = make(num_blocks=32, max_batch_tokens=8, max_mixed_prefill_tokens=3, policy=policy)
+    a = req("a", 10, max_new=10)
+    s.add_request(a)
+    assert plan(s.schedule()) == [("a", 0, 8)]  # nobody decodes: the whole budget
+    s.finish_request("a", FinishReason.ABORT)
+    a = req("a2", 3, max_new=10)
+    s.add_request(a)
+    engine_step(s, s.schedule())
+    assert a.status is RequestStatus.DECODING
+    s.add_request(req("b", 20, max_new=2, start=100))
+    s.add_request(req("c", 20, max_new=2, start=200))
+    batch = s.schedule()
+    assert sorted(plan(batch)) == [("a2", 3, 1), ("b", 0, 3)]  # c waits: b took the 3 prompt tokens
+    engine_step(s, batch)
+    batch = s.schedule()
+    assert sorted(plan(batch)) == [("a2", 4, 1), ("b", 3, 3)]
+    with pytest.raises(ValueError, match="max_mixed_prefill_tokens"):
+        SchedulerConfig(num_blocks=4, max_mixed_prefill_tokens=0)
+
+
 def test_max_num_seqs_caps_the_batch(make: Callable[..., Scheduler], req: Callable[..., Request]) -> None:
     s = make(num_blocks=32, max_num_seqs=2)
     for i in range(3):
