@@ -13,7 +13,9 @@ from numpy.lib.stride_tricks import sliding_window_view
 def propose_ngram(token_ids: Sequence[int], min_n: int, max_n: int, num_tokens: int) -> list[int]:
     """Up to ``num_tokens`` drafts for ``token_ids`` (prompt + output): for n from ``max_n`` down to
     ``min_n``, the last n tokens are looked up among the earlier n-grams, and the tokens after the latest
-    match are the drafts; [] when no n-gram matches."""
+    match are the drafts; [] when no n-gram matches. A match whose continuation reaches the end of the
+    sequence continues periodically: the sequence is taken to repeat with the match's distance from the
+    end as its period (a loop, a repeated line), as its own drafts say it does."""
     length = len(token_ids)
     if num_tokens < 1 or length < min_n + 1:
         return []
@@ -24,5 +26,6 @@ def propose_ngram(token_ids: Sequence[int], min_n: int, max_n: int, num_tokens: 
         matches = np.flatnonzero((windows == ids[length - n :]).all(axis=1))
         if matches.size:
             start = int(matches[-1]) + n
-            return ids[start : start + num_tokens].tolist()
+            period = length - start  # the match's tokens stand that far before the suffix's
+            return ids[start + np.arange(num_tokens) % period].tolist()
     return []

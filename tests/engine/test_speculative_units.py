@@ -33,13 +33,22 @@ def test_ngram_takes_the_longest_suffix_and_its_latest_match() -> None:
     assert propose_ngram(tokens, 1, 3, 1) == [8]
 
 
-def test_ngram_gives_nothing_without_a_match_and_stops_at_the_end() -> None:
+def test_ngram_gives_nothing_without_a_match() -> None:
     assert propose_ngram([1, 2, 3, 4], 1, 3, 4) == []
     assert propose_ngram([1, 2, 3, 4], 2, 3, 4) == []
-    assert propose_ngram([7, 7], 1, 3, 4) == [7]  # the match's continuation is only what exists
     assert propose_ngram([7], 1, 3, 4) == []
     assert propose_ngram([1, 2, 1, 2], 1, 3, 0) == []
     assert propose_ngram([1, 2, 9, 1, 2], 3, 3, 4) == []  # min_n: shorter matches do not count
+
+
+def test_ngram_match_that_reaches_the_end_continues_periodically() -> None:
+    # (1 2 3) matches at 0; its continuation runs into the end after 3 tokens: the loop goes on
+    assert propose_ngram([1, 2, 3, 1, 2, 3], 1, 3, 7) == [1, 2, 3, 1, 2, 3, 1]
+    assert propose_ngram([7, 7], 1, 3, 4) == [7, 7, 7, 7]  # a period of one token
+    # (4 5) matches two tokens before the suffix: a period of 2
+    assert propose_ngram([9, 4, 5, 4, 5], 2, 2, 5) == [4, 5, 4, 5, 4]
+    # a match whose continuation is long enough is not extended
+    assert propose_ngram([1, 2, 3, 4, 5, 1, 2], 2, 2, 3) == [3, 4, 5]
 
 
 # ---------------------------------------------------------------------------------------- schedule
@@ -74,9 +83,16 @@ def test_request_speculation_over_the_servers() -> None:
         {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 4}
     )
     assert speculation_for(GenerationConfig(), None) is None
-    assert speculation_for(GenerationConfig(), ngram) == Speculation("ngram", 6, 1, 4, "heuristic")
+    # prompt lookup drafts its most tokens every step unless asked otherwise; models that draft adapt
+    assert speculation_for(GenerationConfig(), ngram) == Speculation("ngram", 6, 1, 4, "constant")
     mine = GenerationConfig(prompt_lookup_num_tokens=3, max_matching_ngram_size=2)
-    assert speculation_for(mine, None) == Speculation("ngram", 3, 1, 2, "heuristic")
+    assert speculation_for(mine, None) == Speculation("ngram", 3, 1, 2, "constant")
+    adapting = GenerationConfig(num_assistant_tokens_schedule="heuristic")
+    assert speculation_for(adapting, ngram) == Speculation("ngram", 6, 1, 4, "heuristic")
+    heuristic_server = SpeculativeConfig.from_dict(
+        {"method": "ngram", "num_assistant_tokens_schedule": "heuristic"}
+    )
+    assert speculation_for(GenerationConfig(), heuristic_server).schedule == "heuristic"
     assert speculation_for(GenerationConfig(prompt_lookup_num_tokens=0), ngram) is None
     fewer = GenerationConfig(num_assistant_tokens=2, num_assistant_tokens_schedule="constant")
     assert speculation_for(fewer, ngram) == Speculation("ngram", 2, 1, 4, "constant")
@@ -106,12 +122,20 @@ class Decoder:
 VOCAB = 5
 
 
-def sequences(num: int, config: GenerationConfig) -> list[Sequence]:
+def sequences(num: int, config: GenerationConfig, name: str = "r") -> list[Sequence]:
     out = []
     for i in range(num):
         cfg = config.merged(seed=i)
         group = SequenceGroup(
-            f"r{i}", [1, 2], cfg, 8, SyncSink(f"r{i}", queue.Queue(), 1), False, False, Decoder(), ()
+            f"{name}{i}",
+            [1, 2],
+            cfg,
+            8,
+            SyncSink(f"{name}{i}", queue.Queue(), 1),
+            False,
+            False,
+            Decoder(),
+            (),
         )
         out.append(group.start())
     return out
