@@ -207,6 +207,20 @@ def test_greedy_verification_stops_at_the_first_mismatch_and_takes_the_bonus() -
     assert [num_accepted(r, step) for r in runs] == [3, 1, 0]
 
 
+def test_greedy_rows_with_a_processor_see_the_drafts_accepted_before_them() -> None:
+    # A plain greedy row reads its logits alone (its rows are chosen at once); a repetition penalty reads
+    # the tokens accepted so far, so its row after the draft 4 must see that 4 and take 0 instead.
+    sampler = Sampler(VOCAB)
+    outputs = OutputProcessor()
+    (plain,) = sequences(1, GenerationConfig(max_new_tokens=8))
+    (penalised,) = sequences(1, GenerationConfig(max_new_tokens=8, repetition_penalty=2.0), name="p")
+    step = first_tokens(sampler, outputs, [plain, penalised], torch.tensor([[0.0, 0, 0, 5, 0]]))
+    rows = torch.tensor([[0.0, 0, 0, 0, 5], [1.5, 0, 0, 0, 2], [0, 0, 1, 0, 0]])  # after 3, after 4, bonus
+    verify_drafts(sampler, outputs, [VerifyRun(s, (3, 4, 4), rows) for s in (plain, penalised)], step)
+    assert step.new_tokens[plain.scheduler_id] == [3, 4, 4, 2]
+    assert step.new_tokens[penalised.scheduler_id] == [3, 4, 0]
+
+
 def test_a_stop_token_inside_the_run_ends_it_there() -> None:
     sampler = Sampler(VOCAB)
     outputs = OutputProcessor()
