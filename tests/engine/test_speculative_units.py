@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import queue
+import random
 
 import pytest
 import torch
@@ -17,12 +18,45 @@ from engine.output_processor import OutputProcessor, StepTokens
 from engine.request_handle import SyncSink
 from engine.sequence_group import Sequence, SequenceGroup
 from engine.speculative.config import SpeculativeConfig, speculation_for
-from engine.speculative.ngram import propose_ngram
+from engine.speculative.ngram import NgramIndex
 from engine.speculative.speculator import SpecDecodeStats
 from engine.speculative.verifier import VerifyRun, num_accepted, verify_drafts
 
 
 # ---------------------------------------------------------------------------------------- n-gram
+def propose_ngram(token_ids: list[int], min_n: int, max_n: int, num_tokens: int) -> list[int]:
+    index = NgramIndex(min_n, max_n)
+    index.update(token_ids, [])
+    return index.propose(num_tokens)
+
+
+def latest_longest_match(token_ids: list[int], min_n: int, max_n: int, num_tokens: int) -> list[int]:
+    """The rule, by its definition: a search of the whole sequence."""
+    length = len(token_ids)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        starts = [s for s in range(length - n) if token_ids[s : s + n] == token_ids[length - n :]]
+        if starts and num_tokens > 0:
+            start = starts[-1] + n
+            return [token_ids[start + i % (length - start)] for i in range(num_tokens)]
+    return []
+
+
+def test_ngram_index_kept_as_the_sequence_grows_proposes_what_a_search_finds() -> None:
+    rng = random.Random(3)
+    for trial in range(200):
+        vocab = rng.randint(2, 6)
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(0, 12))]
+        output: list[int] = []
+        min_n = rng.randint(1, 3)
+        index = NgramIndex(min_n, rng.randint(min_n, 4))
+        for _ in range(rng.randint(1, 8)):  # steps: a few tokens accepted at each
+            output += [rng.randrange(vocab) for _ in range(rng.randint(0, 4))]
+            index.update(prompt, output)
+            k = rng.randint(0, 6)
+            expected = latest_longest_match(prompt + output, index.min_n, index.max_n, k)
+            assert index.propose(k) == expected, (trial, prompt, output)
+
+
 def test_ngram_takes_the_longest_suffix_and_its_latest_match() -> None:
     #          0  1  2  3  4  5  6  7  8  9 10 11
     tokens = [5, 6, 7, 8, 9, 1, 6, 7, 2, 3, 5, 6, 7]
