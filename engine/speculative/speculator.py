@@ -57,9 +57,10 @@ class Speculator:
         self.early_exit = early_exit  # None: the model cannot draft with its first layers
         self.draft_model = draft_model  # None: no draft model is loaded
         self.stats = SpecDecodeStats()
-        # NOTE: by request id, the running requests' only: a request that stops running (finished,
-        # cancelled, preempted) drops its index, and one that runs again builds it anew.
-        self._ngram_indexes: dict[str, tuple[Request, NgramIndex]] = {}
+        # NOTE: by request (its identity: a client may use a request id again), the running ones only: a
+        # request that stops running (finished, cancelled, preempted) drops its index, and builds it anew
+        # when it runs again.
+        self._ngram_indexes: dict[Request, NgramIndex] = {}
 
     def propose(self, running: Sequence[Request]) -> list[tuple[Request, str]]:
         """Set ``draft_ids`` on the running requests that decode and speculate. Returns the requests whose
@@ -67,11 +68,7 @@ class Speculator:
         if len(running) > self.disable_by_batch_size:
             self._ngram_indexes.clear()
             return []
-        self._ngram_indexes = {
-            req.request_id: self._ngram_indexes[req.request_id]
-            for req in running
-            if req.request_id in self._ngram_indexes
-        }
+        self._ngram_indexes = {req: self._ngram_indexes[req] for req in running if req in self._ngram_indexes}
         wanted: dict[str, list[tuple[Request, int, Speculation]]] = {"early_exit": [], "draft_model": []}
         for req in running:
             speculation: Speculation | None = req.payload.group.speculation
@@ -115,10 +112,11 @@ class Speculator:
 
     def _ngram_index(self, req: Request, speculation: Speculation) -> NgramIndex:
         """The request's n-gram index, brought up to its tokens (built at its first proposal)."""
-        owner, index = self._ngram_indexes.get(req.request_id, (None, None))
-        if owner is not req or index is None:  # NOTE: a request id may come again (a client's own ids)
-            index = NgramIndex(speculation.prompt_lookup_min, speculation.prompt_lookup_max)
-            self._ngram_indexes[req.request_id] = (req, index)
+        index = self._ngram_indexes.get(req)
+        if index is None:
+            index = self._ngram_indexes[req] = NgramIndex(
+                speculation.prompt_lookup_min, speculation.prompt_lookup_max
+            )
         index.update(req.prompt_ids, req.output_ids)
         return index
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import queue
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,8 +20,9 @@ from engine.request_handle import SyncSink
 from engine.sequence_group import Sequence, SequenceGroup
 from engine.speculative.config import SpeculativeConfig, speculation_for
 from engine.speculative.ngram import NgramIndex
-from engine.speculative.speculator import SpecDecodeStats
+from engine.speculative.speculator import SpecDecodeStats, Speculator
 from engine.speculative.verifier import VerifyRun, num_accepted, verify_drafts
+from scheduler.request import Request
 
 
 # ---------------------------------------------------------------------------------------- n-gram
@@ -83,6 +85,33 @@ def test_ngram_match_that_reaches_the_end_continues_periodically() -> None:
     assert propose_ngram([9, 4, 5, 4, 5], 2, 2, 5) == [4, 5, 4, 5, 4]
     # a match whose continuation is long enough is not extended
     assert propose_ngram([1, 2, 3, 4, 5, 1, 2], 2, 2, 3) == [3, 4, 5]
+
+
+def decoding(request_id: str, prompt: list[int]) -> Request:
+    """A request that decodes with prompt lookup (n-grams of 1-2 tokens, 3 drafts), its prompt computed."""
+    group = SimpleNamespace(speculation=Speculation("ngram", 3, 1, 2, "constant"))
+    payload = SimpleNamespace(group=group, draft_length=None, gen=SimpleNamespace(grammar=None))
+    req = Request(request_id, prompt, max_new_tokens=32, payload=payload)
+    req.num_computed_tokens = len(prompt) - 1
+    return req
+
+
+def test_speculator_follows_each_request_as_it_grows_and_not_another_of_the_same_id() -> None:
+    speculator = Speculator()
+    first = decoding("a", [1, 2, 3, 1, 2])
+    speculator.propose([first])
+    assert first.draft_ids == [3, 1, 2]
+    first.output_ids += [3, 9, 8]  # a verify step accepted 3, then the target said 9, then 8
+    first.num_computed_tokens += 3
+    speculator.propose([first])
+    assert first.draft_ids == []  # (9 8) and 8 never came before
+    first.output_ids += [1]
+    first.num_computed_tokens += 1
+    speculator.propose([first])
+    assert first.draft_ids == [2, 3, 9]  # the latest earlier 1 (position 3) was followed by 2 3 9
+    again = decoding("a", [7, 8, 7])  # a new request under the same id: its own tokens only
+    speculator.propose([again])
+    assert again.draft_ids == [8, 7, 8]
 
 
 # ---------------------------------------------------------------------------------------- schedule
