@@ -218,6 +218,8 @@ class EngineLoop:
                     VerifyRun(chunk.request.payload, chunk.draft_ids, logits[offset + 1 : offset + 1 + k])
                 )
             offset += 1 + k
+        if keep == list(range(keep[0], keep[0] + len(keep))):  # one stream's verify chunk: a view, no copy
+            return logits[keep[0] : keep[0] + len(keep)], runs
         return logits.index_select(0, torch.tensor(keep, dtype=torch.int64, device=logits.device)), runs
 
     @staticmethod

@@ -169,6 +169,11 @@ class Sampler:
         )
         return logits
 
+    def reads_logits_only(self, row: SamplingRow) -> bool:
+        """Whether ``row``'s token (and logprobs) is a function of its logits alone: a greedy row without a
+        grammar or a processor. Such a sequence's rows at successive positions can be sampled at once."""
+        return row.config.is_greedy and row.grammar is None and not self._processes(row)
+
     def _processes(self, row: SamplingRow) -> bool:
         """Whether the processors, cbserve's or the user's, may change ``row``'s logits."""
         return (

@@ -24,6 +24,15 @@ class Speculation:
     confidence_threshold: float = 0.0  # early_exit: stop drafting below this probability of the draft
 
 
+def default_schedule(method: str) -> str:
+    """The draft-length schedule of a request whose options and server name none. Prompt lookup drafts its
+    most tokens every step, as transformers' prompt lookup does: its drafts cost a verify row each, not a
+    forward, and a draft length cut after a miss costs the next good match its tokens (on the grounded
+    workload, 2.19 tokens a verify step constant against 2.00 heuristic: docs/BENCHMARKS.md). A model that
+    drafts pays a forward a draft: it adapts (``"heuristic"``)."""
+    return "constant" if method == "ngram" else "heuristic"
+
+
 class DraftLength:
     """A sequence's number of drafts per step. ``"heuristic"`` (transformers' schedule, bounded by the
     request's maximum): +2 after a step that accepted every draft, -1 (not below 1) after one that did not;

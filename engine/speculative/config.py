@@ -3,11 +3,12 @@
 Server-wide: ``{"method": "ngram" | "early_exit" | "draft_model", "num_speculative_tokens": K,
 "prompt_lookup_min": .., "prompt_lookup_max": .., "num_layers": .. (early_exit), "model": .. (draft_model:
 what ``--model`` takes, with the target's vocabulary), "num_assistant_tokens_schedule": "heuristic" |
-"constant", "disable_by_batch_size": ..}``. Per request, transformers' names: ``prompt_lookup_num_tokens`` (prompt
-lookup for this request, server config or not; 0 turns speculation off for it), ``max_matching_ngram_size``,
-``assistant_early_exit`` (self-speculation through that many layers, server config or not),
-``assistant_confidence_threshold`` (early exit: stop drafting below it), ``num_assistant_tokens`` and
-``num_assistant_tokens_schedule`` (over the server's method).
+"constant" (default: the method's, ``default_schedule``), "disable_by_batch_size": ..}``. Per request,
+transformers' names: ``prompt_lookup_num_tokens`` (prompt lookup for this request, server config or not;
+0 turns speculation off for it), ``max_matching_ngram_size``, ``assistant_early_exit`` (self-speculation
+through that many layers, server config or not), ``assistant_confidence_threshold`` (early exit: stop
+drafting below it), ``num_assistant_tokens`` and ``num_assistant_tokens_schedule`` (over the server's
+method).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from engine.generation.speculation import (
     MAX_SPECULATIVE_TOKENS,
     SCHEDULES,
     Speculation,
+    default_schedule,
 )
 
 METHODS = ("ngram", "early_exit", "draft_model")
@@ -47,7 +49,7 @@ class SpeculativeConfig:
     num_layers: int | None = None  # early_exit: the layers that draft
     model: str | None = None  # draft_model: the model that drafts (a path or a name --model takes)
     load_format: str = "auto"  # draft_model: how to read it ("dummy": random weights of a preset)
-    num_assistant_tokens_schedule: str = "heuristic"
+    num_assistant_tokens_schedule: str | None = None  # None: the method's (``default_schedule``)
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     @classmethod
@@ -87,7 +89,7 @@ class SpeculativeConfig:
             raise SpeculativeConfigError(
                 "the draft_model method, and it alone, needs model: the model that drafts"
             )
-        if self.num_assistant_tokens_schedule not in SCHEDULES:
+        if self.num_assistant_tokens_schedule not in (None, *SCHEDULES):
             raise SpeculativeConfigError(
                 f"num_assistant_tokens_schedule must be one of {', '.join(SCHEDULES)}, "
                 f"got {self.num_assistant_tokens_schedule!r}"
@@ -117,11 +119,14 @@ def speculation_for(config: GenerationConfig, server: SpeculativeConfig | None) 
             server.prompt_lookup_max if server is not None and ngram else DEFAULT_MAX_MATCHING_NGRAM_SIZE
         )
         min_n = min(server.prompt_lookup_min if server is not None and ngram else 1, max_n)
-        return Speculation("ngram", config.prompt_lookup_num_tokens, min_n, max_n, schedule or "heuristic")
+        return Speculation(
+            "ngram", config.prompt_lookup_num_tokens, min_n, max_n, schedule or default_schedule("ngram")
+        )
     if config.assistant_early_exit is not None:
         k = num_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS
         return Speculation(
-            "early_exit", k, schedule=schedule or "heuristic", num_layers=config.assistant_early_exit,
+            "early_exit", k, schedule=schedule or default_schedule("early_exit"),
+            num_layers=config.assistant_early_exit,
             confidence_threshold=threshold,
         )  # fmt: skip
     if server is None:
@@ -141,7 +146,7 @@ def speculation_for(config: GenerationConfig, server: SpeculativeConfig | None) 
         num_tokens or server.num_speculative_tokens,
         min(server.prompt_lookup_min, max_n),
         max_n,
-        schedule or server.num_assistant_tokens_schedule,
+        schedule or default_schedule(server.method),
         num_layers=server.num_layers,
         confidence_threshold=threshold,
     )

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from engine.generation.speculation import MAX_SPECULATIVE_TOKENS, DraftLength, Speculation
 from engine.speculative.config import DEFAULT_DISABLE_BY_BATCH_SIZE
 from engine.speculative.early_exit import EarlyExitProposer
-from engine.speculative.ngram import propose_ngram
+from engine.speculative.ngram import NgramIndex
 from scheduler.request import Request
 
 logger = logging.getLogger(__name__)
@@ -57,12 +57,18 @@ class Speculator:
         self.early_exit = early_exit  # None: the model cannot draft with its first layers
         self.draft_model = draft_model  # None: no draft model is loaded
         self.stats = SpecDecodeStats()
+        # NOTE: by request (its identity: a client may use a request id again), the running ones only: a
+        # request that stops running (finished, cancelled, preempted) drops its index, and builds it anew
+        # when it runs again.
+        self._ngram_indexes: dict[Request, NgramIndex] = {}
 
     def propose(self, running: Sequence[Request]) -> list[tuple[Request, str]]:
         """Set ``draft_ids`` on the running requests that decode and speculate. Returns the requests whose
         proposer failed, and why: the engine fails them, and only them."""
         if len(running) > self.disable_by_batch_size:
+            self._ngram_indexes.clear()
             return []
+        self._ngram_indexes = {req: self._ngram_indexes[req] for req in running if req in self._ngram_indexes}
         wanted: dict[str, list[tuple[Request, int, Speculation]]] = {"early_exit": [], "draft_model": []}
         for req in running:
             speculation: Speculation | None = req.payload.group.speculation
@@ -74,12 +80,7 @@ class Speculator:
             if num_tokens < 1:
                 continue
             if speculation.method == "ngram":
-                req.draft_ids = propose_ngram(
-                    req.all_token_ids,
-                    speculation.prompt_lookup_min,
-                    speculation.prompt_lookup_max,
-                    num_tokens,
-                )
+                req.draft_ids = self._ngram_index(req, speculation).propose(num_tokens)
             else:
                 wanted[speculation.method].append((req, num_tokens, speculation))
         failed: list[tuple[Request, str]] = []
@@ -108,6 +109,16 @@ class Speculator:
         if seq.draft_length is None:
             seq.draft_length = DraftLength(speculation)
         return int(seq.draft_length.value)
+
+    def _ngram_index(self, req: Request, speculation: Speculation) -> NgramIndex:
+        """The request's n-gram index, brought up to its tokens (built at its first proposal)."""
+        index = self._ngram_indexes.get(req)
+        if index is None:
+            index = self._ngram_indexes[req] = NgramIndex(
+                speculation.prompt_lookup_min, speculation.prompt_lookup_max
+            )
+        index.update(req.prompt_ids, req.output_ids)
+        return index
 
     def record(self, draft_length: DraftLength | None, num_drafts: int, num_accepted: int) -> None:
         """A verify chunk's outcome: counted, and its sequence's draft length adapted."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.generation.sampler import Sampler
+from engine.generation.sampler import SampledToken, Sampler
 from engine.output_processor import Failure, OutputProcessor, StepTokens
 from engine.sequence_group import Sequence
 
@@ -45,13 +45,14 @@ def verify_drafts(
     """Extend each run's sequence past the token its first row gave (already in ``step``) while the chosen
     tokens match its drafts; ``step`` gets the accepted tokens, finishes and failures."""
     active = [run for run in runs if _goes_on(run, step, 0)]
+    ahead = _chosen_ahead(sampler, active)
     position = 0
     while active:
-        rows = [run.seq.gen.sampling_row() for run in active]
-        logits = torch.stack([run.logits[position] for run in active])  # [R, V]
+        drawn = _choose(sampler, [run for run in active if run.seq.scheduler_id not in ahead], position)
         still: list[VerifyRun] = []
-        for run, tok in zip(active, sampler.sample(logits, rows), strict=True):
+        for run in active:
             seq = run.seq
+            tok = ahead[seq.scheduler_id][position] if seq.scheduler_id in ahead else drawn[seq.scheduler_id]
             reason = outputs.accept(seq, tok, step.now)
             if isinstance(reason, Failure):
                 step.failed.append(reason)
@@ -66,6 +67,36 @@ def verify_drafts(
                 still.append(run)
         active = still
         position += 1
+
+
+def _chosen_ahead(sampler: Sampler, runs: list[VerifyRun]) -> dict[str, list[SampledToken]]:
+    """The tokens of every row of the runs whose choice reads their logits alone (a greedy row without a
+    grammar or a processor, ``Sampler.reads_logits_only``), by scheduler id, in one sampler call: what
+    the accepted tokens before a row are does not change its token, so the rows need not wait for them."""
+    rows = [(run, run.seq.gen.sampling_row()) for run in runs]
+    ahead = [(run, row) for run, row in rows if sampler.reads_logits_only(row)]
+    if not ahead:
+        return {}
+    logits = torch.cat([run.logits for run, _ in ahead]) if len(ahead) > 1 else ahead[0][0].logits
+    tokens = sampler.sample(logits, [row for run, row in ahead for _ in run.drafts])  # [sum of K, V]
+    chosen: dict[str, list[SampledToken]] = {}
+    for run, _ in ahead:
+        chosen[run.seq.scheduler_id], tokens = tokens[: len(run.drafts)], tokens[len(run.drafts) :]
+    return chosen
+
+
+def _choose(sampler: Sampler, runs: list[VerifyRun], position: int) -> dict[str, SampledToken]:
+    """The token of each run's row at ``position``, chosen with its sequence as it stands (its processors,
+    grammar and seeded draw for this token index), by scheduler id."""
+    if not runs:
+        return {}
+    rows = [run.seq.gen.sampling_row() for run in runs]
+    logits = (
+        torch.stack([run.logits[position] for run in runs])
+        if len(runs) > 1
+        else runs[0].logits[position : position + 1]
+    )  # [R, V]
+    return {run.seq.scheduler_id: tok for run, tok in zip(runs, sampler.sample(logits, rows), strict=True)}
 
 
 def num_accepted(run: VerifyRun, step: StepTokens) -> int:

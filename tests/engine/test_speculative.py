@@ -93,6 +93,17 @@ def test_greedy_prompt_lookup_equals_plain_decoding_and_accepts_drafts(engine: E
     assert manager.num_steps < sum(len(o.generated_ids) for o in spec)  # fewer steps than tokens
 
 
+def test_prompt_lookup_drafts_a_loop_past_the_end_of_the_sequence(engine: Engine) -> None:
+    # the model repeats one token: the latest match of the suffix ends one token before it, and its
+    # continuation goes on periodically (four drafts a step, not the one token that follows the match)
+    prompts = [engine.tokenizer.encode("Repeat after me: go go go go go go")]
+    plain, spec, manager = plain_and_speculative(engine, prompts, max_new_tokens=24, ignore_eos=True)
+    same(plain, spec)
+    assert len(set(spec[0].generated_ids)) == 1  # what this test is about: a loop of period 1
+    stats = manager.stats()
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 3 * stats.spec_num_drafts
+
+
 def test_server_wide_ngram_with_sixteen_concurrent_requests(engine: Engine) -> None:
     prompts = [
         chat(engine, PASSAGE),

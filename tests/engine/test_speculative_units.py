@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 import queue
+import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,12 +19,46 @@ from engine.output_processor import OutputProcessor, StepTokens
 from engine.request_handle import SyncSink
 from engine.sequence_group import Sequence, SequenceGroup
 from engine.speculative.config import SpeculativeConfig, speculation_for
-from engine.speculative.ngram import propose_ngram
-from engine.speculative.speculator import SpecDecodeStats
+from engine.speculative.ngram import NgramIndex
+from engine.speculative.speculator import SpecDecodeStats, Speculator
 from engine.speculative.verifier import VerifyRun, num_accepted, verify_drafts
+from scheduler.request import Request
 
 
 # ---------------------------------------------------------------------------------------- n-gram
+def propose_ngram(token_ids: list[int], min_n: int, max_n: int, num_tokens: int) -> list[int]:
+    index = NgramIndex(min_n, max_n)
+    index.update(token_ids, [])
+    return index.propose(num_tokens)
+
+
+def latest_longest_match(token_ids: list[int], min_n: int, max_n: int, num_tokens: int) -> list[int]:
+    """The rule, by its definition: a search of the whole sequence."""
+    length = len(token_ids)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        starts = [s for s in range(length - n) if token_ids[s : s + n] == token_ids[length - n :]]
+        if starts and num_tokens > 0:
+            start = starts[-1] + n
+            return [token_ids[start + i % (length - start)] for i in range(num_tokens)]
+    return []
+
+
+def test_ngram_index_kept_as_the_sequence_grows_proposes_what_a_search_finds() -> None:
+    rng = random.Random(3)
+    for trial in range(200):
+        vocab = rng.randint(2, 6)
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(0, 12))]
+        output: list[int] = []
+        min_n = rng.randint(1, 3)
+        index = NgramIndex(min_n, rng.randint(min_n, 4))
+        for _ in range(rng.randint(1, 8)):  # steps: a few tokens accepted at each
+            output += [rng.randrange(vocab) for _ in range(rng.randint(0, 4))]
+            index.update(prompt, output)
+            k = rng.randint(0, 6)
+            expected = latest_longest_match(prompt + output, index.min_n, index.max_n, k)
+            assert index.propose(k) == expected, (trial, prompt, output)
+
+
 def test_ngram_takes_the_longest_suffix_and_its_latest_match() -> None:
     #          0  1  2  3  4  5  6  7  8  9 10 11
     tokens = [5, 6, 7, 8, 9, 1, 6, 7, 2, 3, 5, 6, 7]
@@ -33,13 +69,49 @@ def test_ngram_takes_the_longest_suffix_and_its_latest_match() -> None:
     assert propose_ngram(tokens, 1, 3, 1) == [8]
 
 
-def test_ngram_gives_nothing_without_a_match_and_stops_at_the_end() -> None:
+def test_ngram_gives_nothing_without_a_match() -> None:
     assert propose_ngram([1, 2, 3, 4], 1, 3, 4) == []
     assert propose_ngram([1, 2, 3, 4], 2, 3, 4) == []
-    assert propose_ngram([7, 7], 1, 3, 4) == [7]  # the match's continuation is only what exists
     assert propose_ngram([7], 1, 3, 4) == []
     assert propose_ngram([1, 2, 1, 2], 1, 3, 0) == []
     assert propose_ngram([1, 2, 9, 1, 2], 3, 3, 4) == []  # min_n: shorter matches do not count
+
+
+def test_ngram_match_that_reaches_the_end_continues_periodically() -> None:
+    # (1 2 3) matches at 0; its continuation runs into the end after 3 tokens: the loop goes on
+    assert propose_ngram([1, 2, 3, 1, 2, 3], 1, 3, 7) == [1, 2, 3, 1, 2, 3, 1]
+    assert propose_ngram([7, 7], 1, 3, 4) == [7, 7, 7, 7]  # a period of one token
+    # (4 5) matches two tokens before the suffix: a period of 2
+    assert propose_ngram([9, 4, 5, 4, 5], 2, 2, 5) == [4, 5, 4, 5, 4]
+    # a match whose continuation is long enough is not extended
+    assert propose_ngram([1, 2, 3, 4, 5, 1, 2], 2, 2, 3) == [3, 4, 5]
+
+
+def decoding(request_id: str, prompt: list[int]) -> Request:
+    """A request that decodes with prompt lookup (n-grams of 1-2 tokens, 3 drafts), its prompt computed."""
+    group = SimpleNamespace(speculation=Speculation("ngram", 3, 1, 2, "constant"))
+    payload = SimpleNamespace(group=group, draft_length=None, gen=SimpleNamespace(grammar=None))
+    req = Request(request_id, prompt, max_new_tokens=32, payload=payload)
+    req.num_computed_tokens = len(prompt) - 1
+    return req
+
+
+def test_speculator_follows_each_request_as_it_grows_and_not_another_of_the_same_id() -> None:
+    speculator = Speculator()
+    first = decoding("a", [1, 2, 3, 1, 2])
+    speculator.propose([first])
+    assert first.draft_ids == [3, 1, 2]
+    first.output_ids += [3, 9, 8]  # a verify step accepted 3, then the target said 9, then 8
+    first.num_computed_tokens += 3
+    speculator.propose([first])
+    assert first.draft_ids == []  # (9 8) and 8 never came before
+    first.output_ids += [1]
+    first.num_computed_tokens += 1
+    speculator.propose([first])
+    assert first.draft_ids == [2, 3, 9]  # the latest earlier 1 (position 3) was followed by 2 3 9
+    again = decoding("a", [7, 8, 7])  # a new request under the same id: its own tokens only
+    speculator.propose([again])
+    assert again.draft_ids == [8, 7, 8]
 
 
 # ---------------------------------------------------------------------------------------- schedule
@@ -74,9 +146,16 @@ def test_request_speculation_over_the_servers() -> None:
         {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 4}
     )
     assert speculation_for(GenerationConfig(), None) is None
-    assert speculation_for(GenerationConfig(), ngram) == Speculation("ngram", 6, 1, 4, "heuristic")
+    # prompt lookup drafts its most tokens every step unless asked otherwise; models that draft adapt
+    assert speculation_for(GenerationConfig(), ngram) == Speculation("ngram", 6, 1, 4, "constant")
     mine = GenerationConfig(prompt_lookup_num_tokens=3, max_matching_ngram_size=2)
-    assert speculation_for(mine, None) == Speculation("ngram", 3, 1, 2, "heuristic")
+    assert speculation_for(mine, None) == Speculation("ngram", 3, 1, 2, "constant")
+    adapting = GenerationConfig(num_assistant_tokens_schedule="heuristic")
+    assert speculation_for(adapting, ngram) == Speculation("ngram", 6, 1, 4, "heuristic")
+    heuristic_server = SpeculativeConfig.from_dict(
+        {"method": "ngram", "num_assistant_tokens_schedule": "heuristic"}
+    )
+    assert speculation_for(GenerationConfig(), heuristic_server).schedule == "heuristic"
     assert speculation_for(GenerationConfig(prompt_lookup_num_tokens=0), ngram) is None
     fewer = GenerationConfig(num_assistant_tokens=2, num_assistant_tokens_schedule="constant")
     assert speculation_for(fewer, ngram) == Speculation("ngram", 2, 1, 4, "constant")
@@ -106,12 +185,20 @@ class Decoder:
 VOCAB = 5
 
 
-def sequences(num: int, config: GenerationConfig) -> list[Sequence]:
+def sequences(num: int, config: GenerationConfig, name: str = "r") -> list[Sequence]:
     out = []
     for i in range(num):
         cfg = config.merged(seed=i)
         group = SequenceGroup(
-            f"r{i}", [1, 2], cfg, 8, SyncSink(f"r{i}", queue.Queue(), 1), False, False, Decoder(), ()
+            f"{name}{i}",
+            [1, 2],
+            cfg,
+            8,
+            SyncSink(f"{name}{i}", queue.Queue(), 1),
+            False,
+            False,
+            Decoder(),
+            (),
         )
         out.append(group.start())
     return out
@@ -181,6 +268,20 @@ def test_greedy_verification_stops_at_the_first_mismatch_and_takes_the_bonus() -
     verify_drafts(sampler, outputs, runs, step)
     assert [step.new_tokens[s.scheduler_id] for s in seqs] == [[2, 3, 4, 0], [2, 3], [2]]
     assert [num_accepted(r, step) for r in runs] == [3, 1, 0]
+
+
+def test_greedy_rows_with_a_processor_see_the_drafts_accepted_before_them() -> None:
+    # A plain greedy row reads its logits alone (its rows are chosen at once); a repetition penalty reads
+    # the tokens accepted so far, so its row after the draft 4 must see that 4 and take 0 instead.
+    sampler = Sampler(VOCAB)
+    outputs = OutputProcessor()
+    (plain,) = sequences(1, GenerationConfig(max_new_tokens=8))
+    (penalised,) = sequences(1, GenerationConfig(max_new_tokens=8, repetition_penalty=2.0), name="p")
+    step = first_tokens(sampler, outputs, [plain, penalised], torch.tensor([[0.0, 0, 0, 5, 0]]))
+    rows = torch.tensor([[0.0, 0, 0, 0, 5], [1.5, 0, 0, 0, 2], [0, 0, 1, 0, 0]])  # after 3, after 4, bonus
+    verify_drafts(sampler, outputs, [VerifyRun(s, (3, 4, 4), rows) for s in (plain, penalised)], step)
+    assert step.new_tokens[plain.scheduler_id] == [3, 4, 4, 2]
+    assert step.new_tokens[penalised.scheduler_id] == [3, 4, 0]
 
 
 def test_a_stop_token_inside_the_run_ends_it_there() -> None:
