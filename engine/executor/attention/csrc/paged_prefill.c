@@ -11,8 +11,9 @@
  *   O[r]    = sum_j P[r, j] V[j]
  *
  * The cache layout (engine/executor/kv_cache.py) makes both products panel products: a K page of one head is
- * [head_dim, block_size], so the scores of 16 keys are two vectors that every row of a register block
- * fills with one fused multiply-add per dimension; a V page is [block_size, head_dim], so a block of rows
+ * [head_dim, block_size], so the scores of 16 keys are one vector (two of 8 floats without AVX-512) that
+ * every row of a register block fills with one fused multiply-add per dimension; a V page is [block_size,
+ * head_dim], so a block of rows
  * accumulates slices of head_dim while the page's rows stream past. Each K/V page is read once per tile
  * for all of its rows (PyTorch's SDPA over the same prompts, one call per sequence and layer, ran 10x
  * below the machine's FMA peak).
@@ -31,63 +32,57 @@
  */
 #include <omp.h>
 
-#define TILE 16    /* queries per work item */
-#define QK_ROWS 6  /* rows per register block of the score product: 6 x 2 accumulators */
-#define PV_ROWS 3  /* rows per register block of the value product ... */
-#define PV_VECS 4  /* ... times up to this many vectors of head_dim: 12 accumulators (AVX2 has 16 registers) */
+#define TILE 16 /* queries per work item */
 
-typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
-
-static inline v8 load8f(const void *cache, int64_t index, int bf16) {
-    v8 f;
-    if (bf16) {
-        typedef uint16_t h8 __attribute__((vector_size(8 * sizeof(uint16_t))));
-        typedef uint32_t u8v __attribute__((vector_size(8 * sizeof(uint32_t))));
-        h8 h;
-        memcpy(&h, (const uint16_t *)cache + index, sizeof h);
-        u8v u = __builtin_convertvector(h, u8v) << 16;
-        memcpy(&f, &u, sizeof f);
-    } else {
-        memcpy(&f, (const float *)cache + index, sizeof f);
-    }
-    return f;
-}
+/* Register blocks, in vectors of VL floats (paged_decode.c: 16 with AVX-512's 32 registers, else 8 with 16):
+ * the score product holds QK_ROWS rows x (16 / VL) vectors of a page's 16 keys, the value product PV_ROWS
+ * rows x PV_VECS vectors of head_dim, each with its broadcast weights beside. */
+#if VL == 16
+#define QK_ROWS 12 /* 12 accumulators */
+#define PV_ROWS 6  /* ... 6 x 4 = 24 accumulators + 6 weights + 1 value */
+#define PV_VECS 4
+#else
+#define QK_ROWS 6 /* 6 x 2 accumulators */
+#define PV_ROWS 3 /* 3 x 4 = 12 accumulators + 3 weights + 1 value (AVX2 has 16 registers) */
+#define PV_VECS 4
+#endif
+#define PAGE_VECS (16 / VL) /* vectors of a page's 16 keys */
 
 /* scores[m, c0 .. c0 + 16) = scale * <rows[m], K page> for M <= QK_ROWS rows (M a literal at each call) */
 static inline __attribute__((always_inline)) void score_page(float *scores, int64_t ld, const float *const *rows,
                                                              const void *k_cache, int64_t page, int bf16,
                                                              int64_t head_dim, int64_t block_size, int64_t t,
                                                              float scale, const int M) {
-    v8 lo[QK_ROWS], hi[QK_ROWS];
-    for (int m = 0; m < M; m++) lo[m] = hi[m] = (v8){0};
+    vf acc[QK_ROWS][PAGE_VECS];
+    for (int m = 0; m < M; m++)
+        for (int v = 0; v < PAGE_VECS; v++) acc[m][v] = (vf){0};
     for (int64_t d = 0; d < head_dim; d++) {
-        const v8 k0 = load8f(k_cache, page + d * block_size + t, bf16);
-        const v8 k1 = load8f(k_cache, page + d * block_size + t + 8, bf16);
+        vf k[PAGE_VECS];
+        for (int v = 0; v < PAGE_VECS; v++) k[v] = loadv(k_cache, page + d * block_size + t + v * VL, bf16);
         for (int m = 0; m < M; m++) {
-            const v8 x = (v8){0} + rows[m][d];
-            lo[m] += x * k0;
-            hi[m] += x * k1;
+            const vf x = (vf){0} + rows[m][d];
+            for (int v = 0; v < PAGE_VECS; v++) acc[m][v] += x * k[v];
         }
     }
-    for (int m = 0; m < M; m++) {
-        const v8 a = lo[m] * scale, b = hi[m] * scale;
-        memcpy(scores + m * ld, &a, sizeof a);
-        memcpy(scores + m * ld + 8, &b, sizeof b);
-    }
+    for (int m = 0; m < M; m++)
+        for (int v = 0; v < PAGE_VECS; v++) {
+            const vf a = acc[m][v] * scale;
+            memcpy(scores + m * ld + v * VL, &a, sizeof a);
+        }
 }
 
-/* acc[m][0 .. C) += sum over page rows t in [t0, t1) of p[m, j_of_t0 + t - t0] V[t, d0 .. d0 + 8C) for
+/* acc[m][0 .. C) += sum over page rows t in [t0, t1) of p[m, j_of_t0 + t - t0] V[t, d0 .. d0 + VL C) for
  * M <= PV_ROWS rows (M and C literals at each call) */
-static inline __attribute__((always_inline)) void weigh_values(v8 acc[PV_ROWS][PV_VECS], const float *p, int64_t ld,
+static inline __attribute__((always_inline)) void weigh_values(vf acc[PV_ROWS][PV_VECS], const float *p, int64_t ld,
                                                                const void *v_cache, int64_t page, int bf16,
                                                                int64_t head_dim, int64_t d0, int64_t t0, int64_t t1,
                                                                int64_t j_of_t0, const int M, const int C) {
     for (int64_t t = t0; t < t1; t++) {
-        /* the M weights in registers, one value vector at a time: 12 accumulators + 3 + 1 registers */
-        v8 w[PV_ROWS];
-        for (int m = 0; m < M; m++) w[m] = (v8){0} + p[m * ld + j_of_t0 + (t - t0)];
+        /* the M weights in registers, one value vector at a time */
+        vf w[PV_ROWS];
+        for (int m = 0; m < M; m++) w[m] = (vf){0} + p[m * ld + j_of_t0 + (t - t0)];
         for (int c = 0; c < C; c++) {
-            const v8 row = load8f(v_cache, page + t * head_dim + d0 + 8 * c, bf16);
+            const vf row = loadv(v_cache, page + t * head_dim + d0 + VL * c, bf16);
             for (int m = 0; m < M; m++) acc[m][c] += w[m] * row;
         }
     }
@@ -107,14 +102,25 @@ ALWAYS_INLINE void score_tile(float *scores, int64_t ld, const float *const *row
             for (int64_t r0 = 0; r0 < rows; r0 += QK_ROWS) {
                 float *s = scores + r0 * ld + (b - b_lo) * block_size + t;
                 const float *const *rq = row_q + r0;
-                switch (rows - r0 < QK_ROWS ? rows - r0 : QK_ROWS) {
-                case 1: score_page(s, ld, rq, k_cache, page, bf16, head_dim, block_size, t, scale, 1); break;
-                case 2: score_page(s, ld, rq, k_cache, page, bf16, head_dim, block_size, t, scale, 2); break;
-                case 3: score_page(s, ld, rq, k_cache, page, bf16, head_dim, block_size, t, scale, 3); break;
-                case 4: score_page(s, ld, rq, k_cache, page, bf16, head_dim, block_size, t, scale, 4); break;
-                case 5: score_page(s, ld, rq, k_cache, page, bf16, head_dim, block_size, t, scale, 5); break;
-                default: score_page(s, ld, rq, k_cache, page, bf16, head_dim, block_size, t, scale, 6); break;
+                const int64_t M = rows - r0 < QK_ROWS ? rows - r0 : QK_ROWS;
+#define SCORE(M_) score_page(s, ld, rq, k_cache, page, bf16, head_dim, block_size, t, scale, M_)
+                switch (M) { /* a literal row count for each register block */
+                case 1: SCORE(1); break;
+                case 2: SCORE(2); break;
+                case 3: SCORE(3); break;
+                case 4: SCORE(4); break;
+                case 5: SCORE(5); break;
+#if QK_ROWS > 6
+                case 6: SCORE(6); break;
+                case 7: SCORE(7); break;
+                case 8: SCORE(8); break;
+                case 9: SCORE(9); break;
+                case 10: SCORE(10); break;
+                case 11: SCORE(11); break;
+#endif
+                default: SCORE(QK_ROWS); break;
                 }
+#undef SCORE
             }
     }
 }
@@ -153,28 +159,38 @@ ALWAYS_INLINE void weigh_tile(float *out, const float *scores, int64_t ld, int64
         const int64_t first = base + i0 + r0 / group;
         const int64_t lo = window > 0 && first - window + 1 > k0 ? first - window + 1 : k0, hi = last + 1;
         const float *p = scores + r0 * ld;
-        const int C = head_dim % (8 * PV_VECS) ? 2 : PV_VECS; /* head_dim is a multiple of 16 */
-        for (int64_t d0 = 0; d0 < head_dim; d0 += 8 * C) {
-            v8 acc[PV_ROWS][PV_VECS];
+        const int C = head_dim % (VL * PV_VECS) ? 16 / VL : PV_VECS; /* head_dim is a multiple of 16 */
+        for (int64_t d0 = 0; d0 < head_dim; d0 += VL * C) {
+            vf acc[PV_ROWS][PV_VECS];
             for (int m = 0; m < PV_ROWS; m++)
-                for (int c = 0; c < PV_VECS; c++) acc[m][c] = (v8){0};
+                for (int c = 0; c < PV_VECS; c++) acc[m][c] = (vf){0};
             for (int64_t b = lo / block_size; b * block_size < hi; b++) {
                 const int64_t page = table[b] * block_stride + head_page;
                 const int64_t t0 = lo > b * block_size ? lo - b * block_size : 0;
                 const int64_t t1 = hi < (b + 1) * block_size ? hi - b * block_size : block_size;
                 const int64_t j = b * block_size + t0 - k0;
 #define WEIGH(M_, C_) weigh_values(acc, p, ld, v_cache, page, bf16, head_dim, d0, t0, t1, j, M_, C_)
+#define WEIGH_ROWS(C_)                                                                                     \
+    switch (M) { /* a literal row count for each register block */                                       \
+    case 1: WEIGH(1, C_); break;                                                                          \
+    case 2: WEIGH(2, C_); break;                                                                          \
+    case 3: WEIGH(3, C_); break;                                                                          \
+    case 4: WEIGH(4 < PV_ROWS ? 4 : PV_ROWS, C_); break;                                                   \
+    case 5: WEIGH(5 < PV_ROWS ? 5 : PV_ROWS, C_); break;                                                   \
+    default: WEIGH(PV_ROWS, C_); break;                                                                   \
+    }
                 if (C == PV_VECS) {
-                    if (M == 3) WEIGH(3, PV_VECS); else if (M == 2) WEIGH(2, PV_VECS); else WEIGH(1, PV_VECS);
+                    WEIGH_ROWS(PV_VECS)
                 } else {
-                    if (M == 3) WEIGH(3, 2); else if (M == 2) WEIGH(2, 2); else WEIGH(1, 2);
+                    WEIGH_ROWS(16 / VL)
                 }
+#undef WEIGH_ROWS
 #undef WEIGH
             }
             for (int64_t m = 0; m < M; m++) {
                 const int64_t r = r0 + m;
                 float *o = out + (i0 + r / group) * num_heads * head_dim + (h * group + r % group) * head_dim;
-                for (int c = 0; c < C; c++) memcpy(o + d0 + 8 * c, &acc[m][c], sizeof(v8));
+                for (int c = 0; c < C; c++) memcpy(o + d0 + VL * c, &acc[m][c], sizeof(vf));
             }
         }
     }
