@@ -2,10 +2,11 @@
 one SDPA call per sequence, interleaved in one process on one engine, so that a noisy machine's slow
 minutes hit both sides alike.
 
-    python -m bench.prefill_attention_ab [--runs 6] [--prompts 16] [--prompt-len 128]
+    python -m bench.prefill_attention_ab [--runs 6] [--prompts 16] [--prompt-len 128] [--dtype bfloat16]
 
 Each run prefills ``--prompts`` random prompts in one step (``generate_batch`` with one new token) with the
-kernel switched on or off; the side that goes first alternates. Prints, for each side, the best and the
+kernel switched on or off; the side that goes first alternates. In bfloat16 on a CPU with AMX the kernel
+runs its items on AMX tiles (csrc/paged_prefill_amx.c), and a third side runs them on its vector path. Prints, for each side, the best and the
 median of the whole step and of the time spent in the model's attention calls (K/V writes included).
 """
 
@@ -34,20 +35,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    engine = Engine.from_pretrained(args.model, dtype="float32", device="cpu")
-    if not isinstance(engine.decode_kernel, PrefillKernel):
+    engine = Engine.from_pretrained(args.model, dtype=args.dtype, device="cpu")
+    kernel = engine.decode_kernel
+    if not isinstance(kernel, PrefillKernel):
         print("no CPU prefill kernel here (no C compiler, or a shape it does not take)")
         return 1
     rng = random.Random(0)
     vocab = engine.model.config.vocab_size
 
     kernel_part = paged._prefill_part
-    sides: dict[str, Callable[..., Any]] = {
-        "sdpa per sequence": lambda *args: None,
-        "prefill kernel": kernel_part,
+    amx = bool(getattr(kernel, "amx_prefill", False)) and args.dtype == "bfloat16"
+    # side: (the prefill part's function, whether the kernel may use AMX tiles)
+    sides: dict[str, tuple[Callable[..., Any], bool]] = {
+        "sdpa per sequence": (lambda *args: None, False),
+        "prefill kernel": (kernel_part, amx),
     }
+    if amx:
+        sides["kernel, vectors"] = (kernel_part, False)
     attention_s = [0.0]
     real_attention = llama.paged_attention
 
@@ -65,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for run in range(args.runs):
             for name in list(sides) if run % 2 == 0 else list(sides)[::-1]:
-                paged._prefill_part = sides[name]  # type: ignore[assignment]
+                paged._prefill_part, tiles = sides[name]  # type: ignore[assignment]
+                if amx:
+                    kernel.amx_prefill = tiles  # type: ignore[attr-defined]
                 prompts = [
                     [rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)
                 ]
@@ -79,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                 attention[name].append(attention_s[0])
     finally:
         paged._prefill_part = kernel_part  # type: ignore[assignment]
+        if amx:
+            kernel.amx_prefill = True  # type: ignore[attr-defined]
         llama.paged_attention = real_attention  # type: ignore[assignment]
     _report(step, attention, f"{args.prompts} x {args.prompt_len}")
     return 0

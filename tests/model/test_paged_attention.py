@@ -4,6 +4,8 @@ SDPA (soft-capped: its PyTorch stand-in) and in the CPU kernels (engine/executor
 
 from __future__ import annotations
 
+import itertools
+import os
 import random
 
 import pytest
@@ -399,3 +401,72 @@ def test_cpu_prefill_kernel_refuses_query_ranges_that_do_not_fit() -> None:
         kernel.prefill(
             q, k_cache, v_cache, tables, torch.tensor([0, 4, 9]), torch.tensor([20, 6]), 0.125, None
         )
+
+
+# ------------------------------------------------- bfloat16 prefills on AMX tiles (paged_prefill_amx.c)
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1), (16, 2), (4, 4)])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
+def test_cpu_prefill_kernel_bfloat16_queries(heads: int, kv_heads: int, head_dim: int) -> None:
+    """bfloat16 queries over a bfloat16 cache: on AMX tiles where the CPU has them (head_dim 96 ends in a
+    pass of two accumulator tiles), else the vector path; stale slots hold NaN."""
+    kernel = cpu_kernel_or_skip()
+    run_case(PREFILLS, heads, kv_heads, head_dim=head_dim, block_size=16, dtype=torch.bfloat16,
+             kernel=kernel, stale=float("nan"))  # fmt: skip
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 48, 64])
+@pytest.mark.parametrize("window,softcap", [(None, None), (17, None), (40, 0.7), (None, 0.7)])
+def test_cpu_prefill_kernel_bfloat16_windows_caps_and_pages(
+    block_size: int, window: int | None, softcap: float | None
+) -> None:
+    """Windows that start mid-chunk, soft caps, pages of 16 to 64 keys (48: a 32-key chunk spans two)."""
+    run_case(PREFILLS, 8, 2, head_dim=64, block_size=block_size, sliding_window=window, softcap=softcap,
+             dtype=torch.bfloat16, kernel=cpu_kernel_or_skip(), stale=float("nan"))  # fmt: skip
+
+
+def _prefill_in_chunks(
+    kernel: DecodeKernel,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    cuts: list[int],
+    window: int | None,
+) -> torch.Tensor:
+    """One sequence's rows prefilled chunk by chunk (chunk i: rows cuts[i]:cuts[i+1], after the ones before),
+    next to a second sequence of 20 queries whose tiles share nothing with them."""
+    outs = []
+    other_q = torch.randn(20, q.shape[1], q.shape[2], generator=torch.Generator().manual_seed(5)).to(q.dtype)
+    tables = torch.stack([table, torch.arange(table.shape[0]) + table.shape[0]])
+    for lo, hi in itertools.pairwise(cuts):
+        starts = torch.tensor([0, hi - lo, hi - lo + 20])
+        out = kernel.prefill(torch.cat([q[lo:hi], other_q]), k_cache, v_cache, tables, starts,
+                             torch.tensor([hi, 20]), 0.125, window)  # fmt: skip
+        outs.append(out[: hi - lo])
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("window", [None, 23])
+@pytest.mark.parametrize("as_float", [False, True])
+def test_cpu_prefill_rows_are_the_same_bits_whole_or_in_chunks(window: int | None, as_float: bool) -> None:
+    """A prompt's attention rows are the same bits prefilled whole or in chunks of any cut (other tiles,
+    other key ranges, another sequence beside it): on AMX tiles (bfloat16 queries) and on the vector path
+    (the same values as float32 queries)."""
+    kernel = cpu_kernel_or_skip()
+    gen = torch.Generator().manual_seed(0)
+    block_size, pages, heads, kv_heads, head_dim = 16, 6, 9, 3, 64
+    k_cache = torch.randn(2 * pages, kv_heads, head_dim, block_size, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(2 * pages, kv_heads, block_size, head_dim, generator=gen).to(torch.bfloat16)
+    q = torch.randn(90, heads, head_dim, generator=gen).to(torch.bfloat16)
+    if as_float:
+        q = q.float()
+    table = torch.arange(pages)
+    whole = _prefill_in_chunks(kernel, q, k_cache, v_cache, table, [0, 90], window)
+    for cuts in ([0, 23, 39, 90], [0, 1, 2, 50, 90], [0, 16, 32, 48, 64, 80, 90]):
+        assert torch.equal(_prefill_in_chunks(kernel, q, k_cache, v_cache, table, cuts, window), whole)
+
+
+def test_cpu_prefill_kernel_takes_amx_where_the_cpu_has_it() -> None:
+    kernel = cpu_kernel_or_skip()
+    flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
+    assert kernel.prefill_uses_amx == ("amx_bf16" in flags and "amx_tile" in flags)

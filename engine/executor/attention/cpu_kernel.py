@@ -64,6 +64,7 @@ class PagedDecodeKernel:
             ptr,
             ptr,
             i64,
+            ctypes.c_int,
             ptr,
             ptr,
             ctypes.c_int,
@@ -82,6 +83,9 @@ class PagedDecodeKernel:
         self.lanes = int(self._lib.cbserve_lanes())
         self.max_group = int(self._lib.cbserve_max_group())
         self.max_head_dim = int(self._lib.cbserve_max_head_dim())
+        # bfloat16 prefills (head_dim a multiple of 32) on AMX tiles: csrc/paged_prefill_amx.c
+        self.prefill_uses_amx = bool(self._lib.cbserve_prefill_uses_amx())
+        self.amx_prefill = self.prefill_uses_amx  # False: bfloat16 prefills on the vector path too (A/B)
 
     def unsupported(
         self, head_dim: int, block_size: int, group: int, dtype: torch.dtype, softcap: float | None = None
@@ -166,7 +170,9 @@ class PagedDecodeKernel:
         starts, lens = query_starts.contiguous(), seq_lens.contiguous()
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
         rc = self._prefill(
-            out.data_ptr(), qf.data_ptr(), qf.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            out.data_ptr(), qf.data_ptr(), qf.stride(0), int(q.dtype == torch.bfloat16 and self.amx_prefill),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
             int(k_cache.dtype == torch.bfloat16), tables.data_ptr(), tables.stride(0), starts.data_ptr(),
             lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window or 0,
             softcap or 0.0,

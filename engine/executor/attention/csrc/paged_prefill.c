@@ -232,12 +232,32 @@ static void attend_tile_bf16(TILE_ARGS) { TILE_CALL(1); }
 #undef TILE_CALL
 #undef TILE_ARGS
 
+#include "paged_prefill_amx.c"
+
+/* Whether this call's items run on AMX tiles (paged_prefill_amx.c): bfloat16 queries and cache, a head_dim
+ * the tiles take, a library built for AMX and a process allowed to use it. */
+static int use_amx(int kv_is_bf16, int q_is_bf16, int64_t head_dim) {
+#if HAVE_AMX
+    static int permitted = -1;
+    if (!(kv_is_bf16 && q_is_bf16 && head_dim % 32 == 0 && head_dim <= AMX_MAX_HEAD_DIM)) return 0;
+    if (permitted < 0) permitted = amx_permitted();
+    return permitted;
+#else
+    (void)kv_is_bf16, (void)q_is_bf16, (void)head_dim;
+    return 0;
+#endif
+}
+
+/* 1 where bfloat16 prefills of head_dim 64 run on AMX tiles here */
+int cbserve_prefill_uses_amx(void) { return use_amx(1, 1, 64); }
+
 /* Returns 0; -2 for an unsupported shape, -5 for a query count or length that does not fit its sequence
  * (nothing written); -1 if a scratch buffer could not be allocated. */
 int cbserve_paged_prefill_attention(
     float *out,                  /* [num_tokens, num_heads, head_dim] */
     const float *q,              /* token t's heads at q + t * q_stride, [num_heads, head_dim] */
     int64_t q_stride,
+    int q_is_bf16,               /* q's values are bfloat16 ones (a bfloat16 model's queries, widened) */
     const void *k_cache,         /* [num_blocks, num_kv_heads, head_dim, block_size] */
     const void *v_cache,         /* [num_blocks, num_kv_heads, block_size, head_dim] */
     int kv_is_bf16,
@@ -259,14 +279,22 @@ int cbserve_paged_prefill_attention(
         const int64_t span = (sliding_window > 0 && sliding_window < seq_lens[s] ? sliding_window + TILE : seq_lens[s]);
         widest = span + 2 * block_size > widest ? span + 2 * block_size : widest;
     }
-    const int threads = omp_get_max_threads();
+    const int threads = omp_get_max_threads(), amx = use_amx(kv_is_bf16, q_is_bf16, head_dim);
+#if HAVE_AMX
+    const int64_t scratch = amx ? amx_scratch_bytes(TILE * group, (widest + 64 + 31) / 32 * 32, head_dim) / 4 + 1
+                                : TILE * group * widest; /* floats */
+#else
     const int64_t scratch = TILE * group * widest;
+#endif
     float *scores = malloc(sizeof(float) * (size_t)(threads * scratch));
     if (scores == NULL) return -1;
 
 #pragma omp parallel num_threads(threads)
     {
         float *mine = scores + omp_get_thread_num() * scratch;
+#if HAVE_AMX
+        if (amx) amx_configure_full_tiles();
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++) {
             /* find the item's sequence, tile and head: items are laid out sequence by sequence, the tiles
@@ -281,11 +309,22 @@ int cbserve_paged_prefill_attention(
             const int64_t tile = tiles - 1 - rest / num_kv_heads, h = rest % num_kv_heads;
             const int64_t i0 = tile * TILE, i1 = i0 + TILE < q_len ? i0 + TILE : q_len;
             const int64_t start = query_starts[s];
+#if HAVE_AMX
+            if (amx) {
+                attend_tile_amx(out + start * num_heads * head_dim, q + start * q_stride, q_stride, k_cache, v_cache,
+                                block_tables + s * table_stride, seq_lens[s] - q_len, i0, i1, h, num_heads, group,
+                                head_dim, block_size, block_stride, scale, sliding_window, softcap, (char *)mine);
+                continue;
+            }
+#endif
             (kv_is_bf16 ? attend_tile_bf16 : attend_tile_f32)(
                 out + start * num_heads * head_dim, q + start * q_stride, q_stride, k_cache, v_cache,
                 block_tables + s * table_stride, seq_lens[s] - q_len, i0, i1, h, num_heads, group, head_dim,
                 block_size, block_stride, scale, sliding_window, softcap, mine);
         }
+#if HAVE_AMX
+        if (amx) _tile_release();
+#endif
     }
     free(scores);
     return 0;

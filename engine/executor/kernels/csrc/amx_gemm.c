@@ -27,14 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#define HAVE_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#else
-#define HAVE_AMX 0
-#endif
+#include "amx_tiles.h"
 
 #define TILE_ROWS 16    /* rows of A and C per tile */
 #define TILE_N 16       /* outputs per B and C tile */
@@ -75,32 +68,10 @@ static void store_rows(uint16_t *out, int64_t ldo, const float *c, int64_t ldc, 
 }
 
 #if HAVE_AMX
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
 /* every tile 16 rows x 64 bytes: C tiles 0-3, A tiles 4-5, B tiles 6-7 (the 1 x 4 kernel: A 4, B 5-7 and 4) */
-static void configure_tiles(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = TILE_ROWS;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
+static void configure_tiles(void) { amx_configure_full_tiles(); }
 
-int cbserve_amx_gemm_available(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
+int cbserve_amx_gemm_available(void) { return amx_permitted(); }
 
 /* C (16 rows x 64 outputs, float32, row stride 64) = A (16 rows, byte stride lda) x 4 B tiles, all k */
 static void rows16_times_group(float *c, const uint16_t *a, int64_t lda, const uint16_t *b, int64_t kblocks) {

@@ -107,29 +107,7 @@ INLINE void store16(void *p, int64_t i, v16f f, const int bf16) {
     memcpy((uint16_t *)p + i, &h, sizeof h);
 }
 
-/* exp on 16 lanes, inline. (A call to libmvec's vectorised expf made the loops around it spill their vector
- * registers: silu_and_mul ran at ~3.6 cycles an element on Sapphire Rapids.) Cephes' expf: x = n ln2 + r
- * with |r| <= ln2 / 2 (ln2 in two parts, Cody-Waite), exp(r) by its degree-5 polynomial (about 1 ulp), and
- * 2^n put in the exponent bits. x is clamped to [-87.3, 88]: below, the result is float32's smallest normal
- * number instead of a subnormal or 0 (1e-38 against 1 in every use here: sigmoid, softmax weights). */
-typedef int32_t v16i __attribute__((vector_size(LANES * sizeof(int32_t))));
-
-INLINE v16f exp16(v16f x) {
-    v16f n;
-    for (int j = 0; j < LANES; j++) {
-        x[j] = fminf(fmaxf(x[j], -87.33654f), 88.0f);
-        n[j] = __builtin_rintf(x[j] * 1.44269504088896341f);
-    }
-    const v16f r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-    v16f p = 1.9875691500e-4f * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    const v16i scale = (__builtin_convertvector(n, v16i) + 127) << 23;
-    return p * (v16f)scale;
-}
+#include "exp16.h"
 
 /* `f32_weight`: the weight is float32 and scales the float32 norm, rounded once (else the weight has the rows'
  * dtype and scales the norm rounded to it: the same in float32) */

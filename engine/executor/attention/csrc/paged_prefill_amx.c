@@ -1,0 +1,249 @@
+/* The prefill attention's work item (paged_prefill.c) on Intel AMX tiles, for bfloat16 caches and queries:
+ * the same item -- a sequence's tile of up to TILE queries times the `group` query heads of one KV head --
+ * with its two products as tile products, float32 accumulation:
+ *
+ *   S = Q K^T:  A = the item's query rows in bfloat16 (16 rows x 32 dimensions a tile),
+ *               B = 16 keys of a K page, re-laid out in pairs of dimensions ("VNNI"), 32 dimensions a tile
+ *   P = exp(scale * S - max) per row over its own keys (as paged_prefill.c: soft cap, window, causal
+ *       mask), rounded to bfloat16; the row's output divided by the sum of its rounded weights
+ *   O = P V:    A = 16 rows x 32 keys of P, B = 32 keys of V in pairs of keys, 16 dimensions a tile;
+ *               four accumulator tiles (64 dimensions) per pass over the keys
+ *
+ * The queries are bfloat16 values (the model's own: a bfloat16 model's q rounds nothing here); P is
+ * rounded to bfloat16, as flash attention does on GPUs, where the vector path keeps it in float32: the
+ * results differ from that path by about one bfloat16 rounding of the output, which the caller rounds to
+ * bfloat16 anyway.
+ *
+ * A row's result depends only on its own query, position and keys: keys are taken in 32-key chunks aligned
+ * to absolute positions, keys a row may not see weigh exactly 0, and V rows outside the keys the item may
+ * see (a stale slot may hold NaN; 0 * NaN is NaN) are zeroed when re-laid out. So a prompt's rows are the
+ * same bits whether it is prefilled whole or in chunks, and whatever shares their tile.
+ *
+ * Used where the library was built for AMX, the process may use the tiles, head_dim is a multiple of 32 up
+ * to AMX_MAX_HEAD_DIM, and both q and the cache are bfloat16 (cbserve_paged_prefill_attention decides). */
+#include "../../kernels/csrc/amx_tiles.h"
+#include "../../kernels/csrc/exp16.h"
+
+#define AMX_MAX_HEAD_DIM 256
+
+#if HAVE_AMX
+/* A thread's scratch for one item: Q rows, scores, P, and the re-laid-out K (one 16-key unit) and V (the
+ * item's whole key range) -- sizes for `rows` (a multiple of 16), `ld` keys (a multiple of 32). */
+typedef struct {
+    uint16_t *q;  /* [rows][head_dim] */
+    float *s;     /* [rows][ld] */
+    uint16_t *p;  /* [rows][ld] */
+    uint16_t *kt; /* [head_dim / 2][16 keys][2] */
+    uint16_t *vt; /* [ld / 32][head_dim / 16][16 key pairs][16 dims][2] */
+} amx_scratch;
+
+static int64_t amx_scratch_bytes(int64_t rows, int64_t ld, int64_t head_dim) {
+    return rows * head_dim * 2 + rows * ld * 4 + rows * ld * 2 + head_dim * 16 * 2 + ld * head_dim * 2 + 64 * 5;
+}
+
+static amx_scratch amx_scratch_at(char *base, int64_t rows, int64_t ld, int64_t head_dim) {
+    amx_scratch sc;
+    char *at = (char *)(((uintptr_t)base + 63) & ~(uintptr_t)63);
+#define TAKE(field, type, count)                                             \
+    sc.field = (type *)at;                                                  \
+    at += (((int64_t)(count) * (int64_t)sizeof(type) + 63) / 64) * 64;
+    TAKE(q, uint16_t, rows * head_dim)
+    TAKE(s, float, rows * ld)
+    TAKE(p, uint16_t, rows * ld)
+    TAKE(kt, uint16_t, head_dim * 16)
+    TAKE(vt, uint16_t, ld * head_dim)
+#undef TAKE
+    return sc;
+}
+
+/* float32 -> bfloat16, rounding to nearest even (as torch's conversion; finite inputs) */
+static inline uint16_t amx_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* dst[2t + e] = (e ? r1 : r0)[t] for t < 16: two rows of 16 bfloat16 interleaved (a B tile's row) */
+static inline void interleave16(uint16_t *dst, const uint16_t *r0, const uint16_t *r1) {
+    static const uint16_t order[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                       8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)r0));
+    const __m512i b = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)r1));
+    _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, _mm512_loadu_si512(order), b));
+}
+
+/* K's 16 keys from `page` (+ key offset `off` in the page, [head_dim][block_size]) as B tiles: pairs of
+ * dimensions, kt[d / 2][t][d % 2] */
+static inline void relayout_keys(uint16_t *kt, const uint16_t *page, int64_t off, int64_t head_dim,
+                                 int64_t block_size) {
+    for (int64_t d = 0; d < head_dim; d += 2)
+        interleave16(kt + d * 16, page + d * block_size + off, page + (d + 1) * block_size + off);
+}
+
+/* V's 32 keys from key `k` on as B tiles (16 dimensions a tile, pairs of keys); keys outside [lo, hi) zero */
+static inline void relayout_values(uint16_t *vt, const uint16_t *v_cache, const int64_t *table, int64_t k,
+                                   int64_t lo, int64_t hi, int64_t head_dim, int64_t block_size,
+                                   int64_t block_stride, int64_t head_page) {
+    static const uint16_t zeros[AMX_MAX_HEAD_DIM];
+    for (int64_t pair = 0; pair < 16; pair++) {
+        const uint16_t *row[2];
+        for (int e = 0; e < 2; e++) {
+            const int64_t key = k + 2 * pair + e;
+            row[e] = key >= lo && key < hi ? v_cache + table[key / block_size] * block_stride + head_page +
+                                                 (key % block_size) * head_dim
+                                           : zeros;
+        }
+        for (int64_t n = 0; n < head_dim / 16; n++)
+            interleave16(vt + n * 512 + pair * 32, row[0] + n * 16, row[1] + n * 16);
+    }
+}
+
+/* S[:, unit's 16 columns] = Q K^T for the item's rows (`rows`, a multiple of 16) */
+static inline void score_unit(float *s, int64_t ld, const uint16_t *q, int64_t rows, const uint16_t *kt,
+                              int64_t head_dim) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        _tile_zero(0);
+        for (int64_t d = 0; d < head_dim; d += 32) {
+            _tile_loadd(1, q + r0 * head_dim + d, head_dim * 2);
+            _tile_loadd(2, kt + d * 16, 64);
+            _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, s + r0 * ld, ld * 4);
+    }
+}
+
+/* C tiles 0..3 (16 rows x 64 dimensions from n * 16) = P rows x V over chunks [c_lo, c_hi), then stored */
+static inline void weigh_four(float *c, const uint16_t *p, int64_t ld, const uint16_t *vt, int64_t n,
+                              int64_t head_dim, int64_t c_lo, int64_t c_hi) {
+    const int64_t chunk = (head_dim / 16) * 512; /* bfloat16 of one chunk's V tiles */
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t ch = c_lo; ch < c_hi; ch++) {
+        const uint16_t *b = vt + ch * chunk + n * 512;
+        _tile_loadd(4, p + ch * 32, ld * 2);
+        _tile_loadd(5, b, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, b + 512, 64);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(7, b + 1024, 64);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, b + 1536, 64);
+        _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, c, 64 * 4);
+    _tile_stored(1, c + 16, 64 * 4);
+    _tile_stored(2, c + 32, 64 * 4);
+    _tile_stored(3, c + 48, 64 * 4);
+}
+
+/* the same for two C tiles (32 dimensions: the last ones where head_dim / 16 is not a multiple of 4) */
+static inline void weigh_two(float *c, const uint16_t *p, int64_t ld, const uint16_t *vt, int64_t n,
+                             int64_t head_dim, int64_t c_lo, int64_t c_hi) {
+    const int64_t chunk = (head_dim / 16) * 512;
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t ch = c_lo; ch < c_hi; ch++) {
+        const uint16_t *b = vt + ch * chunk + n * 512;
+        _tile_loadd(4, p + ch * 32, ld * 2);
+        _tile_loadd(5, b, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, b + 512, 64);
+        _tile_dpbf16ps(1, 4, 6);
+    }
+    _tile_stored(0, c, 64 * 4);
+    _tile_stored(1, c + 16, 64 * 4);
+}
+
+/* P row = exp(scale * S row - max) over the row's keys [lo, hi) (columns from the item's first key), in
+ * bfloat16, 0 elsewhere; returns 1 / the sum of those bfloat16 weights, by which the row's output is scaled
+ * (so its weights sum to 1 as rounded). The scores soft-capped first where the model caps them. One pass
+ * for the max, one for exp, rounding and the sum, 16 keys at a time; each key's lane is fixed by its
+ * absolute position (columns start at a multiple of 32), so the row's sums do not depend on its tile. */
+static inline float softmax_to_bf16(uint16_t *p, float *s, int64_t ld, int64_t lo, int64_t hi, float scale,
+                                    float softcap) {
+    if (softcap > 0.0f) {
+        for (int64_t j = lo; j < hi; j++) s[j] *= scale;
+        soft_cap(s, lo, hi, softcap);
+        scale = 1.0f;
+    }
+    float max = s[lo];
+    for (int64_t j = lo + 1; j < hi; j++) max = s[j] > max ? s[j] : max;
+    const int64_t a = lo / 16 * 16, b = (hi + 15) / 16 * 16; /* b <= ld: ld is a multiple of 32 */
+    memset(p, 0, (size_t)a * 2);
+    memset(p + b, 0, (size_t)(ld - b) * 2);
+    static const exp16_i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    exp16_f sum = {0};
+    for (int64_t j = a; j < b; j += 16) {
+        exp16_f x;
+        memcpy(&x, s + j, sizeof x); /* lanes outside [lo, hi) may hold anything: masked below */
+        const exp16_i key = lane + (int32_t)j, seen = (key >= (int32_t)lo) & (key < (int32_t)hi);
+        exp16_i bits = (exp16_i)exp16((x - max) * scale) & seen;
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & (int32_t)0xFFFF0000; /* rounded to bfloat16 */
+        sum += (exp16_f)bits;
+        for (int t = 0; t < 16; t++) p[j + t] = (uint16_t)((uint32_t)bits[t] >> 16);
+    }
+    float total = 0.0f;
+    for (int t = 0; t < 16; t++) total += sum[t];
+    return 1.0f / total; /* the max's own weight is 1: total >= 1 */
+}
+
+/* One work item, as attend_tile in paged_prefill.c (same arguments; the caches bfloat16) */
+static void attend_tile_amx(float *out, const float *q, int64_t q_stride, const uint16_t *k_cache,
+                            const uint16_t *v_cache, const int64_t *table, int64_t base, int64_t i0, int64_t i1,
+                            int64_t h, int64_t num_heads, int64_t group, int64_t head_dim, int64_t block_size,
+                            int64_t block_stride, float scale, int64_t window, float softcap, char *scratch) {
+    const int64_t rows = (i1 - i0) * group, padded = (rows + 15) / 16 * 16, head_page = h * head_dim * block_size;
+    const int64_t first_pos = base + i0, last_pos = base + i1 - 1;
+    const int64_t key_lo = window > 0 && first_pos - window + 1 > 0 ? first_pos - window + 1 : 0;
+    const int64_t k0 = key_lo / 32 * 32, key_hi = last_pos + 1;  /* keys [key_lo, key_hi); columns from k0 */
+    const int64_t ld = (key_hi - k0 + 31) / 32 * 32;
+    const amx_scratch sc = amx_scratch_at(scratch, padded, ld, head_dim);
+
+    for (int64_t r = 0; r < padded; r++) { /* Q rows in bfloat16 (exact: q holds bfloat16 values) */
+        uint16_t *dst = sc.q + r * head_dim;
+        if (r >= rows) {
+            memset(dst, 0, (size_t)head_dim * 2);
+            continue;
+        }
+        const float *src = q + (i0 + r / group) * q_stride + (h * group + r % group) * head_dim;
+        for (int64_t d = 0; d < head_dim; d++) dst[d] = amx_bf16(src[d]);
+    }
+    for (int64_t u = key_lo / 16; u * 16 < key_hi; u++) { /* S, 16 keys at a time */
+        const uint16_t *page = k_cache + table[u * 16 / block_size] * block_stride + head_page;
+        relayout_keys(sc.kt, page, u * 16 % block_size, head_dim, block_size);
+        score_unit(sc.s + (u * 16 - k0), ld, sc.q, padded, sc.kt, head_dim);
+    }
+    float inv[TILE * MAX_GROUP]; /* each row's 1 / sum of its weights */
+    for (int64_t r = 0; r < padded; r++) { /* P */
+        if (r >= rows) {
+            memset(sc.p + r * ld, 0, (size_t)ld * 2);
+            continue;
+        }
+        const int64_t pos = first_pos + r / group;
+        const int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+        inv[r] = softmax_to_bf16(sc.p + r * ld, sc.s + r * ld, ld, lo - k0, pos + 1 - k0, scale, softcap);
+    }
+    const int64_t chunks = ld / 32, c_lo = (key_lo - k0) / 32;
+    for (int64_t ch = c_lo; ch < chunks; ch++)
+        relayout_values(sc.vt + ch * (head_dim / 16) * 512, v_cache, table, k0 + ch * 32, key_lo, key_hi,
+                        head_dim, block_size, block_stride, head_page);
+    float c[16 * 64];
+    for (int64_t r0 = 0; r0 < padded; r0 += 16) { /* O = P V, 16 rows x 64 (or 32) dimensions at a time */
+        for (int64_t n = 0; n < head_dim / 16; n += 4) {
+            const int64_t width = head_dim / 16 - n >= 4 ? 4 : 2;
+            if (width == 4)
+                weigh_four(c, sc.p + r0 * ld, ld, sc.vt, n, head_dim, c_lo, chunks);
+            else
+                weigh_two(c, sc.p + r0 * ld, ld, sc.vt, n, head_dim, c_lo, chunks);
+            for (int64_t m = 0; m < 16 && r0 + m < rows; m++) {
+                const int64_t r = r0 + m;
+                float *o = out + (i0 + r / group) * num_heads * head_dim + (h * group + r % group) * head_dim;
+                for (int64_t d = 0; d < width * 16; d++) o[n * 16 + d] = c[m * 64 + d] * inv[r];
+            }
+        }
+    }
+}
+#endif
