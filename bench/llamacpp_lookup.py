@@ -12,13 +12,14 @@ llama.cpp speculates server-wide (``--spec-type``), so each system is its own ``
 started, warmed up with one short request, measured and stopped, in turn inside every round:
 
 - ``plain``: no speculation.
-- ``ngram-simple-K``: prompt lookup as cbserve's ``ngram`` does it: the last ``--ngram-size`` tokens (cbserve's
-  ``prompt_lookup_max``, 3) looked up in the sequence's prompt and output, the ``K = --num-speculative-tokens``
-  tokens after the latest match drafted (``--spec-type ngram-simple --spec-ngram-simple-size-n N
-  --spec-ngram-simple-size-m K``).
+- ``ngram-simple-K``: the nearest llama.cpp mode to cbserve's ``ngram``: the last ``N = --ngram-size`` tokens
+  (3: cbserve looks up the longest match of its last 1-3) looked up in the sequence's prompt and output, the
+  ``K = --num-speculative-tokens`` tokens after the latest match drafted (``--spec-type ngram-simple
+  --spec-ngram-simple-size-n N --spec-ngram-simple-size-m K``).
 - ``ngram-simple``, ``ngram-map-k``, ``ngram-mod``: those modes with the version's defaults (a 12-token key,
   drafts of up to 48 tokens; ngram-mod: a 24-token key, drafts of 48-64).
-- ``ngram-cache``: the 3-level n-gram cache of llama.cpp's ``llama-lookup`` example, inside the server.
+- ``ngram-cache``: the n-gram cache of llama.cpp's ``llama-lookup`` example (keys of 1-4 tokens, drafts of 8),
+  inside the server.
 
 Prints one JSON row per system: output tokens/s over the round's wall time (prefill included, as
 bench.speculative counts it; the median of the rounds), its ratio to plain, llama.cpp's own decode speed
@@ -27,7 +28,9 @@ as cbserve's) the mean acceptance length (tokens a verify step yields: 1 + accep
 fraction of drafted tokens accepted; ``same_text_as_plain`` says whether every round's outputs equal plain
 decoding's (greedy speculation must not change them).
 
-llama.cpp's source is the one vendored in llama-cpp-python's sdist, built for this CPU alone:
+The weights are not repacked (``--no-repack``; ``--repack`` allows it): on the Intel machine with AMX the
+repacking server segfaults while loading. llama.cpp's source is the one vendored in llama-cpp-python's sdist
+(0.3.36: libllama 0.5.0-dev, ggml 0.25.3), built for this CPU alone (~9 minutes on 2 cores):
 
     pip download --no-deps --no-binary :all: llama-cpp-python -d /tmp/llsrc
     tar xzf /tmp/llsrc/llama_cpp_python-*.tar.gz -C /tmp/llsrc
@@ -63,6 +66,7 @@ SERVER = "llama-server"
 STARTUP_TIMEOUT_S = 120.0
 REQUEST_TIMEOUT_S = 600.0
 WARMUP_TOKENS = 8
+SYSTEMS = ["plain", "ngram-simple-K", "ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache"]
 DEFAULT_SYSTEMS = ["ngram-simple-K", "ngram-simple", "ngram-cache"]
 
 
@@ -77,9 +81,6 @@ def system_args(name: str, k: int, ngram_size: int) -> list[str]:
             "--spec-ngram-simple-size-m", str(k),
         ]  # fmt: skip
     return ["--spec-type", name]
-
-
-SYSTEMS = ["plain", "ngram-simple-K", "ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache"]
 
 
 @dataclass(frozen=True)
@@ -118,11 +119,11 @@ def parse_spec_counters(metrics_text: str) -> SpecCounters:
         for family in text_string_to_metric_families(metrics_text)
         for sample in family.samples
     }
-    return SpecCounters(
-        values["llamacpp:spec_decode_num_drafts_total"],
-        values["llamacpp:spec_decode_num_draft_tokens_total"],
-        values["llamacpp:spec_decode_num_accepted_tokens_total"],
-    )
+    names = ["num_drafts", "num_draft_tokens", "num_accepted_tokens"]
+    missing = [n for n in names if f"llamacpp:spec_decode_{n}_total" not in values]
+    if missing:  # NOTE: llama-servers of other versions may not count them there
+        raise ValueError(f"llama-server's /metrics has no llamacpp:spec_decode_{missing[0]}_total")
+    return SpecCounters(*[values[f"llamacpp:spec_decode_{n}_total"] for n in names])
 
 
 @dataclass(frozen=True)
@@ -257,12 +258,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=len(GROUNDED), help="the first N grounded prompts")
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="ngram-simple-K's draft length")
-    parser.add_argument("--ngram-size", type=int, default=3, help="ngram-simple-K's lookup n-gram")
+    parser.add_argument(
+        "--ngram-size",
+        type=int,
+        default=3,
+        help="ngram-simple-K's lookup n-gram (llama.cpp drafts nothing when it exceeds the draft length)",
+    )
     parser.add_argument("--systems", nargs="+", default=DEFAULT_SYSTEMS, choices=SYSTEMS[1:])
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's -t and -tb")
     parser.add_argument(
         "--repack", action="store_true",
-        help="let llama.cpp repack the weights for its CPU kernels (off: its AMX repack crashed on Intel)",
+        help="let llama.cpp repack the weights for its CPU kernels (off: with AMX it segfaults on loading)",
     )  # fmt: skip
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)

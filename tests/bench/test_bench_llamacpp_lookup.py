@@ -12,6 +12,58 @@ from pathlib import Path
 import pytest
 
 from bench import llamacpp_lookup
+from bench.llamacpp_lookup import SpecCounters, parse_completion, parse_spec_counters
+
+# llama-server's answer to a /completion of the first grounded prompt (16 tokens, --spec-type ngram-simple
+# --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 4), less its "generation_settings" and "prompt"
+COMPLETION = (
+    '{"index": 0, "content": "The committee met on Tuesday to discuss the new budjet, after a long debate", '
+    '"tokens": [], "id_slot": 0, "stop": true, "model": "SmolLM2-135M-Instruct.Q4_1.gguf", '
+    '"tokens_predicted": 16, "tokens_evaluated": 117, "has_new_line": false, "truncated": false, '
+    '"stop_type": "limit", "stopping_word": "", "tokens_cached": 132, "timings": {"cache_n": 0, '
+    '"prompt_n": 117, "prompt_ms": 3448.475, "prompt_per_token_ms": 29.4741452991453, '
+    '"prompt_per_second": 33.92804065565214, "predicted_n": 16, "predicted_ms": 1372.969, '
+    '"predicted_per_token_ms": 91.53126666666667, "predicted_per_second": 10.925228464735913, '
+    '"draft_n": 4, "draft_n_accepted": 1}}'
+)
+# its /metrics after that request (the other counters and gauges left out)
+METRICS = """\
+# HELP llamacpp:tokens_predicted_total Number of generation tokens processed
+# TYPE llamacpp:tokens_predicted_total counter
+llamacpp:tokens_predicted_total 16
+# HELP llamacpp:spec_decode_num_draft_tokens_total Speculative: Total draft tokens generated
+# TYPE llamacpp:spec_decode_num_draft_tokens_total counter
+llamacpp:spec_decode_num_draft_tokens_total 4
+# HELP llamacpp:spec_decode_num_accepted_tokens_total Speculative: Total draft tokens accepted by the target model
+# TYPE llamacpp:spec_decode_num_accepted_tokens_total counter
+llamacpp:spec_decode_num_accepted_tokens_total 1
+# HELP llamacpp:spec_decode_num_drafts_total Speculative: Total speculative decoding verification steps
+# TYPE llamacpp:spec_decode_num_drafts_total counter
+llamacpp:spec_decode_num_drafts_total 1
+# HELP llamacpp:predicted_tokens_seconds Average generation throughput in tokens/s
+# TYPE llamacpp:predicted_tokens_seconds gauge
+llamacpp:predicted_tokens_seconds 10.9252
+# HELP llamacpp:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position
+# TYPE llamacpp:spec_decode_num_accepted_tokens_per_pos_total counter
+llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 1
+llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 0
+llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="2"} 0
+llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="3"} 0
+"""
+
+
+def test_a_completion_gives_its_text_tokens_and_decode_time() -> None:
+    completion = parse_completion(json.loads(COMPLETION))
+    assert completion.content.startswith("The committee met on Tuesday")
+    assert (completion.tokens, completion.decode_ms) == (16, 1372.969)
+
+
+def test_the_speculative_counters_are_read_from_metrics() -> None:
+    counters = parse_spec_counters(METRICS)
+    assert counters == SpecCounters(drafts=1, draft_tokens=4, accepted_tokens=1)
+    assert counters - SpecCounters(1, 0, 1) == SpecCounters(0, 4, 0)
+    with pytest.raises(ValueError, match="no llamacpp:spec_decode_num_drafts_total"):  # an older server
+        parse_spec_counters(METRICS.split("# HELP llamacpp:spec_decode_num_draft_tokens_total")[0])
 
 
 def test_a_missing_server_binary_stops_with_a_message(
