@@ -169,25 +169,40 @@ static inline float softmax_to_bf16(uint16_t *p, float *s, int64_t ld, int64_t l
         soft_cap(s, lo, hi, softcap);
         scale = 1.0f;
     }
-    float max = s[lo];
-    for (int64_t j = lo + 1; j < hi; j++) max = s[j] > max ? s[j] : max;
     const int64_t a = lo / 16 * 16, b = (hi + 15) / 16 * 16; /* b <= ld: ld is a multiple of 32 */
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i first = _mm512_set1_epi32((int32_t)lo), end = _mm512_set1_epi32((int32_t)hi);
+#define SEEN(j) /* the lanes of keys j .. j + 15 in [lo, hi) */                                       \
+    (_mm512_cmpge_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32((int32_t)(j))), first) &        \
+     _mm512_cmplt_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32((int32_t)(j))), end))
+    /* the max, in two chains of 16 lanes (one chain waits on max's latency); other lanes may hold anything */
+    __m512 m0 = _mm512_set1_ps(s[lo]), m1 = m0;
+    int64_t j = a;
+    for (; j + 16 < b; j += 32) {
+        m0 = _mm512_mask_max_ps(m0, SEEN(j), m0, _mm512_loadu_ps(s + j));
+        m1 = _mm512_mask_max_ps(m1, SEEN(j + 16), m1, _mm512_loadu_ps(s + j + 16));
+    }
+    if (j < b) m0 = _mm512_mask_max_ps(m0, SEEN(j), m0, _mm512_loadu_ps(s + j));
+    const float max = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
     memset(p, 0, (size_t)a * 2);
     memset(p + b, 0, (size_t)(ld - b) * 2);
-    static const exp16_i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    exp16_f sum = {0};
-    for (int64_t j = a; j < b; j += 16) {
+    /* p = exp(scale * (s - max)) rounded to bfloat16 (nearest even), 0 outside [lo, hi); the sum of p */
+    const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF);
+    __m512 sum = _mm512_setzero_ps();
+    for (j = a; j < b; j += 16) {
         exp16_f x;
-        memcpy(&x, s + j, sizeof x); /* lanes outside [lo, hi) may hold anything: masked below */
-        const exp16_i key = lane + (int32_t)j, seen = (key >= (int32_t)lo) & (key < (int32_t)hi);
-        exp16_i bits = (exp16_i)exp16((x - max) * scale) & seen;
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & (int32_t)0xFFFF0000; /* rounded to bfloat16 */
-        sum += (exp16_f)bits;
-        for (int t = 0; t < 16; t++) p[j + t] = (uint16_t)((uint32_t)bits[t] >> 16);
+        memcpy(&x, s + j, sizeof x);
+        const exp16_f e = exp16((x - max) * scale);
+        __m512i bits;
+        memcpy(&bits, &e, sizeof bits);
+        bits = _mm512_maskz_mov_epi32(SEEN(j), bits);
+        bits = _mm512_add_epi32(bits, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(bits, 16), one)));
+        bits = _mm512_srli_epi32(bits, 16);
+        _mm256_storeu_si256((__m256i *)(p + j), _mm512_cvtepi32_epi16(bits));
+        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)));
     }
-    float total = 0.0f;
-    for (int t = 0; t < 16; t++) total += sum[t];
-    return 1.0f / total; /* the max's own weight is 1: total >= 1 */
+#undef SEEN
+    return 1.0f / _mm512_reduce_add_ps(sum); /* the max's own weight is 1: the sum >= 1 */
 }
 
 /* One work item, as attend_tile in paged_prefill.c (same arguments; the caches bfloat16) */
