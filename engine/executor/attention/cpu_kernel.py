@@ -20,6 +20,7 @@ in one call per layer instead of one SDPA call per sequence, each K/V page read 
 from __future__ import annotations
 
 import ctypes
+import functools
 from pathlib import Path
 
 import torch
@@ -84,8 +85,16 @@ class PagedDecodeKernel:
         self.max_group = int(self._lib.cbserve_max_group())
         self.max_head_dim = int(self._lib.cbserve_max_head_dim())
         # bfloat16 prefills (head_dim a multiple of 32) on AMX tiles: csrc/paged_prefill_amx.c
-        self.prefill_uses_amx = bool(self._lib.cbserve_prefill_uses_amx())
+        self._amx_takes = self._lib.cbserve_prefill_amx_takes
+        self._amx_takes.restype = ctypes.c_int
+        self._amx_takes.argtypes = [i64]
+        self.prefill_uses_amx = self.amx_takes(64)
         self.amx_prefill = self.prefill_uses_amx  # False: bfloat16 prefills on the vector path too (A/B)
+
+    @functools.cache  # noqa: B019 (one kernel per process)
+    def amx_takes(self, head_dim: int) -> bool:
+        """Whether a bfloat16 prefill of this head_dim runs on AMX tiles here."""
+        return bool(self._amx_takes(head_dim))
 
     def unsupported(
         self, head_dim: int, block_size: int, group: int, dtype: torch.dtype, softcap: float | None = None
@@ -160,7 +169,11 @@ class PagedDecodeKernel:
         num_tokens, num_heads, head_dim = q.shape
         num_blocks, num_kv_heads, _, block_size = k_cache.shape
         num_seqs = seq_lens.shape[0]
-        qf, tables = _checked_inputs(q, k_cache, v_cache, block_tables, seq_lens)
+        # bfloat16 on AMX tiles: q read and the output written in bfloat16; else both in float32
+        tiles = self.amx_prefill and q.dtype == k_cache.dtype == torch.bfloat16 and self.amx_takes(head_dim)
+        qf, tables = _checked_inputs(
+            q, k_cache, v_cache, block_tables, seq_lens, torch.bfloat16 if tiles else None
+        )
         if query_starts.dtype != torch.int64:
             raise ValueError("query_starts must be int64")
         if query_starts.shape != (num_seqs + 1,) or block_tables.shape[0] != num_seqs:
@@ -168,11 +181,9 @@ class PagedDecodeKernel:
         if int(query_starts[0]) != 0 or int(query_starts[-1]) != num_tokens:
             raise ValueError(f"the query ranges must cover the {num_tokens} query rows")
         starts, lens = query_starts.contiguous(), seq_lens.contiguous()
-        out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=qf.dtype)
         rc = self._prefill(
-            out.data_ptr(), qf.data_ptr(), qf.stride(0), int(q.dtype == torch.bfloat16 and self.amx_prefill),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
+            out.data_ptr(), qf.data_ptr(), qf.stride(0), int(tiles), k_cache.data_ptr(), v_cache.data_ptr(),
             int(k_cache.dtype == torch.bfloat16), tables.data_ptr(), tables.stride(0), starts.data_ptr(),
             lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window or 0,
             softcap or 0.0,
@@ -180,7 +191,7 @@ class PagedDecodeKernel:
         if rc == -5:
             raise ValueError("a sequence's query count or length does not fit its length or block table")
         _raise_for(rc, "prefill", q.shape, k_cache.shape)
-        return out if q.dtype == torch.float32 else out.to(q.dtype)
+        return out if out.dtype == q.dtype else out.to(q.dtype)
 
     def write_kv(
         self,
@@ -221,11 +232,12 @@ def _checked_inputs(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
+    q_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """What both attention kernels check and pass: float32 queries with contiguous heads, contiguous caches
-    of one dtype, int64 tables (rows contiguous) and lengths. Returns (queries, tables)."""
+    """What both attention kernels check and pass: float32 (or ``q_dtype``) queries with contiguous heads,
+    contiguous caches of one dtype, int64 tables (rows contiguous) and lengths. Returns (queries, tables)."""
     head_dim = q.shape[-1]
-    qf = q.float()
+    qf = q.to(q_dtype or torch.float32)
     if qf.stride(-1) != 1 or qf.stride(-2) != head_dim:
         qf = qf.contiguous()
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype):

@@ -234,30 +234,27 @@ static void attend_tile_bf16(TILE_ARGS) { TILE_CALL(1); }
 
 #include "paged_prefill_amx.c"
 
-/* Whether this call's items run on AMX tiles (paged_prefill_amx.c): bfloat16 queries and cache, a head_dim
- * the tiles take, a library built for AMX and a process allowed to use it. */
-static int use_amx(int kv_is_bf16, int q_is_bf16, int64_t head_dim) {
+/* 1 where a bfloat16 prefill of this head_dim runs on AMX tiles (paged_prefill_amx.c): a head_dim the tiles
+ * take, a library built for AMX and a process allowed to use it */
+int cbserve_prefill_amx_takes(int64_t head_dim) {
 #if HAVE_AMX
     static int permitted = -1;
-    if (!(kv_is_bf16 && q_is_bf16 && head_dim % 32 == 0 && head_dim <= AMX_MAX_HEAD_DIM)) return 0;
+    if (head_dim % 32 || head_dim > AMX_MAX_HEAD_DIM) return 0;
     if (permitted < 0) permitted = amx_permitted();
     return permitted;
 #else
-    (void)kv_is_bf16, (void)q_is_bf16, (void)head_dim;
+    (void)head_dim;
     return 0;
 #endif
 }
 
-/* 1 where bfloat16 prefills of head_dim 64 run on AMX tiles here */
-int cbserve_prefill_uses_amx(void) { return use_amx(1, 1, 64); }
-
 /* Returns 0; -2 for an unsupported shape, -5 for a query count or length that does not fit its sequence
  * (nothing written); -1 if a scratch buffer could not be allocated. */
 int cbserve_paged_prefill_attention(
-    float *out,                  /* [num_tokens, num_heads, head_dim] */
-    const float *q,              /* token t's heads at q + t * q_stride, [num_heads, head_dim] */
+    void *out,                   /* [num_tokens, num_heads, head_dim] */
+    const void *q,               /* token t's heads at q + t * q_stride, [num_heads, head_dim] */
     int64_t q_stride,
-    int q_is_bf16,               /* q's values are bfloat16 ones (a bfloat16 model's queries, widened) */
+    int q_is_bf16,               /* q and out bfloat16 (the AMX path: cbserve_prefill_amx_takes), else float32 */
     const void *k_cache,         /* [num_blocks, num_kv_heads, head_dim, block_size] */
     const void *v_cache,         /* [num_blocks, num_kv_heads, block_size, head_dim] */
     int kv_is_bf16,
@@ -279,7 +276,8 @@ int cbserve_paged_prefill_attention(
         const int64_t span = (sliding_window > 0 && sliding_window < seq_lens[s] ? sliding_window + TILE : seq_lens[s]);
         widest = span + 2 * block_size > widest ? span + 2 * block_size : widest;
     }
-    const int threads = omp_get_max_threads(), amx = use_amx(kv_is_bf16, q_is_bf16, head_dim);
+    const int threads = omp_get_max_threads(), amx = q_is_bf16;
+    if (amx && !(kv_is_bf16 && cbserve_prefill_amx_takes(head_dim))) return -2;
 #if HAVE_AMX
     const int64_t scratch = amx ? amx_scratch_bytes(TILE * group, (widest + 64 + 31) / 32 * 32, head_dim) / 4 + 1
                                 : TILE * group * widest; /* floats */
@@ -311,14 +309,16 @@ int cbserve_paged_prefill_attention(
             const int64_t start = query_starts[s];
 #if HAVE_AMX
             if (amx) {
-                attend_tile_amx(out + start * num_heads * head_dim, q + start * q_stride, q_stride, k_cache, v_cache,
+                attend_tile_amx((uint16_t *)out + start * num_heads * head_dim, (const uint16_t *)q + start * q_stride,
+                                q_stride, k_cache, v_cache,
                                 block_tables + s * table_stride, seq_lens[s] - q_len, i0, i1, h, num_heads, group,
                                 head_dim, block_size, block_stride, scale, sliding_window, softcap, (char *)mine);
                 continue;
             }
 #endif
             (kv_is_bf16 ? attend_tile_bf16 : attend_tile_f32)(
-                out + start * num_heads * head_dim, q + start * q_stride, q_stride, k_cache, v_cache,
+                (float *)out + start * num_heads * head_dim, (const float *)q + start * q_stride, q_stride, k_cache,
+                v_cache,
                 block_tables + s * table_stride, seq_lens[s] - q_len, i0, i1, h, num_heads, group, head_dim,
                 block_size, block_stride, scale, sliding_window, softcap, mine);
         }

@@ -9,10 +9,9 @@
  *   O = P V:    A = 16 rows x 32 keys of P, B = 32 keys of V in pairs of keys, 16 dimensions a tile;
  *               four accumulator tiles (64 dimensions) per pass over the keys
  *
- * The queries are bfloat16 values (the model's own: a bfloat16 model's q rounds nothing here); P is
- * rounded to bfloat16, as flash attention does on GPUs, where the vector path keeps it in float32: the
- * results differ from that path by about one bfloat16 rounding of the output, which the caller rounds to
- * bfloat16 anyway.
+ * The queries come and the outputs go in bfloat16 (the model's q, read in place; no float32 copies); P
+ * is rounded to bfloat16, as flash attention does on GPUs, where the vector path keeps it in float32: the
+ * results differ from that path's by about one more bfloat16 rounding.
  *
  * A row's result depends only on its own query, position and keys: keys are taken in 32-key chunks aligned
  * to absolute positions, keys a row may not see weigh exactly 0, and V rows outside the keys the item may
@@ -20,7 +19,7 @@
  * same bits whether it is prefilled whole or in chunks, and whatever shares their tile.
  *
  * Used where the library was built for AMX, the process may use the tiles, head_dim is a multiple of 32 up
- * to AMX_MAX_HEAD_DIM, and both q and the cache are bfloat16 (cbserve_paged_prefill_attention decides). */
+ * to AMX_MAX_HEAD_DIM, and q, the output and the cache are bfloat16 (cbserve_paged_prefill_attention). */
 #include "../../kernels/csrc/amx_tiles.h"
 #include "../../kernels/csrc/exp16.h"
 
@@ -206,7 +205,7 @@ static inline float softmax_to_bf16(uint16_t *p, float *s, int64_t ld, int64_t l
 }
 
 /* One work item, as attend_tile in paged_prefill.c (same arguments; the caches bfloat16) */
-static void attend_tile_amx(float *out, const float *q, int64_t q_stride, const uint16_t *k_cache,
+static void attend_tile_amx(uint16_t *out, const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
                             const uint16_t *v_cache, const int64_t *table, int64_t base, int64_t i0, int64_t i1,
                             int64_t h, int64_t num_heads, int64_t group, int64_t head_dim, int64_t block_size,
                             int64_t block_stride, float scale, int64_t window, float softcap, char *scratch) {
@@ -217,14 +216,12 @@ static void attend_tile_amx(float *out, const float *q, int64_t q_stride, const 
     const int64_t ld = (key_hi - k0 + 31) / 32 * 32;
     const amx_scratch sc = amx_scratch_at(scratch, padded, ld, head_dim);
 
-    for (int64_t r = 0; r < padded; r++) { /* Q rows in bfloat16 (exact: q holds bfloat16 values) */
+    for (int64_t r = 0; r < padded; r++) { /* the item's query rows, zero rows to a whole tile */
         uint16_t *dst = sc.q + r * head_dim;
-        if (r >= rows) {
+        if (r < rows)
+            memcpy(dst, q + (i0 + r / group) * q_stride + (h * group + r % group) * head_dim, (size_t)head_dim * 2);
+        else
             memset(dst, 0, (size_t)head_dim * 2);
-            continue;
-        }
-        const float *src = q + (i0 + r / group) * q_stride + (h * group + r % group) * head_dim;
-        for (int64_t d = 0; d < head_dim; d++) dst[d] = amx_bf16(src[d]);
     }
     for (int64_t u = key_lo / 16; u * 16 < key_hi; u++) { /* S, 16 keys at a time */
         const uint16_t *page = k_cache + table[u * 16 / block_size] * block_stride + head_page;
@@ -255,8 +252,8 @@ static void attend_tile_amx(float *out, const float *q, int64_t q_stride, const 
                 weigh_two(c, sc.p + r0 * ld, ld, sc.vt, n, head_dim, c_lo, chunks);
             for (int64_t m = 0; m < 16 && r0 + m < rows; m++) {
                 const int64_t r = r0 + m;
-                float *o = out + (i0 + r / group) * num_heads * head_dim + (h * group + r % group) * head_dim;
-                for (int64_t d = 0; d < width * 16; d++) o[n * 16 + d] = c[m * 64 + d] * inv[r];
+                uint16_t *o = out + (i0 + r / group) * num_heads * head_dim + (h * group + r % group) * head_dim;
+                for (int64_t d = 0; d < width * 16; d++) o[n * 16 + d] = amx_bf16(c[m * 64 + d] * inv[r]);
             }
         }
     }
