@@ -13,8 +13,10 @@
  *   qkv = n Wqkv^T (+ b)                                small_gemm.c's panels
  *   [Qwen3, Gemma 3: q and k normed per head]
  *   rotate q and k (the layer's table); store k and v   cpu_ops.c, paged_decode.c
- *   a = attention(q, pages)                             paged_decode.c, one item per (sequence, KV head),
- *                                                       in the layer's window, scores soft-capped (Gemma 2)
+ *   a = attention(q, pages)                             paged_decode.c, one item per (tile, KV head): a
+ *                                                       tile is a row or rows of one verify run (its pages
+ *                                                       read once for them), in the layer's window, scores
+ *                                                       soft-capped (Gemma 2)
  *   y = a Wo^T (+ b)                                    [Gemma: y = post_attention_norm(y)]
  *   residual += y;  n = post_norm(residual)             (Gemma: its pre-feedforward norm)
  *   g = n Wgate_up^T;  m = silu(gate) * up;  y = m Wdown^T   [Gemma: gelu_tanh; y = post_feedforward_norm(y)]
@@ -108,7 +110,8 @@ typedef struct {
 
 /* The step's buffers, one allocation (`base`): the activations in the model's dtype, `padded_rows` each (the
  * matmuls' inputs with zero rows past the sequences); then float32: the queries and the attention's output
- * (bfloat16 only), each thread's scores; then each thread's AMX scratch block (bfloat16 only). */
+ * (bfloat16 only), each thread's scores; then each thread's AMX scratch block (bfloat16 only); then the
+ * attention's tiles (paged_decode.c's plan_tiles: one plan for every layer). */
 typedef struct {
     char *base;
     char *residual;    /* [hidden]: h, the residual stream, before the last block's output y is added */
@@ -120,6 +123,9 @@ typedef struct {
     char *act;         /* [intermediate]: act(gate) * up, down's input */
     float *queries, *attn_out; /* [q_size] each, float32 (bfloat16 only) */
     float *scores;     /* scores_per_thread per thread */
+    int64_t *plan;     /* plan_size(S): the attention's tiles (paged_decode.c's plan_tiles) */
+    const int64_t *row_ids, *tile_starts;
+    int64_t tiles;
     char *amx_scratches; /* amx_scratch bytes per thread */
     int64_t scores_per_thread;
     size_t amx_scratch;
@@ -213,11 +219,13 @@ static int allocate(buffers *b, const cbserve_model *m, int64_t S, int64_t max_l
     const int64_t qkv_size = q_size + 2 * m->num_kv_heads * m->head_dim;
     const int64_t Sp = padded_rows(S, bf16), es = bf16 ? 2 : 4;
     const int64_t widest = H > I ? (H > q_size ? H : q_size) : (I > q_size ? I : q_size);
-    b->scores_per_thread = scores_size(m->num_heads / m->num_kv_heads, max_len, m->block_size);
+    const int64_t group = m->num_heads / m->num_kv_heads;
+    b->scores_per_thread = scores_size(RUN_ROWS(group), group, max_len, m->block_size);
     b->amx_scratch = bf16 ? (size_t)(BIG_ROWS * widest * 2) : 0;
     const size_t activations = (size_t)(Sp * (3 * H + qkv_size + q_size + 3 * I) * es);
     const size_t floats = (size_t)((bf16 ? 2 * S * q_size : 0) + threads * b->scores_per_thread);
-    b->base = malloc(activations + sizeof(float) * floats + threads * b->amx_scratch);
+    const size_t plan_at = (activations + sizeof(float) * floats + threads * b->amx_scratch + 63) / 64 * 64;
+    b->base = malloc(plan_at + sizeof(int64_t) * (size_t)plan_size(S));
     if (b->base == NULL) return 0;
     b->residual = b->base, b->normed = b->residual + Sp * H * es, b->y = b->normed + Sp * H * es;
     b->qkv = b->y + Sp * H * es, b->attn = b->qkv + Sp * qkv_size * es, b->gate_up = b->attn + Sp * q_size * es;
@@ -225,6 +233,7 @@ static int allocate(buffers *b, const cbserve_model *m, int64_t S, int64_t max_l
     b->queries = (float *)(b->base + activations), b->attn_out = b->queries + (bf16 ? S * q_size : 0);
     b->scores = b->attn_out + (bf16 ? S * q_size : 0);
     b->amx_scratches = (char *)(b->scores + threads * b->scores_per_thread);
+    b->plan = (int64_t *)(b->base + plan_at), b->row_ids = b->plan, b->tile_starts = b->plan + S;
     if (Sp > S) { /* the matmuls' inputs: zero rows past the sequences */
         memset(b->normed + S * H * es, 0, (size_t)((Sp - S) * H * es));
         memset(b->attn + S * q_size * es, 0, (size_t)((Sp - S) * q_size * es));
@@ -286,8 +295,9 @@ INLINE void rotate_and_store_kv(const step *st, const cbserve_layer *w) {
     }
 }
 
-/* attn = attention(q, the pages) (paged_decode.c): one item per (sequence, KV head), in the layer's window,
- * the scores soft-capped where the model caps them; in bfloat16 the float32 output is rounded for o. */
+/* attn = attention(q, the pages) (paged_decode.c): one item per (tile, KV head), a tile one row or rows of
+ * one verify run, in the layer's window, the scores soft-capped where the model caps them; in bfloat16 the
+ * float32 output is rounded for o. */
 INLINE void paged_attention(const step *st, const cbserve_layer *w) {
     const cbserve_model *m = st->m;
     const buffers *b = st->b;
@@ -296,15 +306,17 @@ INLINE void paged_attention(const step *st, const cbserve_layer *w) {
     const float *q = st->bf16 ? b->queries : (const float *)b->qkv;
     float *a = st->bf16 ? b->attn_out : (float *)b->attn;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < st->rows * nkv; item++) {
-        const int64_t s = item / nkv, h = item % nkv;
+    for (int64_t item = 0; item < b->tiles * nkv; item++) {
+        const int64_t tile = item / nkv, h = item % nkv;
+        const int64_t *rows = b->row_ids + b->tile_starts[tile], n = b->tile_starts[tile + 1] - b->tile_starts[tile];
         attend_item(a, q, st->bf16 ? q_size : qkv_size, w->k_cache, w->v_cache, st->bf16, st->in->block_tables,
                     st->in->table_stride, st->in->seq_lens, nh, nkv, hd, m->block_size, m->scale, w->sliding_window,
-                    m->softcap, s, h, st->scores);
-        if (st->bf16) { /* this item's heads rounded to bfloat16 for o */
-            const int64_t first = s * q_size + h * group * hd;
-            for (int64_t i = first; i < first + group * hd; i++) store(b->attn, i, b->attn_out[i], 1);
-        }
+                    m->softcap, rows, n, h, st->scores);
+        if (st->bf16) /* this item's heads rounded to bfloat16 for o */
+            for (int64_t r = 0; r < n; r++) {
+                const int64_t first = rows[r] * q_size + h * group * hd;
+                for (int64_t i = first; i < first + group * hd; i++) store(b->attn, i, b->attn_out[i], 1);
+            }
     }
 }
 
@@ -362,6 +374,8 @@ int cbserve_decode_stack(const cbserve_model *m, const cbserve_layer *layers,
     const int threads = omp_get_max_threads();
     buffers b;
     if (!allocate(&b, m, num_seqs, max_len, threads)) return -1;
+    b.tiles = plan_tiles(block_tables, table_stride, seq_lens, num_seqs, m->block_size,
+                         m->num_heads / m->num_kv_heads, min_tiles(threads, m->num_kv_heads), b.plan);
     const int bf16 = m->bf16 != 0;
 
 #pragma omp parallel num_threads(threads)
