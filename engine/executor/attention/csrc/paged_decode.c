@@ -420,6 +420,19 @@ static int64_t plan_tiles(const int64_t *block_tables, int64_t table_stride, con
     return tiles;
 }
 
+/* Floats of scratch the largest work item of a plan of `tiles` tiles needs (scores_size of its tile). */
+static int64_t plan_scores_size(const int64_t *plan, int64_t tiles, int64_t num_seqs, const int64_t *seq_lens,
+                                int64_t group, int64_t block_size) {
+    const int64_t *row_ids = plan, *tile_starts = plan + num_seqs;
+    int64_t most = 0;
+    for (int64_t i = 0; i < tiles; i++) {
+        const int64_t rows = tile_starts[i + 1] - tile_starts[i], last = row_ids[tile_starts[i + 1] - 1];
+        const int64_t size = scores_size(rows, group, seq_lens[last], block_size);
+        most = size > most ? size : most;
+    }
+    return most;
+}
+
 /* The work items' tiles of a decode call of these rows with `group` query heads per KV head on `threads`
  * threads and `num_kv_heads` KV heads (plan_tiles): writes row_ids[num_seqs] and tile_starts[num_seqs + 1],
  * returns the number of tiles; -1: out of memory. For tests and tools: which rows share their pages' reads. */

@@ -110,8 +110,8 @@ typedef struct {
 
 /* The step's buffers, one allocation (`base`): the activations in the model's dtype, `padded_rows` each (the
  * matmuls' inputs with zero rows past the sequences); then float32: the queries and the attention's output
- * (bfloat16 only), each thread's scores; then each thread's AMX scratch block (bfloat16 only); then the
- * attention's tiles (paged_decode.c's plan_tiles: one plan for every layer). */
+ * (bfloat16 only), each thread's scores; then each thread's AMX scratch block (bfloat16 only). The attention's
+ * tiles (paged_decode.c's plan_tiles: one plan for every layer) are planned before, in their own allocation. */
 typedef struct {
     char *base;
     char *residual;    /* [hidden]: h, the residual stream, before the last block's output y is added */
@@ -123,8 +123,7 @@ typedef struct {
     char *act;         /* [intermediate]: act(gate) * up, down's input */
     float *queries, *attn_out; /* [q_size] each, float32 (bfloat16 only) */
     float *scores;     /* scores_per_thread per thread */
-    int64_t *plan;     /* plan_size(S): the attention's tiles (paged_decode.c's plan_tiles) */
-    const int64_t *row_ids, *tile_starts;
+    const int64_t *row_ids, *tile_starts; /* the attention's tiles (paged_decode.c's plan_tiles) */
     int64_t tiles;
     char *amx_scratches; /* amx_scratch bytes per thread */
     int64_t scores_per_thread;
@@ -186,15 +185,12 @@ static int64_t padded_rows(int64_t S, int bf16) {
     return S <= 16 ? 16 : (S + 31) / 32 * 32;
 }
 
-/* cbserve_decode_stack's codes for a step of S sequences (0: the kernels take it); *max_len: the longest
- * sequence. */
-static int check_inputs(const cbserve_model *m, const cbserve_layer *layers, const batch *in, int64_t S,
-                        int64_t *max_len) {
+/* cbserve_decode_stack's codes for a step of S sequences (0: the kernels take it). */
+static int check_inputs(const cbserve_model *m, const cbserve_layer *layers, const batch *in, int64_t S) {
     const int64_t H = m->hidden, I = m->intermediate, bs = m->block_size, q_size = m->num_heads * m->head_dim;
     if (!supported(m->num_heads, m->num_kv_heads, m->head_dim, bs) ||
         (m->bf16 && (!HAVE_AMX || H % TILE_K || q_size % TILE_K || I % TILE_K)))
         return -2;
-    *max_len = 1;
     for (int64_t s = 0; s < S; s++) {
         const int64_t len = in->seq_lens[s], *table = in->block_tables + s * in->table_stride;
         if (in->slots[s] < 0 || in->slots[s] >= m->num_blocks * bs) return -3;
@@ -202,7 +198,6 @@ static int check_inputs(const cbserve_model *m, const cbserve_layer *layers, con
         if (len < 1 || (len + bs - 1) / bs > in->table_stride) return -5;
         for (int64_t b = 0; b < (len + bs - 1) / bs; b++)
             if (table[b] < 0 || table[b] >= m->num_blocks) return -5;
-        *max_len = len > *max_len ? len : *max_len;
     }
     for (int64_t l = 0; l < m->num_layers; l++) {
         const cbserve_layer *w = &layers[l];
@@ -212,20 +207,19 @@ static int check_inputs(const cbserve_model *m, const cbserve_layer *layers, con
     return 0;
 }
 
-/* The buffers of a step of S sequences of at most max_len keys on `threads` threads; 0: out of memory. */
-static int allocate(buffers *b, const cbserve_model *m, int64_t S, int64_t max_len, int threads) {
+/* The buffers of a step of S sequences on `threads` threads, `scores` floats of attention scores each; 0: out
+ * of memory. */
+static int allocate(buffers *b, const cbserve_model *m, int64_t S, int64_t scores, int threads) {
     const int bf16 = m->bf16 != 0;
     const int64_t H = m->hidden, I = m->intermediate, q_size = m->num_heads * m->head_dim;
     const int64_t qkv_size = q_size + 2 * m->num_kv_heads * m->head_dim;
     const int64_t Sp = padded_rows(S, bf16), es = bf16 ? 2 : 4;
     const int64_t widest = H > I ? (H > q_size ? H : q_size) : (I > q_size ? I : q_size);
-    const int64_t group = m->num_heads / m->num_kv_heads;
-    b->scores_per_thread = scores_size(RUN_ROWS(group), group, max_len, m->block_size);
+    b->scores_per_thread = scores;
     b->amx_scratch = bf16 ? (size_t)(BIG_ROWS * widest * 2) : 0;
     const size_t activations = (size_t)(Sp * (3 * H + qkv_size + q_size + 3 * I) * es);
     const size_t floats = (size_t)((bf16 ? 2 * S * q_size : 0) + threads * b->scores_per_thread);
-    const size_t plan_at = (activations + sizeof(float) * floats + threads * b->amx_scratch + 63) / 64 * 64;
-    b->base = malloc(plan_at + sizeof(int64_t) * (size_t)plan_size(S));
+    b->base = malloc(activations + sizeof(float) * floats + threads * b->amx_scratch);
     if (b->base == NULL) return 0;
     b->residual = b->base, b->normed = b->residual + Sp * H * es, b->y = b->normed + Sp * H * es;
     b->qkv = b->y + Sp * H * es, b->attn = b->qkv + Sp * qkv_size * es, b->gate_up = b->attn + Sp * q_size * es;
@@ -233,7 +227,6 @@ static int allocate(buffers *b, const cbserve_model *m, int64_t S, int64_t max_l
     b->queries = (float *)(b->base + activations), b->attn_out = b->queries + (bf16 ? S * q_size : 0);
     b->scores = b->attn_out + (bf16 ? S * q_size : 0);
     b->amx_scratches = (char *)(b->scores + threads * b->scores_per_thread);
-    b->plan = (int64_t *)(b->base + plan_at), b->row_ids = b->plan, b->tile_starts = b->plan + S;
     if (Sp > S) { /* the matmuls' inputs: zero rows past the sequences */
         memset(b->normed + S * H * es, 0, (size_t)((Sp - S) * H * es));
         memset(b->attn + S * q_size * es, 0, (size_t)((Sp - S) * q_size * es));
@@ -368,14 +361,21 @@ int cbserve_decode_stack(const cbserve_model *m, const cbserve_layer *layers,
                          const int64_t *seq_lens,     /* [num_seqs] KV length with the new token */
                          int64_t num_seqs) {
     const batch in = {positions, slots, block_tables, seq_lens, table_stride};
-    int64_t max_len = 1;
-    const int rc = check_inputs(m, layers, &in, num_seqs, &max_len);
+    const int rc = check_inputs(m, layers, &in, num_seqs);
     if (rc != 0) return rc;
     const int threads = omp_get_max_threads();
+    const int64_t group = m->num_heads / m->num_kv_heads;
+    int64_t *plan = malloc(sizeof(int64_t) * (size_t)plan_size(num_seqs));
+    if (plan == NULL) return -1;
+    const int64_t tiles = plan_tiles(block_tables, table_stride, seq_lens, num_seqs, m->block_size, group,
+                                     min_tiles(threads, m->num_kv_heads), plan);
     buffers b;
-    if (!allocate(&b, m, num_seqs, max_len, threads)) return -1;
-    b.tiles = plan_tiles(block_tables, table_stride, seq_lens, num_seqs, m->block_size,
-                         m->num_heads / m->num_kv_heads, min_tiles(threads, m->num_kv_heads), b.plan);
+    if (!allocate(&b, m, num_seqs, plan_scores_size(plan, tiles, num_seqs, seq_lens, group, m->block_size),
+                  threads)) {
+        free(plan);
+        return -1;
+    }
+    b.row_ids = plan, b.tile_starts = plan + num_seqs, b.tiles = tiles;
     const int bf16 = m->bf16 != 0;
 
 #pragma omp parallel num_threads(threads)
@@ -393,5 +393,6 @@ int cbserve_decode_stack(const cbserve_model *m, const cbserve_layer *layers,
 #endif
     }
     free(b.base);
+    free(plan);
     return 0;
 }
