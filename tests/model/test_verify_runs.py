@@ -9,6 +9,7 @@ boundaries. Stale slots hold NaN: a key past a row's end never enters its sums."
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -23,6 +24,16 @@ BLOCK = 16
 @pytest.fixture(scope="module")
 def kernel() -> PagedDecodeKernel:
     return cpu_kernel_or_skip()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _two_threads() -> Iterator[None]:
+    """Fewer threads than work items: the calls keep their runs in tiles (on many threads they would split
+    them down to a row per tile)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
 
 
 def _step(
@@ -102,6 +113,9 @@ def test_every_row_of_a_verify_run_is_the_same_bits_as_alone(
     alone = _row_by_row(kernel, q, k_cache, v_cache, inputs, window, softcap)
     assert not together.isnan().any()
     assert torch.equal(together, alone)
+    tiles = kernel.decode_tiles(inputs.block_tables, inputs.seq_lens, BLOCK, heads // kv_heads, kv_heads, 2)
+    if heads // kv_heads <= 3:  # tiles of several rows (RUN_ROWS) with AVX-512's registers and AVX2's
+        assert max(len(tile) for tile in tiles) > 1
 
 
 def test_a_nan_in_the_last_row_s_key_reaches_that_row_only(kernel: PagedDecodeKernel) -> None:
