@@ -109,16 +109,22 @@ def _cache(cfg: ModelConfig, dtype: torch.dtype) -> KVCache:
 
 
 def _prefilled(
-    model: NativeModel, kernel: PagedDecodeKernel, lengths: list[int], seed: int
+    model: NativeModel,
+    kernel: PagedDecodeKernel,
+    lengths: list[int],
+    seed: int,
+    new_tokens: list[int] | None = None,
 ) -> dict[str, Any]:
     """Two identical caches holding prompts of ``lengths`` (pages scattered over the cache), and the decode
-    step that follows: one token per sequence."""
+    step that follows: one token per sequence, or ``new_tokens[i]`` for sequence i -- a verify chunk, one
+    decode row per token over the same pages, as engine/executor/runner.py's ``prepare`` lays it out."""
+    new_tokens = new_tokens or [1] * len(lengths)
     rng = random.Random(seed)
     blocks = list(range(1, NUM_BLOCKS))
     rng.shuffle(blocks)
     tables = []
-    for n in lengths:
-        pages = -(-(n + 1) // BLOCK)
+    for n, new in zip(lengths, new_tokens, strict=True):
+        pages = -(-(n + new) // BLOCK)
         tables.append(blocks[:pages])
         blocks = blocks[pages:]
     cfg = model.config
@@ -128,8 +134,15 @@ def _prefilled(
     prefill = BatchInputs.build(prompts, [0] * len(lengths), tables, [True] * len(lengths), BLOCK)
     for cache in caches:
         model(prefill, cache, kernel)
+    rows = [
+        (n + j, table) for n, new, table in zip(lengths, new_tokens, tables, strict=True) for j in range(new)
+    ]
     decode = BatchInputs.build(
-        [[rng.randrange(vocab)] for _ in lengths], lengths, tables, [True] * len(lengths), BLOCK
+        [[rng.randrange(vocab)] for _ in rows],
+        [p for p, _ in rows],
+        [t for _, t in rows],
+        [1] * len(rows),
+        BLOCK,
     )
     return {"caches": caches, "decode": decode}
 
@@ -190,6 +203,54 @@ def test_a_step_past_one_tile_of_rows_is_the_same_bits(kernel: PagedDecodeKernel
     assert stack.can_run(state["decode"], kernel)
     stacked = stack.run(state["decode"], stacked_cache)
     layered = stack.model(state["decode"], layered_cache, kernel)
+    assert torch.equal(stacked, layered)
+    assert torch.equal(stacked_cache.kv, layered_cache.kv)
+
+
+class _RowByRow(PagedDecodeKernel):
+    """The CPU decode kernel called one row at a time: each row attended alone, as before verify runs."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        alone = super().__call__
+        outs = []
+        for i in range(q.shape[0]):
+            tables, lens = block_tables[i : i + 1], seq_lens[i : i + 1]
+            outs.append(alone(q[i : i + 1], k_cache, v_cache, tables, lens, scale, sliding_window, softcap))
+        return torch.cat(outs)
+
+
+@pytest.mark.parametrize("cfg", [SMOL, GEMMA2, ODD], ids=["smollm2-shapes", "gemma2-softcap-windows", "odd"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_verify_chunk_is_the_same_bits_as_its_rows_attended_alone(
+    kernel: PagedDecodeKernel, monkeypatch: pytest.MonkeyPatch, cfg: ModelConfig, dtype: torch.dtype
+) -> None:
+    """Verify chunks of 5 and 3 tokens beside ordinary decode rows: the stack attends each chunk's rows as
+    one verify run (paged_decode.c), and its logits and K/V are the layer-by-layer path's with every row
+    attended alone."""
+    stack = _model(cfg, dtype=dtype)
+    state = _prefilled(stack.model, kernel, [30, 17, 9, 44], seed=7, new_tokens=[5, 1, 3, 1])
+    stacked_cache, layered_cache = state["caches"]
+    decode: BatchInputs = state["decode"]
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    tiles = kernel.decode_tiles(
+        decode.block_tables, decode.seq_lens, BLOCK, group, cfg.num_key_value_heads, 2
+    )
+    if group <= 3:  # the chunks' rows share tiles, with AVX-512's registers and AVX2's (RUN_ROWS)
+        assert max(len(tile) for tile in tiles) > 1
+    calls = _count_calls(monkeypatch)
+    stacked = stack.forward(decode, stacked_cache, kernel)
+    assert calls == [10]
+    layered = stack.model(decode, layered_cache, _RowByRow(kernel.path))
     assert torch.equal(stacked, layered)
     assert torch.equal(stacked_cache.kv, layered_cache.kv)
 

@@ -81,6 +81,10 @@ class PagedDecodeKernel:
         ]
         prefill.argtypes += [ctypes.c_float, i64, ctypes.c_float]
         self._prefill = prefill
+        tiles = self._lib.cbserve_decode_tiles
+        tiles.restype = i64
+        tiles.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, ptr, ptr]
+        self._tiles = tiles
         self.lanes = int(self._lib.cbserve_lanes())
         self.max_group = int(self._lib.cbserve_max_group())
         self.max_head_dim = int(self._lib.cbserve_max_head_dim())
@@ -150,6 +154,36 @@ class PagedDecodeKernel:
         )
         _raise_for(rc, "decode", q.shape, k_cache.shape)
         return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+    def decode_tiles(
+        self,
+        block_tables: torch.Tensor,  # [num_seqs, >= pages] int64
+        seq_lens: torch.Tensor,  # [num_seqs] int64, >= 1
+        block_size: int,
+        group: int,
+        num_kv_heads: int,
+        threads: int,
+    ) -> list[list[int]]:
+        """How a decode call on ``threads`` threads splits these rows into work items (each a tile x a KV
+        head): the tiles' rows. Rows of one verify run (consecutive KV lengths over the same pages) share a
+        tile, whose every K/V page is read once for all of them (csrc/paged_decode.c's plan_tiles)."""
+        num_seqs = seq_lens.shape[0]
+        tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+        if tables.dtype != torch.int64 or seq_lens.dtype != torch.int64:
+            raise ValueError("block_tables and seq_lens must be int64")
+        if tables.shape[0] != num_seqs or (num_seqs and int(seq_lens.max()) > tables.shape[1] * block_size):
+            raise ValueError("one block table per row, wide enough for its pages")
+        lens = seq_lens.contiguous()
+        rows = torch.empty(num_seqs, dtype=torch.int64)
+        starts = torch.empty(num_seqs + 1, dtype=torch.int64)
+        count = self._tiles(
+            tables.data_ptr(), tables.stride(0), lens.data_ptr(), num_seqs, block_size, group, num_kv_heads,
+            threads, rows.data_ptr(), starts.data_ptr(),
+        )  # fmt: skip
+        if count < 0:
+            raise MemoryError("decode tiles: out of memory")
+        ids, bounds = rows.tolist(), starts[: count + 1].tolist()
+        return [ids[bounds[i] : bounds[i + 1]] for i in range(count)]
 
     def prefill(
         self,

@@ -1,7 +1,7 @@
 /* Paged decode attention on the CPU: each sequence's one new query attends over that sequence's KV pages,
  * read in place through its block table -- no gathered copy of the pages, no padding to a longer sequence.
  *
- * Work item = (sequence, KV head); the `group` query heads that share the KV head are computed together, so
+ * Work item = (row, KV head); the `group` query heads that share the KV head are computed together, so
  * each key and value vector is loaded (and widened from bfloat16) once per step and used by every head of
  * the group (GQA without repeating K/V), and the next page is prefetched while one is computed:
  *
@@ -19,18 +19,28 @@
  * position seq_len - 1, so keys 0 .. seq_len - 1 are visible (only the last `sliding_window` of them when
  * the model has a window).
  *
+ * Verify runs: a speculative verify chunk of K + 1 tokens enters the step as K + 1 decode rows of one
+ * sequence over the same pages at consecutive positions (engine/executor/runner.py's `prepare`). Such rows
+ * (found by plan_tiles: consecutive KV lengths, equal block table entries) share work items: work item =
+ * (tile, KV head), a tile being a row or up to RUN_ROWS rows of one run, so each K and V vector is loaded
+ * once for all of the tile's rows x group query heads. Each row still sees only its own keys (up to its
+ * seq_len, its own window and soft cap), and its sums are those of the row attended alone, over the same
+ * keys in the same order -- the same bits; a key past a row's end never enters its sums, not even times 0.
+ * Runs are cut into more tiles while threads would otherwise have no work item.
+ *
  * Caches are float32 or bfloat16 (`kv_is_bf16`); queries and outputs are float32. Parallel over work items
  * with OpenMP: this library asks for libgomp.so.1, which resolves to the copy torch has already loaded, so
  * torch and this kernel share one thread pool (torch.set_num_threads applies to both).
  *
  * Supported: block_size and head_dim multiples of 16, head_dim at most MAX_HEAD_DIM, at most MAX_GROUP query
  * heads per KV head; engine/executor/attention/cpu_kernel.py checks these before choosing this kernel. head_dim 64
- * and 128 with groups of 1, 2, 3, 4 and 8 get their own unrolled copies of the loops.
+ * and 128 with groups of 1, 2, 3, 4 and 8 get their own unrolled copies of the loops, one per tile size.
  *
  * The library also stores each step's new keys and values in their slots (`cbserve_write_kv`), the
  * scatter that PyTorch's index_put_ does several times slower.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,14 +52,26 @@
 /* The loops work on vectors of VL floats: 16 (one AVX-512 register) where the CPU has 32 vector registers,
  * else 8 (one AVX2 register, 16 of them). With 16 registers the value pass also splits head_dim into
  * slices whose accumulators for the whole group fit in PV_REGS registers (group 3, head_dim 64 would
- * need 24 -- spilled on every key); every lane's sums run in the same order either way. */
+ * need 24 -- spilled on every key); every lane's sums run in the same order either way.
+ *
+ * A tile of a verify run (RUN_ROWS rows) keeps the accumulators of all its rows x group query heads in
+ * RUN_REGS registers, the rest being left to the K or V vectors and the broadcast probabilities: the score
+ * pass's two per head, the value pass's slices of head_dim (value_slice). On AVX-512, 28 spilled the value
+ * pass of 4 rows x 3 heads; 24 does not (measured, GCC 12). */
 #if defined(__AVX512F__)
 #define VL 16
 #define PV_REGS 0 /* no split: head_dim in one pass */
+#define RUN_REGS 24
 #else
 #define VL 8
 #define PV_REGS 12
+#define RUN_REGS 12
 #endif
+#define MAX_RUN_ROWS 4
+/* the rows of a verify run's tile: as many as RUN_REGS holds two accumulators each of group query heads, at
+ * least 1, at most MAX_RUN_ROWS (so a tile of more than one row has at most RUN_REGS / 2 query heads) */
+#define FIT_ROWS(group) (RUN_REGS / (2 * (group)))
+#define RUN_ROWS(group) (FIT_ROWS(group) > MAX_RUN_ROWS ? MAX_RUN_ROWS : FIT_ROWS(group) < 1 ? 1 : FIT_ROWS(group))
 
 /* compiled from its own body alone (never inlined, cloned or specialised for a caller): the decode stack
  * (engine/executor/kernels/csrc/decode_stack.c) includes this file and gets the same bits */
@@ -91,62 +113,50 @@ static inline void soft_cap(float *s, int64_t lo, int64_t hi, float softcap) {
     for (int64_t j = lo; j < hi; j++) s[j] = softcap * tanhf(s[j] * inv);
 }
 
-/* One (sequence, KV head). Inlined into each call site: where `head_dim` and `group` are literals, the
- * loops unroll and the group's accumulators stay in registers. Each K and V vector is loaded (and widened
- * from bfloat16) once and used by all `group` query heads. */
-static inline __attribute__((always_inline)) void attend(
-    float *out, const float *q, const void *k_cache, const void *v_cache, int bf16, const int64_t *table,
-    int64_t first, int64_t seq_len, const int64_t group, const int64_t head_dim, int64_t block_size,
-    int64_t block_stride, int64_t head_offset, float scale, float softcap, float *scores) {
-    const int64_t b_first = first / block_size, b_end = (seq_len + block_size - 1) / block_size;
-    const int64_t padded = (b_end - b_first) * block_size; /* scores row length per query head */
-    const int64_t lo = first - b_first * block_size, hi = seq_len - b_first * block_size; /* valid [lo, hi) */
-    const int64_t page = head_dim * block_size; /* elements of one head's K (or V) page */
+/* The vectors of head_dim one pass of the value pass accumulates per query head of a tile of `rows` rows
+ * (see VL and RUN_ROWS): head_dim / VL halved while the accumulators exceed the budget (or it does not
+ * divide head_dim / VL). Written without a loop, so that the literal copies of `attend` fold it to a
+ * constant and unroll the loops over it (their accumulators stay in registers). */
+static inline int64_t halve_slice(int64_t slice, int64_t vectors, int64_t heads, int64_t budget) {
+    return slice > 1 && (slice * heads > budget || vectors % slice) ? slice / 2 : slice;
+}
 
-    /* s[g, j]: a VL-key tile at a time; lanes outside [lo, hi) are computed and never read. Two
-     * accumulators per head (even and odd dimensions) hide the FMA latency. */
-    prefetch_page(k_cache, table[b_first] * block_stride + head_offset, bf16, page);
-    for (int64_t b = b_first; b < b_end; b++) {
-        const int64_t k = table[b] * block_stride + head_offset; /* [head_dim, block_size] */
-        if (b + 1 < b_end) prefetch_page(k_cache, table[b + 1] * block_stride + head_offset, bf16, page);
-        for (int64_t t = 0; t < block_size; t += VL) {
-            vf even[MAX_GROUP], odd[MAX_GROUP];
-            for (int64_t g = 0; g < group; g++) even[g] = odd[g] = (vf){0};
-            for (int64_t d = 0; d < head_dim; d += 2) {
-                const vf k0 = loadv(k_cache, k + d * block_size + t, bf16);
-                const vf k1 = loadv(k_cache, k + (d + 1) * block_size + t, bf16);
-                for (int64_t g = 0; g < group; g++) {
-                    even[g] += q[g * head_dim + d] * k0;
-                    odd[g] += q[g * head_dim + d + 1] * k1;
-                }
-            }
-            for (int64_t g = 0; g < group; g++) {
-                vf s = (even[g] + odd[g]) * scale;
-                memcpy(scores + g * padded + (b - b_first) * block_size + t, &s, sizeof s);
-            }
-        }
+static inline int64_t value_slice(int64_t rows, int64_t group, int64_t head_dim) {
+    /* a tile's pass holds the slice of V[j] too: one more vector per head's (so slice x (rows x group + 1)
+     * <= RUN_REGS: at most RUN_REGS / 2 + 1 heads, see RUN_ROWS) */
+    const int64_t budget = rows > 1 ? RUN_REGS : PV_REGS, vectors = head_dim / VL;
+    const int64_t heads = rows > 1 ? rows * group + 1 : group;
+    if (!budget) return vectors;
+    int64_t slice = vectors; /* at most MAX_HEAD_DIM / 8 = 64: six halvings reach 1 */
+    slice = halve_slice(slice, vectors, heads, budget), slice = halve_slice(slice, vectors, heads, budget);
+    slice = halve_slice(slice, vectors, heads, budget), slice = halve_slice(slice, vectors, heads, budget);
+    slice = halve_slice(slice, vectors, heads, budget), slice = halve_slice(slice, vectors, heads, budget);
+    return slice;
+}
+
+/* The softmax of one query head's scores over its visible keys [lo, hi), after the soft cap if any: s[j] =
+ * exp(s[j] - max), returns 1 / sum (the max is a visible score, so the sum is >= 1). One compiled body for
+ * every copy of `attend`, so a row's sums run in the same order whether it is attended alone or in a tile
+ * of a verify run (-ffast-math vectorises the sum; its lanes depend only on lo and hi). */
+NOIPA float softmax_row(float *s, int64_t lo, int64_t hi, float softcap) {
+    if (softcap > 0.0f) soft_cap(s, lo, hi, softcap);
+    float max = s[lo], sum = 0.0f;
+    for (int64_t j = lo + 1; j < hi; j++) max = s[j] > max ? s[j] : max;
+    for (int64_t j = lo; j < hi; j++) {
+        s[j] = expf(s[j] - max);
+        sum += s[j];
     }
-    prefetch_page(v_cache, table[b_first] * block_stride + head_offset, bf16, page);
+    return 1.0f / sum;
+}
 
-    /* p[g, j] = exp(s[g, j] - max) / sum (after the soft cap, if any); the max is a visible score, so the sum is >= 1 */
-    float inv_sum[MAX_GROUP];
-    for (int64_t g = 0; g < group; g++) {
-        float *s = scores + g * padded;
-        if (softcap > 0.0f) soft_cap(s, lo, hi, softcap);
-        float max = s[lo], sum = 0.0f;
-        for (int64_t j = lo + 1; j < hi; j++) max = s[j] > max ? s[j] : max;
-        for (int64_t j = lo; j < hi; j++) {
-            s[j] = expf(s[j] - max);
-            sum += s[j];
-        }
-        inv_sum[g] = 1.0f / sum;
-    }
-
-    /* o[g] = sum_j p[g, j] V[j], visible keys only (a stale slot may hold anything, even NaN); in slices
-     * of `slice` vectors of head_dim (all of it unless PV_REGS says otherwise; see VL) */
-    int64_t slice = head_dim / VL;
-    if (PV_REGS)
-        while (slice > 1 && (slice * group > PV_REGS || (head_dim / VL) % slice)) slice /= 2;
+/* o[g] = sum_j p[g, j] V[j] for one row's `group` query heads over its keys [lo, hi) (scores[g * padded + j]
+ * = p[g, j] * sum), in slices of `slice` vectors of head_dim (all of it unless PV_REGS says otherwise; see VL).
+ * Inlined, as `attend`. */
+static inline __attribute__((always_inline)) void values_row(
+    float *out, const void *v_cache, int bf16, const int64_t *table, int64_t b_first, int64_t b_end, int64_t lo,
+    int64_t hi, const int64_t group, const int64_t head_dim, int64_t block_size, int64_t block_stride,
+    int64_t head_offset, const float *scores, int64_t padded, const float *inv_sum) {
+    const int64_t page = head_dim * block_size, slice = value_slice(1, group, head_dim);
     for (int64_t d0 = 0; d0 < head_dim; d0 += slice * VL) {
         vf acc[MAX_GROUP][MAX_HEAD_DIM / VL];
         for (int64_t g = 0; g < group; g++)
@@ -171,49 +181,272 @@ static inline __attribute__((always_inline)) void attend(
     }
 }
 
+/* values_row for the `rows` rows of a tile of a verify run, row r's keys [lo[r], hi[r]) (ascending in r): each
+ * slice of V[j] is loaded once and used by every head of every row that sees key j; the accumulators of
+ * all rows x group heads fit in RUN_REGS registers (value_slice); each head's sums are values_row's, over
+ * the same keys in the same order. */
+static inline __attribute__((always_inline)) void values_run(
+    float *const *out, const void *v_cache, int bf16, const int64_t *table, int64_t b_first, int64_t b_end,
+    const int64_t *lo, const int64_t *hi, const int64_t rows, const int64_t group, const int64_t head_dim,
+    int64_t block_size, int64_t block_stride, int64_t head_offset, const float *scores, int64_t padded,
+    const float *inv_sum) {
+    const int64_t page = head_dim * block_size, slice = value_slice(rows, group, head_dim), heads = rows * group;
+    const int64_t j_lo = lo[0], j_hi = hi[rows - 1];     /* the keys some row sees */
+    const int64_t all_lo = lo[rows - 1], all_hi = hi[0]; /* the keys every row sees */
+    for (int64_t d0 = 0; d0 < head_dim; d0 += slice * VL) {
+        vf acc[RUN_REGS]; /* head h's vector c at h * slice + c */
+        for (int64_t i = 0; i < heads * slice; i++) acc[i] = (vf){0};
+        for (int64_t b = b_first; b < b_end; b++) {
+            const int64_t v = table[b] * block_stride + head_offset + d0; /* [block_size, head_dim] */
+            if (d0 == 0 && b + 1 < b_end)
+                prefetch_page(v_cache, table[b + 1] * block_stride + head_offset, bf16, page);
+            const int64_t j0 = (b - b_first) * block_size;
+            const int64_t t0 = j_lo > j0 ? j_lo - j0 : 0, t1 = j_hi - j0 < block_size ? j_hi - j0 : block_size;
+            for (int64_t t = t0; t < t1; t++) {
+                const int64_t j = j0 + t;
+                vf row[RUN_REGS];
+                for (int64_t c = 0; c < slice; c++) row[c] = loadv(v_cache, v + t * head_dim + c * VL, bf16);
+                if (j >= all_lo && j < all_hi) /* a key every row sees */
+                    for (int64_t h = 0; h < heads; h++)
+                        for (int64_t c = 0; c < slice; c++) acc[h * slice + c] += scores[h * padded + j] * row[c];
+                else /* a key some rows see (selects, not branches: the accumulators stay in registers) */
+                    for (int64_t h = 0; h < heads; h++)
+                        for (int64_t c = 0; c < slice; c++)
+                            acc[h * slice + c] = j >= lo[h / group] && j < hi[h / group]
+                                                     ? acc[h * slice + c] + scores[h * padded + j] * row[c]
+                                                     : acc[h * slice + c];
+            }
+        }
+        for (int64_t h = 0; h < heads; h++)
+            for (int64_t c = 0; c < slice; c++) {
+                vf o = acc[h * slice + c] * inv_sum[h];
+                memcpy(out[h / group] + (h % group) * head_dim + d0 + c * VL, &o, sizeof o);
+            }
+    }
+}
+
+/* One tile (`rows` rows of one verify run, or one decode row) x one KV head. Row r's query heads are at
+ * q[r], its output at out[r]; it sees keys first[r] .. seq_len[r] - 1 of the pages in `table`; the rows
+ * are in ascending seq_len. Inlined into each call site: where `head_dim`, `group` and `rows` are literals,
+ * the loops unroll and the accumulators of the tile's rows x group query heads stay in registers. Each K
+ * and V vector is loaded (and widened from bfloat16) once and used by every query head of the tile; each
+ * head's sums are those of the row attended alone, over the same keys in the same order. */
+static inline __attribute__((always_inline)) void attend(
+    float *const *out, const float *const *q, const void *k_cache, const void *v_cache, int bf16,
+    const int64_t *table, const int64_t *first, const int64_t *seq_len, const int64_t rows, const int64_t group,
+    const int64_t head_dim, int64_t block_size, int64_t block_stride, int64_t head_offset, float scale,
+    float softcap, float *scores) {
+    const int64_t b_first = first[0] / block_size, b_end = (seq_len[rows - 1] + block_size - 1) / block_size;
+    const int64_t padded = (b_end - b_first) * block_size; /* scores row length per query head */
+    const int64_t page = head_dim * block_size;            /* elements of one head's K (or V) page */
+    int64_t lo[MAX_RUN_ROWS], hi[MAX_RUN_ROWS];                    /* row r's visible keys [lo, hi) in its scores */
+    for (int64_t r = 0; r < rows; r++) lo[r] = first[r] - b_first * block_size, hi[r] = seq_len[r] - b_first * block_size;
+
+    /* s[r, g, j]: a VL-key tile at a time; lanes outside a row's [lo, hi) are computed and never read. Two
+     * accumulators per head (even and odd dimensions) hide the FMA latency. */
+    prefetch_page(k_cache, table[b_first] * block_stride + head_offset, bf16, page);
+    for (int64_t b = b_first; b < b_end; b++) {
+        const int64_t k = table[b] * block_stride + head_offset; /* [head_dim, block_size] */
+        if (b + 1 < b_end) prefetch_page(k_cache, table[b + 1] * block_stride + head_offset, bf16, page);
+        for (int64_t t = 0; t < block_size; t += VL) {
+            vf even[MAX_GROUP], odd[MAX_GROUP]; /* [rows * group]: row r's head g at r * group + g */
+            for (int64_t h = 0; h < rows * group; h++) even[h] = odd[h] = (vf){0};
+            for (int64_t d = 0; d < head_dim; d += 2) {
+                const vf k0 = loadv(k_cache, k + d * block_size + t, bf16);
+                const vf k1 = loadv(k_cache, k + (d + 1) * block_size + t, bf16);
+                for (int64_t r = 0; r < rows; r++)
+                    for (int64_t g = 0; g < group; g++) {
+                        even[r * group + g] += q[r][g * head_dim + d] * k0;
+                        odd[r * group + g] += q[r][g * head_dim + d + 1] * k1;
+                    }
+            }
+            for (int64_t h = 0; h < rows * group; h++) {
+                vf s = (even[h] + odd[h]) * scale;
+                memcpy(scores + h * padded + (b - b_first) * block_size + t, &s, sizeof s);
+            }
+        }
+    }
+    prefetch_page(v_cache, table[b_first] * block_stride + head_offset, bf16, page);
+
+    /* p[r, g, j] = exp(s[r, g, j] - max) / sum over row r's visible keys */
+    float inv_sum[MAX_GROUP];
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < group; g++)
+            inv_sum[r * group + g] = softmax_row(scores + (r * group + g) * padded, lo[r], hi[r], softcap);
+
+    /* o[r, g] = sum_j p[r, g, j] V[j] over row r's visible keys only (a stale slot may hold anything, even
+     * NaN, so a key past a row's end never enters its sums, not even times 0) */
+    if (rows == 1)
+        values_row(out[0], v_cache, bf16, table, b_first, b_end, lo[0], hi[0], group, head_dim, block_size,
+                   block_stride, head_offset, scores, padded, inv_sum);
+    else
+        values_run(out, v_cache, bf16, table, b_first, b_end, lo, hi, rows, group, head_dim, block_size,
+                   block_stride, head_offset, scores, padded, inv_sum);
+}
+
 /* Whether the kernel takes this shape. */
 static int supported(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size) {
     return block_size % LANES == 0 && head_dim % LANES == 0 && head_dim <= MAX_HEAD_DIM && num_kv_heads >= 1 &&
            num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= MAX_GROUP;
 }
 
-/* Floats of scratch one work item over a sequence of `seq_len` keys needs. */
-static int64_t scores_size(int64_t group, int64_t seq_len, int64_t block_size) {
-    return group * (seq_len + 2 * block_size);
+/* Floats of scratch one work item of a tile of `rows` rows of at most `seq_len` keys needs. */
+static int64_t scores_size(int64_t rows, int64_t group, int64_t seq_len, int64_t block_size) {
+    return rows * group * (seq_len + 2 * block_size);
 }
 
-/* Work item (s, h): the `group` query heads of sequence s that share KV head h. `scores`: at least
- * scores_size(group, seq_lens[s], block_size) floats. */
+/* Work item (tile, h): the `group` query heads that share KV head h of each of the tile's `rows` rows,
+ * row_ids[0 .. rows) (one verify run's, in ascending seq_len; or one row), over the pages of the last row's
+ * block table (plan_tiles made sure that every row's pages are the same entries there). `scores`: at least
+ * scores_size(rows, group, longest seq_len, block_size) floats. */
 NOIPA void attend_item(float *out, const float *q, int64_t q_seq_stride, const void *k_cache, const void *v_cache,
                         int kv_is_bf16, const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                        int64_t sliding_window, float softcap, int64_t s, int64_t h, float *scores) {
-    const int64_t group = num_heads / num_kv_heads, seq_len = seq_lens[s];
+                        int64_t sliding_window, float softcap, const int64_t *row_ids, int64_t rows, int64_t h,
+                        float *scores) {
+    const int64_t group = num_heads / num_kv_heads;
     const int64_t block_stride = num_kv_heads * head_dim * block_size, head_stride = head_dim * block_size;
-    const int64_t first = sliding_window > 0 && seq_len > sliding_window ? seq_len - sliding_window : 0;
-    const float *qs = q + s * q_seq_stride + h * group * head_dim;
-    float *os = out + (s * num_heads + h * group) * head_dim;
-    const int64_t *table = block_tables + s * table_stride;
-#define ATTEND(GROUP, HEAD_DIM)                                                                       \
-    attend(os, qs, k_cache, v_cache, kv_is_bf16, table, first, seq_len, GROUP, HEAD_DIM, block_size,      \
+    const float *qs[MAX_RUN_ROWS];
+    float *os[MAX_RUN_ROWS];
+    int64_t first[MAX_RUN_ROWS], lens[MAX_RUN_ROWS];
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t s = row_ids[r];
+        lens[r] = seq_lens[s];
+        first[r] = sliding_window > 0 && lens[r] > sliding_window ? lens[r] - sliding_window : 0;
+        qs[r] = q + s * q_seq_stride + h * group * head_dim;
+        os[r] = out + (s * num_heads + h * group) * head_dim;
+    }
+    const int64_t *table = block_tables + row_ids[rows - 1] * table_stride;
+#define ATTEND(ROWS, GROUP, HEAD_DIM)                                                                 \
+    attend(os, qs, k_cache, v_cache, kv_is_bf16, table, first, lens, ROWS, GROUP, HEAD_DIM, block_size, \
            block_stride, h * head_stride, scale, softcap, scores)
+    /* a literal copy for each tile size this group can have (RUN_ROWS) */
+#define ATTEND_ROWS(GROUP, HEAD_DIM)                                                                  \
+    switch (rows) {                                                                                   \
+    case 1: ATTEND(1, GROUP, HEAD_DIM); break;                                                        \
+    case 2: if (RUN_ROWS(GROUP) >= 2) ATTEND(2, GROUP, HEAD_DIM); break;                             \
+    case 3: if (RUN_ROWS(GROUP) >= 3) ATTEND(3, GROUP, HEAD_DIM); break;                             \
+    default: if (RUN_ROWS(GROUP) >= 4) ATTEND(4, GROUP, HEAD_DIM); break;                            \
+    }
 #define ATTEND_GROUPS(HEAD_DIM)                                                                       \
     switch (group) {                                                                                  \
-    case 1: ATTEND(1, HEAD_DIM); break;                                                               \
-    case 2: ATTEND(2, HEAD_DIM); break;                                                               \
-    case 3: ATTEND(3, HEAD_DIM); break;                                                               \
-    case 4: ATTEND(4, HEAD_DIM); break;                                                               \
-    case 8: ATTEND(8, HEAD_DIM); break;                                                               \
-    default: ATTEND(group, HEAD_DIM);                                                                 \
+    case 1: ATTEND_ROWS(1, HEAD_DIM); break;                                                          \
+    case 2: ATTEND_ROWS(2, HEAD_DIM); break;                                                          \
+    case 3: ATTEND_ROWS(3, HEAD_DIM); break;                                                          \
+    case 4: ATTEND_ROWS(4, HEAD_DIM); break;                                                          \
+    case 8: ATTEND_ROWS(8, HEAD_DIM); break;                                                          \
+    default: ATTEND(rows, group, HEAD_DIM);                                                           \
     }
     if (head_dim == 64)
         ATTEND_GROUPS(64)
     else if (head_dim == 128)
         ATTEND_GROUPS(128)
     else
-        ATTEND(group, head_dim);
+        ATTEND(rows, group, head_dim);
 #undef ATTEND_GROUPS
+#undef ATTEND_ROWS
 #undef ATTEND
+}
+
+/* Whether row s can follow row `last` in the verify run that row `head` began: the next position, and the
+ * same pages (the same block table entries for every page s reads; compared from its last page, where
+ * two different sequences' tables differ -- a shared prefix is at the front). */
+static int continues_run(const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
+                         int64_t block_size, int64_t head, int64_t last, int64_t s) {
+    if (seq_lens[s] != seq_lens[last] + 1) return 0;
+    const int64_t *a = block_tables + head * table_stride, *b = block_tables + s * table_stride;
+    for (int64_t page = (seq_lens[s] + block_size - 1) / block_size - 1; page >= 0; page--)
+        if (a[page] != b[page]) return 0;
+    return 1;
+}
+
+/* The tiles a call needs so that each of `threads` threads has a work item (tile, KV head). */
+static int64_t min_tiles(int64_t threads, int64_t num_kv_heads) { return (threads + num_kv_heads - 1) / num_kv_heads; }
+
+/* How far back plan_tiles looks for the run a row continues: the rows are in ascending KV length
+ * (engine/executor/inputs.py), so other sequences' rows of the same lengths can sit between two rows of a
+ * run; a run missed is only attended row by row. */
+#define RUN_LOOKBACK 64
+
+/* int64s of a plan of num_seqs rows: row_ids, tile_starts, plan_tiles' scratch */
+static int64_t plan_size(int64_t num_seqs) { return 6 * num_seqs + 1; }
+
+/* The work items' tiles of a decode call: the rows grouped into verify runs (rows at consecutive KV lengths
+ * over the same pages, as engine/executor/runner.py's `prepare` lays out a speculative verify chunk), each
+ * run cut into tiles of near-equal size, as few as RUN_ROWS(group) allows -- but while the call has fewer
+ * than `min_tiles` tiles (threads without a work item), the run with the largest tiles is cut once more, down
+ * to a row per tile: today's split, each page read once per row. Every other row is a tile of its own.
+ * Tile i is rows row_ids[tile_starts[i] .. tile_starts[i + 1]) in ascending KV length. `plan` holds
+ * plan_size(num_seqs) int64s; returns the number of tiles, the plan at `plan` (row_ids) and `plan +
+ * num_seqs` (tile_starts). It does not depend on the window: one plan serves every layer of a step. */
+static int64_t plan_tiles(const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
+                          int64_t num_seqs, int64_t block_size, int64_t group, int64_t min_tiles, int64_t *plan) {
+    int64_t *row_ids = plan, *tile_starts = plan + num_seqs, *head = plan + 2 * num_seqs + 1;
+    int64_t *next = head + num_seqs, *length = next + num_seqs, *cuts = length + num_seqs;
+    /* each row's run's first row, the run's next row; a run's length and tiles (at its first row) */
+    for (int64_t s = 0; s < num_seqs; s++) {
+        head[s] = s, next[s] = -1, length[s] = 1;
+        const int64_t stop = s > RUN_LOOKBACK ? s - RUN_LOOKBACK : 0;
+        for (int64_t r = s - 1; r >= stop && seq_lens[r] + 1 >= seq_lens[s]; r--)
+            if (next[r] < 0 && continues_run(block_tables, table_stride, seq_lens, block_size, head[r], r, s)) {
+                next[r] = s, head[s] = head[r], length[head[s]]++;
+                break;
+            }
+    }
+    const int64_t max_rows = RUN_ROWS(group);
+    int64_t tiles = 0;
+    for (int64_t s = 0; s < num_seqs; s++)
+        if (head[s] == s) cuts[s] = (length[s] + max_rows - 1) / max_rows, tiles += cuts[s];
+    while (tiles < min_tiles) {
+        int64_t widest = -1; /* the run with the largest tiles, length / cuts */
+        for (int64_t s = 0; s < num_seqs; s++)
+            if (head[s] == s && cuts[s] < length[s] &&
+                (widest < 0 || length[s] * cuts[widest] > length[widest] * cuts[s]))
+                widest = s;
+        if (widest < 0) break;
+        cuts[widest]++, tiles++;
+    }
+    int64_t placed = 0, tile = 0;
+    tile_starts[0] = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        if (head[s] != s) continue;
+        const int64_t n = length[s], k = cuts[s];
+        for (int64_t r = s, i = 0; r >= 0; r = next[r]) row_ids[placed + i++] = r;
+        for (int64_t i = 0; i < k; i++) {
+            placed += n / k + (i < n % k);
+            tile_starts[++tile] = placed;
+        }
+    }
+    return tiles;
+}
+
+/* Floats of scratch the largest work item of a plan of `tiles` tiles needs (scores_size of its tile). */
+static int64_t plan_scores_size(const int64_t *plan, int64_t tiles, int64_t num_seqs, const int64_t *seq_lens,
+                                int64_t group, int64_t block_size) {
+    const int64_t *row_ids = plan, *tile_starts = plan + num_seqs;
+    int64_t most = 0;
+    for (int64_t i = 0; i < tiles; i++) {
+        const int64_t rows = tile_starts[i + 1] - tile_starts[i], last = row_ids[tile_starts[i + 1] - 1];
+        const int64_t size = scores_size(rows, group, seq_lens[last], block_size);
+        most = size > most ? size : most;
+    }
+    return most;
+}
+
+/* The work items' tiles of a decode call of these rows with `group` query heads per KV head on `threads`
+ * threads and `num_kv_heads` KV heads (plan_tiles): writes row_ids[num_seqs] and tile_starts[num_seqs + 1],
+ * returns the number of tiles; -1: out of memory. For tests and tools: which rows share their pages' reads. */
+int64_t cbserve_decode_tiles(const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
+                             int64_t num_seqs, int64_t block_size, int64_t group, int64_t num_kv_heads,
+                             int64_t threads, int64_t *row_ids, int64_t *tile_starts) {
+    int64_t *plan = malloc(sizeof(int64_t) * (size_t)plan_size(num_seqs));
+    if (plan == NULL) return -1;
+    const int64_t tiles = plan_tiles(block_tables, table_stride, seq_lens, num_seqs, block_size, group,
+                                     min_tiles(threads, num_kv_heads), plan);
+    memcpy(row_ids, plan, sizeof(int64_t) * (size_t)num_seqs);
+    memcpy(tile_starts, plan + num_seqs, sizeof(int64_t) * (size_t)(tiles + 1));
+    free(plan);
+    return tiles;
 }
 
 /* Returns 0; -2 for an unsupported shape (nothing written); -1 if a scratch buffer could not be allocated. */
@@ -231,20 +464,27 @@ int cbserve_paged_decode_attention(
     float scale, int64_t sliding_window /* <= 0: none */, float softcap /* <= 0: none */) {
     if (!supported(num_heads, num_kv_heads, head_dim, block_size)) return -2;
     const int64_t group = num_heads / num_kv_heads;
+    int64_t *plan = malloc(sizeof(int64_t) * (size_t)plan_size(num_seqs));
+    if (plan == NULL) return -1;
+    const int64_t tiles = plan_tiles(block_tables, table_stride, seq_lens, num_seqs, block_size, group,
+                                     min_tiles(omp_get_max_threads(), num_kv_heads), plan);
+    const int64_t *row_ids = plan, *tile_starts = plan + num_seqs;
     int failed = 0;
 
 #pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
-    for (int64_t item = 0; item < num_seqs * num_kv_heads; item++) {
-        const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
-        float *scores = malloc(sizeof(float) * (size_t)scores_size(group, seq_lens[s], block_size));
+    for (int64_t item = 0; item < tiles * num_kv_heads; item++) {
+        const int64_t tile = item / num_kv_heads, h = item % num_kv_heads;
+        const int64_t *rows = row_ids + tile_starts[tile], n = tile_starts[tile + 1] - tile_starts[tile];
+        float *scores = malloc(sizeof(float) * (size_t)scores_size(n, group, seq_lens[rows[n - 1]], block_size));
         if (scores == NULL) {
             failed = 1;
             continue;
         }
         attend_item(out, q, q_seq_stride, k_cache, v_cache, kv_is_bf16, block_tables, table_stride, seq_lens,
-                    num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window, softcap, s, h, scores);
+                    num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window, softcap, rows, n, h, scores);
         free(scores);
     }
+    free(plan);
     return failed ? -1 : 0;
 }
 

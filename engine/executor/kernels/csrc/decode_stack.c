@@ -13,8 +13,10 @@
  *   qkv = n Wqkv^T (+ b)                                small_gemm.c's panels
  *   [Qwen3, Gemma 3: q and k normed per head]
  *   rotate q and k (the layer's table); store k and v   cpu_ops.c, paged_decode.c
- *   a = attention(q, pages)                             paged_decode.c, one item per (sequence, KV head),
- *                                                       in the layer's window, scores soft-capped (Gemma 2)
+ *   a = attention(q, pages)                             paged_decode.c, one item per (tile, KV head): a
+ *                                                       tile is a row or rows of one verify run (its pages
+ *                                                       read once for them), in the layer's window, scores
+ *                                                       soft-capped (Gemma 2)
  *   y = a Wo^T (+ b)                                    [Gemma: y = post_attention_norm(y)]
  *   residual += y;  n = post_norm(residual)             (Gemma: its pre-feedforward norm)
  *   g = n Wgate_up^T;  m = silu(gate) * up;  y = m Wdown^T   [Gemma: gelu_tanh; y = post_feedforward_norm(y)]
@@ -108,7 +110,8 @@ typedef struct {
 
 /* The step's buffers, one allocation (`base`): the activations in the model's dtype, `padded_rows` each (the
  * matmuls' inputs with zero rows past the sequences); then float32: the queries and the attention's output
- * (bfloat16 only), each thread's scores; then each thread's AMX scratch block (bfloat16 only). */
+ * (bfloat16 only), each thread's scores; then each thread's AMX scratch block (bfloat16 only). The attention's
+ * tiles (paged_decode.c's plan_tiles: one plan for every layer) are planned before, in their own allocation. */
 typedef struct {
     char *base;
     char *residual;    /* [hidden]: h, the residual stream, before the last block's output y is added */
@@ -120,6 +123,8 @@ typedef struct {
     char *act;         /* [intermediate]: act(gate) * up, down's input */
     float *queries, *attn_out; /* [q_size] each, float32 (bfloat16 only) */
     float *scores;     /* scores_per_thread per thread */
+    const int64_t *row_ids, *tile_starts; /* the attention's tiles (paged_decode.c's plan_tiles) */
+    int64_t tiles;
     char *amx_scratches; /* amx_scratch bytes per thread */
     int64_t scores_per_thread;
     size_t amx_scratch;
@@ -180,15 +185,12 @@ static int64_t padded_rows(int64_t S, int bf16) {
     return S <= 16 ? 16 : (S + 31) / 32 * 32;
 }
 
-/* cbserve_decode_stack's codes for a step of S sequences (0: the kernels take it); *max_len: the longest
- * sequence. */
-static int check_inputs(const cbserve_model *m, const cbserve_layer *layers, const batch *in, int64_t S,
-                        int64_t *max_len) {
+/* cbserve_decode_stack's codes for a step of S sequences (0: the kernels take it). */
+static int check_inputs(const cbserve_model *m, const cbserve_layer *layers, const batch *in, int64_t S) {
     const int64_t H = m->hidden, I = m->intermediate, bs = m->block_size, q_size = m->num_heads * m->head_dim;
     if (!supported(m->num_heads, m->num_kv_heads, m->head_dim, bs) ||
         (m->bf16 && (!HAVE_AMX || H % TILE_K || q_size % TILE_K || I % TILE_K)))
         return -2;
-    *max_len = 1;
     for (int64_t s = 0; s < S; s++) {
         const int64_t len = in->seq_lens[s], *table = in->block_tables + s * in->table_stride;
         if (in->slots[s] < 0 || in->slots[s] >= m->num_blocks * bs) return -3;
@@ -196,7 +198,6 @@ static int check_inputs(const cbserve_model *m, const cbserve_layer *layers, con
         if (len < 1 || (len + bs - 1) / bs > in->table_stride) return -5;
         for (int64_t b = 0; b < (len + bs - 1) / bs; b++)
             if (table[b] < 0 || table[b] >= m->num_blocks) return -5;
-        *max_len = len > *max_len ? len : *max_len;
     }
     for (int64_t l = 0; l < m->num_layers; l++) {
         const cbserve_layer *w = &layers[l];
@@ -206,14 +207,15 @@ static int check_inputs(const cbserve_model *m, const cbserve_layer *layers, con
     return 0;
 }
 
-/* The buffers of a step of S sequences of at most max_len keys on `threads` threads; 0: out of memory. */
-static int allocate(buffers *b, const cbserve_model *m, int64_t S, int64_t max_len, int threads) {
+/* The buffers of a step of S sequences on `threads` threads, `scores` floats of attention scores each; 0: out
+ * of memory. */
+static int allocate(buffers *b, const cbserve_model *m, int64_t S, int64_t scores, int threads) {
     const int bf16 = m->bf16 != 0;
     const int64_t H = m->hidden, I = m->intermediate, q_size = m->num_heads * m->head_dim;
     const int64_t qkv_size = q_size + 2 * m->num_kv_heads * m->head_dim;
     const int64_t Sp = padded_rows(S, bf16), es = bf16 ? 2 : 4;
     const int64_t widest = H > I ? (H > q_size ? H : q_size) : (I > q_size ? I : q_size);
-    b->scores_per_thread = scores_size(m->num_heads / m->num_kv_heads, max_len, m->block_size);
+    b->scores_per_thread = scores;
     b->amx_scratch = bf16 ? (size_t)(BIG_ROWS * widest * 2) : 0;
     const size_t activations = (size_t)(Sp * (3 * H + qkv_size + q_size + 3 * I) * es);
     const size_t floats = (size_t)((bf16 ? 2 * S * q_size : 0) + threads * b->scores_per_thread);
@@ -286,8 +288,9 @@ INLINE void rotate_and_store_kv(const step *st, const cbserve_layer *w) {
     }
 }
 
-/* attn = attention(q, the pages) (paged_decode.c): one item per (sequence, KV head), in the layer's window,
- * the scores soft-capped where the model caps them; in bfloat16 the float32 output is rounded for o. */
+/* attn = attention(q, the pages) (paged_decode.c): one item per (tile, KV head), a tile one row or rows of
+ * one verify run, in the layer's window, the scores soft-capped where the model caps them; in bfloat16 the
+ * float32 output is rounded for o. */
 INLINE void paged_attention(const step *st, const cbserve_layer *w) {
     const cbserve_model *m = st->m;
     const buffers *b = st->b;
@@ -296,15 +299,17 @@ INLINE void paged_attention(const step *st, const cbserve_layer *w) {
     const float *q = st->bf16 ? b->queries : (const float *)b->qkv;
     float *a = st->bf16 ? b->attn_out : (float *)b->attn;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < st->rows * nkv; item++) {
-        const int64_t s = item / nkv, h = item % nkv;
+    for (int64_t item = 0; item < b->tiles * nkv; item++) {
+        const int64_t tile = item / nkv, h = item % nkv;
+        const int64_t *rows = b->row_ids + b->tile_starts[tile], n = b->tile_starts[tile + 1] - b->tile_starts[tile];
         attend_item(a, q, st->bf16 ? q_size : qkv_size, w->k_cache, w->v_cache, st->bf16, st->in->block_tables,
                     st->in->table_stride, st->in->seq_lens, nh, nkv, hd, m->block_size, m->scale, w->sliding_window,
-                    m->softcap, s, h, st->scores);
-        if (st->bf16) { /* this item's heads rounded to bfloat16 for o */
-            const int64_t first = s * q_size + h * group * hd;
-            for (int64_t i = first; i < first + group * hd; i++) store(b->attn, i, b->attn_out[i], 1);
-        }
+                    m->softcap, rows, n, h, st->scores);
+        if (st->bf16) /* this item's heads rounded to bfloat16 for o */
+            for (int64_t r = 0; r < n; r++) {
+                const int64_t first = rows[r] * q_size + h * group * hd;
+                for (int64_t i = first; i < first + group * hd; i++) store(b->attn, i, b->attn_out[i], 1);
+            }
     }
 }
 
@@ -356,12 +361,21 @@ int cbserve_decode_stack(const cbserve_model *m, const cbserve_layer *layers,
                          const int64_t *seq_lens,     /* [num_seqs] KV length with the new token */
                          int64_t num_seqs) {
     const batch in = {positions, slots, block_tables, seq_lens, table_stride};
-    int64_t max_len = 1;
-    const int rc = check_inputs(m, layers, &in, num_seqs, &max_len);
+    const int rc = check_inputs(m, layers, &in, num_seqs);
     if (rc != 0) return rc;
     const int threads = omp_get_max_threads();
+    const int64_t group = m->num_heads / m->num_kv_heads;
+    int64_t *plan = malloc(sizeof(int64_t) * (size_t)plan_size(num_seqs));
+    if (plan == NULL) return -1;
+    const int64_t tiles = plan_tiles(block_tables, table_stride, seq_lens, num_seqs, m->block_size, group,
+                                     min_tiles(threads, m->num_kv_heads), plan);
     buffers b;
-    if (!allocate(&b, m, num_seqs, max_len, threads)) return -1;
+    if (!allocate(&b, m, num_seqs, plan_scores_size(plan, tiles, num_seqs, seq_lens, group, m->block_size),
+                  threads)) {
+        free(plan);
+        return -1;
+    }
+    b.row_ids = plan, b.tile_starts = plan + num_seqs, b.tiles = tiles;
     const int bf16 = m->bf16 != 0;
 
 #pragma omp parallel num_threads(threads)
@@ -379,5 +393,6 @@ int cbserve_decode_stack(const cbserve_model *m, const cbserve_layer *layers,
 #endif
     }
     free(b.base);
+    free(plan);
     return 0;
 }
