@@ -28,7 +28,7 @@ from engine.executor.models import llama
 from engine.outputs import RequestStatus
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--runs", type=int, default=6)
@@ -36,7 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
     torch.set_num_threads(args.threads)
     engine = Engine.from_pretrained(args.model, dtype=args.dtype, device="cpu")
     kernel = engine.decode_kernel

@@ -177,12 +177,10 @@ def _add_serve_flags(serve: argparse.ArgumentParser) -> None:
     a("--scheduler", choices=["fifo", "prefill_first"], default="fifo")
     a("--max-batch-tokens", type=_positive_int, default=2048, help="tokens computed per engine step, at most")
     a("--max-num-seqs", type=_positive_int, default=64, help="sequences running at once, at most")
-    a(
-        "--max-mixed-prefill-tokens",
-        type=_positive_int,
-        default=None,
-        help="prompt tokens in a step that also decodes (default: --max-batch-tokens)",
-    )
+    mixed = "prompt tokens in a step that also decodes (default: --max-batch-tokens)"
+    a("--max-mixed-prefill-tokens", type=_positive_int, default=None, help=mixed)
+    burst = "an idle engine given several requests at once starts once none has come for this long (ms)"
+    a("--arrival-window-ms", type=_non_negative_float, default=3.0, help=burst)
     a("--block-size", type=_positive_int, default=16, help="tokens per KV-cache block")
     a("--kv-cache-memory", type=parse_bytes, default=None, help="KV-cache size in bytes (2GiB, 512MiB, ...)")
     a("--num-blocks", type=_positive_int, default=None, help="KV-cache size in blocks (instead of bytes)")
@@ -402,6 +400,7 @@ def _load_engine(args: argparse.Namespace) -> Any:
             max_batch_tokens=args.max_batch_tokens,
             max_num_seqs=args.max_num_seqs,
             max_mixed_prefill_tokens=args.max_mixed_prefill_tokens,
+            arrival_window_ms=args.arrival_window_ms,
             block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory,
             num_blocks=args.num_blocks,

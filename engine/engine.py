@@ -67,6 +67,9 @@ class CacheOptions:
         None  # prompt tokens in a step that also decodes (scheduler/config.py)
     )
     enforce_eager: bool = False  # CUDA: no graphs of the decode step (engine/executor/cuda_graphs.py)
+    # several requests reaching an idle engine: its first step waits until none has come for this long
+    # (engine/loop.py's _gather_arrivals); 0: it starts on the first it sees
+    arrival_window_ms: float = 3.0
 
 
 class Engine:
@@ -288,6 +291,7 @@ class Engine:
             layer_contrast=self._layer_contrast(),
             speculative_config=speculation,
         )
+        self._manager.loop.arrival_window_s = opts["arrival_window_ms"] / 1000
         return self._manager
 
     def _runner(self, draft_model: DraftModel | None) -> ModelRunner:

@@ -45,6 +45,9 @@ from scheduler.request import FinishReason
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # nothing to run: sleep until a message arrives, or this long
+# several requests reaching an idle engine: start once none has come for this long (at most ARRIVAL_CAP times)
+ARRIVAL_WINDOW_S = 0.003
+ARRIVAL_CAP = 10
 STALLED_WAIT_S = 0.01  # requests wait but none can be scheduled (blocks in use): retry this soon
 
 
@@ -119,13 +122,14 @@ class EngineLoop:
         self.kv_event_observers: list[Callable[[list[KVCacheEvent]], None]] = []
         self.num_steps = 0
         self.stats = self._snapshot(running=False)
+        self.arrival_window_s = ARRIVAL_WINDOW_S  # 0: an idle engine starts on the first arrivals it sees
 
     # ------------------------------------------------------------------ the thread
     def run(self) -> None:
         try:
             while not self.stopping.is_set():
                 self._check_executor()
-                self._drain_inbox()
+                self._gather_arrivals(self._drain_inbox())
                 self._publish_kv_events()
                 self.outputs.flush()
                 if not self.scheduler.has_unfinished_requests():
@@ -284,9 +288,29 @@ class EngineLoop:
         self.inbox.wait(timeout)
 
     # ------------------------------------------------------------------ the inbox
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self) -> int:
+        """Handle every message put so far; returns how many requests it admitted."""
+        admitted = 0
         for message in self.inbox.drain():
+            admitted += isinstance(message, AddRequest)
             self._handle(message)
+        return admitted
+
+    def _gather_arrivals(self, admitted: int) -> None:
+        """Requests that reach an idle engine together start together: where nothing runs yet and one drain
+        admitted several, the rest of the burst is still on its way (the server admits one request at a
+        time), so wait until none has come for ``arrival_window_s`` (at most ``ARRIVAL_CAP`` windows).
+        Otherwise the first step prefills the early ones, the late ones are prefilled beside the early ones'
+        first decode, and each early request's first interval is that whole prefill. A lone request never
+        waits."""
+        if self.arrival_window_s <= 0 or admitted < 2 or self.scheduler.num_running:
+            return
+        deadline = time.monotonic() + ARRIVAL_CAP * self.arrival_window_s
+        while not self.stopping.is_set() and time.monotonic() < deadline:
+            self.inbox.wait(self.arrival_window_s)
+            if not self.inbox.num_adds:
+                return
+            self._drain_inbox()
 
     def _handle(self, message: InboxMessage) -> None:
         if isinstance(message, AddRequest):

@@ -74,6 +74,7 @@ def test_every_flag_reads_the_environment() -> None:
         "CBSERVE_MAX_BATCH_TOKENS": "4096",
         "CBSERVE_MAX_NUM_SEQS": "8",
         "CBSERVE_MAX_MIXED_PREFILL_TOKENS": "256",
+        "CBSERVE_ARRIVAL_WINDOW_MS": "1.5",
         "CBSERVE_BLOCK_SIZE": "32",
         "CBSERVE_KV_CACHE_MEMORY": "2GiB",
         "CBSERVE_NUM_BLOCKS": "100",
@@ -106,7 +107,7 @@ def test_every_flag_reads_the_environment() -> None:
     assert args.attention_backend == "sdpa" and args.model_impl == "transformers"
     assert args.batch_invariant is True and args.tensor_parallel_size == 2
     assert (args.max_batch_tokens, args.max_num_seqs, args.block_size) == (4096, 8, 32)
-    assert args.max_mixed_prefill_tokens == 256
+    assert args.max_mixed_prefill_tokens == 256 and args.arrival_window_ms == 1.5
     assert args.kv_cache_memory == 2 << 30 and args.num_blocks == 100
     assert args.enable_prefix_caching is False
     assert args.enforce_eager is True

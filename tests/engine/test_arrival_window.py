@@ -1,0 +1,63 @@
+"""Requests that reach an idle engine together start together (``arrival_window_ms``, engine/loop.py's
+``_gather_arrivals``): a burst whose last requests come a little later is still prefilled in one step,
+while a lone request starts at once. Observed through the manager's step observer: the first step's
+token count says which prompts it prefilled."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+from default_engine import engine_on
+
+from engine.loader.model_loader import LoadedModel
+
+pytestmark = pytest.mark.slow  # the real model, float32
+
+PROMPTS = [[1, 2, 3, 4, 5], [6, 7, 8, 9], [10, 11, 12, 13, 14, 15]]
+
+
+def first_step_tokens(loaded: LoadedModel, window_ms: float, early: int, late_after_s: float) -> int:
+    """The first step's token count when ``early`` prompts are waiting as the engine starts and the next
+    one is added ``late_after_s`` later."""
+    manager = engine_on(loaded, arrival_window_ms=window_ms).init_continuous_batching()
+    steps: list[int] = []
+    manager.add_step_observer(steps.append)
+    timer = threading.Timer(late_after_s, lambda: manager.add_request(PROMPTS[early], max_new_tokens=2))
+    manager.start()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(5.0)  # NOTE: the early ones in the inbox before the engine thread can drain it
+    try:
+        for ids in PROMPTS[:early]:
+            manager.add_request(ids, max_new_tokens=2)
+    finally:
+        sys.setswitchinterval(interval)
+    timer.start()
+    try:
+        deadline = time.monotonic() + 60
+        while sum(steps) < sum(len(p) for p in PROMPTS[: early + 1]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        timer.join()
+        manager.stop(True, 30)
+    assert steps, "the engine ran no step"
+    return steps[0]
+
+
+def test_a_burst_that_comes_in_two_parts_is_prefilled_in_one_step(default_model: LoadedModel) -> None:
+    """Two requests are there when the engine starts; the third comes 20 ms later, inside the window."""
+    assert first_step_tokens(default_model, 200.0, early=2, late_after_s=0.02) == sum(map(len, PROMPTS))
+
+
+def test_without_the_window_the_engine_starts_on_what_it_has(default_model: LoadedModel) -> None:
+    assert first_step_tokens(default_model, 0.0, early=2, late_after_s=0.5) == len(PROMPTS[0]) + len(
+        PROMPTS[1]
+    )
+
+
+def test_a_lone_request_does_not_wait(default_model: LoadedModel) -> None:
+    """One request at an idle engine starts at once: a second one 0.5 s later, well inside a 2 s window
+    that a burst would wait for, is not in the first step."""
+    assert first_step_tokens(default_model, 2000.0, early=1, late_after_s=0.5) == len(PROMPTS[0])
