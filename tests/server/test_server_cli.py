@@ -260,3 +260,11 @@ def test_bench_forwards_argv(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "bench.serving", types.SimpleNamespace(main=fake_main))
     assert main(["bench", "--base-url", "http://x", "-h"]) == 3
     assert seen["argv"] == ["--base-url", "http://x", "-h"]
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "soon"])
+def test_arrival_window_must_be_a_finite_number_of_ms_at_least_zero(value: str) -> None:
+    with pytest.raises(SystemExit):
+        parse(["serve", "--arrival-window-ms", value])
+    assert parse(["serve", "--arrival-window-ms", "0"]).arrival_window_ms == 0.0
+    assert parse(["serve"]).arrival_window_ms == 3.0
