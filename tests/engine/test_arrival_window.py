@@ -47,14 +47,15 @@ def first_step_tokens(loaded: LoadedModel, window_ms: float, early: int, late_af
 
 
 def test_a_burst_that_comes_in_two_parts_is_prefilled_in_one_step(default_model: LoadedModel) -> None:
-    """Two requests are there when the engine starts; the third comes 20 ms later, inside the window."""
+    """Two requests come at once as the engine idles (it may see the first alone), the third 20 ms later,
+    inside the window."""
     assert first_step_tokens(default_model, 200.0, early=2, late_after_s=0.02) == sum(map(len, PROMPTS))
 
 
 def test_without_the_window_the_engine_starts_on_what_it_has(default_model: LoadedModel) -> None:
-    assert first_step_tokens(default_model, 0.0, early=2, late_after_s=0.5) == len(PROMPTS[0]) + len(
-        PROMPTS[1]
-    )
+    """The first step holds what the first drain found (one or both early ones), never the late one."""
+    first = first_step_tokens(default_model, 0.0, early=2, late_after_s=0.5)
+    assert first in (len(PROMPTS[0]), len(PROMPTS[0]) + len(PROMPTS[1]))
 
 
 def test_a_lone_request_does_not_wait(default_model: LoadedModel) -> None:

@@ -134,8 +134,12 @@ def test_builds_are_cached_per_source(monkeypatch: pytest.MonkeyPatch, tmp_path:
     assert first.is_file() and first.parent == tmp_path / "cbserve" / "kernels"
     mtime = first.stat().st_mtime_ns
     assert cpu_kernel.build() == first and first.stat().st_mtime_ns == mtime  # found, not rebuilt
-    sources = shutil.copytree(cpu_kernel.SOURCE.parent, tmp_path / "csrc")  # with the files it includes
-    changed = sources / cpu_kernel.SOURCE.name
+    # the executor's C sources, where the kernel's includes find them (kernels/csrc/amx_tiles.h, ...)
+    executor = cpu_kernel.SOURCE.parents[2]
+    sources = shutil.copytree(
+        executor, tmp_path / "executor", ignore=shutil.ignore_patterns("*.py", "__pycache__")
+    )
+    changed = sources / cpu_kernel.SOURCE.relative_to(executor)
     changed.write_text(cpu_kernel.SOURCE.read_text() + "\n/* changed */\n")
     monkeypatch.setattr(cpu_kernel, "SOURCE", changed)
     assert cpu_kernel.build() != first  # a changed source never loads a stale build
