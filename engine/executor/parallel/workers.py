@@ -55,7 +55,10 @@ class ShardWorkers:
             try:
                 self.group.send(message)
             except RuntimeError as exc:
-                raise self.fail(f"rank 0 could not reach the other ranks: {exc}") from exc
+                # NOTE: the send often sees the closed connection before the watchdog sees the exit
+                exited = self._exited(timeout=0.5)
+                reason = f"rank 0 could not reach the other ranks: {exc}"
+                raise self.fail(f"{exited}: {reason}" if exited else reason) from exc
             self._last_send = time.monotonic()
 
     def allocate_cache(self, shape: AllocateCache) -> None:
