@@ -297,18 +297,14 @@ class EngineLoop:
         return admitted
 
     def _gather_arrivals(self, admitted: int) -> None:
-        """Requests that reach an idle engine together start together: where nothing runs yet and more than
-        one has come, the rest of the burst is still on its way (the server admits one request at a time),
-        so wait until none has come for ``arrival_window_s`` (at most ``ARRIVAL_CAP`` windows).
+        """Requests that reach an idle engine together start together: where nothing runs yet and one drain
+        admitted several, the rest of the burst is still on its way (the server admits one request at a
+        time), so wait until none has come for ``arrival_window_s`` (at most ``ARRIVAL_CAP`` windows).
         Otherwise the first step prefills the early ones, the late ones are prefilled beside the early ones'
         first decode, and each early request's first interval is that whole prefill. A lone request never
         waits."""
-        if self.arrival_window_s <= 0 or not admitted or self.scheduler.num_running:
+        if self.arrival_window_s <= 0 or admitted < 2 or self.scheduler.num_running:
             return
-        if admitted == 1:
-            time.sleep(0)  # NOTE: hands the GIL to the server's thread once: the rest of a burst comes now
-            if not self.inbox.num_adds:
-                return  # a lone request
         deadline = time.monotonic() + ARRIVAL_CAP * self.arrival_window_s
         while not self.stopping.is_set() and time.monotonic() < deadline:
             self._publish_stats()  # NOTE: the admitted ones count against the server's queue limit meanwhile
