@@ -9,12 +9,11 @@
  * Returns the floating-point operations done (two per multiply-add). */
 #include <omp.h>
 #include <stdint.h>
-#include <string.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+/* the tile permission and configuration the AMX kernels use */
+#include "../../engine/executor/kernels/csrc/amx_tiles.h"
+
+#if HAVE_AMX
 #define KIND 2
 #elif defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -25,7 +24,7 @@
 
 int bf16_peak_kind(void) {
 #if KIND == 2
-    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0) return 0;
+    if (!amx_permitted()) return 0;
 #endif
     return KIND;
 }
@@ -37,18 +36,7 @@ double bf16_peak_run(long iterations, int threads) {
 #pragma omp parallel num_threads(threads) reduction(+ : flops)
     {
 #if KIND == 2
-        struct {
-            uint8_t palette_id, start_row, reserved[14];
-            uint16_t colsb[16];
-            uint8_t rows[16];
-        } cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette_id = 1;
-        for (int t = 0; t < 8; t++) {
-            cfg.rows[t] = 16;
-            cfg.colsb[t] = 64;
-        }
-        _tile_loadconfig(&cfg);
+        amx_configure_full_tiles();
         static const uint16_t zeros[16 * 32] = {0};
         _tile_loadd(6, zeros, 64);
         _tile_loadd(7, zeros, 64);
