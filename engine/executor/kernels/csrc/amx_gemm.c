@@ -49,8 +49,8 @@
 #define B_TILE (TILE_K * TILE_N) /* bfloat16 per packed B (or A) tile */
 #define BIG_ROWS 32              /* rows per block of the 2 x 2 kernel */
 #define PAIR_N 32                /* outputs per block of the 2 x 2 kernel: two B tiles */
-#define MACRO_ROWS 256           /* rows packed at once (their A tiles: 288 KB at K = 576, in L2) */
-#define K_CHUNK 6                /* k-blocks per chunk: a pair's B tiles of a chunk, 12 KB, stay in L1 */
+#define MACRO_ROWS 256           /* rows a pair's B tiles pass over (their A tiles: 288 KB at K = 576) */
+#define K_CHUNK 9                /* k-blocks per chunk at most: a pair's B tiles of a chunk (18 KB) stay in L1 */
 #define SPLIT_ROWS 4             /* blocks of 32 rows a thread from which the threads split the rows */
 
 int cbserve_amx_gemm_group_n(void) { return GROUP_N; }
@@ -170,7 +170,7 @@ static void rows16_times_one_group(uint16_t *out, int64_t ldo, const uint16_t *x
 /* ---- more rows: blocks of 32 rows x 32 outputs over packed rows ---- */
 
 /* x's `rows` rows (row stride ldx) packed into A tiles, zero rows up to `padded`: the tile of rows
- * [16 t, 16 t + 16) and k-block kb at ap + (t * kblocks + kb) * 512, so that a tile load reads 1 KB in a row */
+ * [16 t, 16 t + 16) and k-block kb at ap + (t * kblocks + kb) * 512 */
 static void pack_rows(uint16_t *restrict ap, const uint16_t *x, int64_t ldx, int64_t rows, int64_t padded,
                       int64_t kblocks) {
     for (int64_t r = 0; r < padded; r++) {
@@ -184,10 +184,33 @@ static void pack_rows(uint16_t *restrict ap, const uint16_t *x, int64_t ldx, int
     }
 }
 
-/* C (32 rows x 32 outputs, float32, row stride 32) over k-blocks [kb0, kb1) of the A tiles a0 (rows 0-15) and
- * a1 (16-31) and the B tiles b0, b1: from zero when kb0 is 0, else on from the partial sums in c */
-static void block_2x2(float *c, const uint16_t *a0, const uint16_t *a1, const uint16_t *b0, const uint16_t *b1,
-                      int64_t kb0, int64_t kb1) {
+/* Where a block's A tiles are: rows 0-15 of k-block kb at a0 + kb * step (bfloat16), rows 16-31 at a1 + kb *
+ * step, rows `stride` bytes apart (x itself, or its packed copy) */
+typedef struct {
+    const uint16_t *a0, *a1;
+    int64_t step, stride;
+} a_tiles;
+
+/* A block of 32 rows x 32 outputs whose float32 sums wait in `c` to be rounded into `out` (rows 0: none) */
+typedef struct {
+    uint16_t *out;
+    const float *c;
+    int64_t n0, n, rows;
+} finished_block;
+
+/* out[0:rows, n0:n0 + n] = round(c + bias) of a finished block, rows [r0, r1) of it */
+static void round_out(const finished_block *f, int64_t r0, int64_t r1, int64_t ldo, const uint16_t *bias) {
+    store_rows(f->out + r0 * ldo, ldo, f->c + r0 * PAIR_N, PAIR_N, bias, f->n0, f->n, r1 - r0);
+}
+
+/* C (32 rows x 32 outputs, float32, row stride 32) over k-blocks [kb0, kb1) of the A tiles `a` and the B
+ * tiles b0, b1: from zero when kb0 is 0, else on from the partial sums in c. Meanwhile the block `done`
+ * (another c) is rounded out, a few rows after each k-block's products: its vector work runs while the tile
+ * unit multiplies (NOTE: after this block's tile stores, it would wait for every product of the block). */
+static void block_2x2(float *c, const a_tiles *a, const uint16_t *b0, const uint16_t *b1, int64_t kb0, int64_t kb1,
+                      const finished_block *done, int64_t ldo, const uint16_t *bias) {
+    const int64_t rows_per_kb = (done->rows + (kb1 - kb0) - 1) / (kb1 - kb0);
+    int64_t rounded = 0;
     if (kb0 == 0) {
         _tile_zero(0);
         _tile_zero(1);
@@ -200,14 +223,19 @@ static void block_2x2(float *c, const uint16_t *a0, const uint16_t *a1, const ui
         _tile_loadd(3, c + 16 * PAIR_N + 16, PAIR_N * 4);
     }
     for (int64_t kb = kb0; kb < kb1; kb++) {
-        _tile_loadd(4, a0 + kb * B_TILE, 64);
+        _tile_loadd(4, a->a0 + kb * a->step, a->stride);
         _tile_loadd(6, b0 + kb * B_TILE, 64);
         _tile_loadd(7, b1 + kb * B_TILE, 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(5, a1 + kb * B_TILE, 64);
+        _tile_loadd(5, a->a1 + kb * a->step, a->stride);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
+        if (rounded < done->rows) {
+            const int64_t next = done->rows - rounded < rows_per_kb ? done->rows : rounded + rows_per_kb;
+            round_out(done, rounded, next, ldo, bias);
+            rounded = next;
+        }
     }
     _tile_stored(0, c, PAIR_N * 4);
     _tile_stored(1, c + 16, PAIR_N * 4);
@@ -216,33 +244,48 @@ static void block_2x2(float *c, const uint16_t *a0, const uint16_t *a1, const ui
 }
 
 /* out[m0:m1, 32 p0 : 32 p1] for rows [m0, m1) and pairs of outputs [p0, p1), in `scratch` (64-byte aligned,
- * pairs_scratch_bytes(m1 - m0, K)): MACRO_ROWS rows packed at once, then per pair, per chunk of k, every
- * block of 32 rows; a block's sums are rounded into out after its last chunk */
+ * pairs_scratch_bytes(m1 - m0, K)): MACRO_ROWS rows at a time (read in place where they fill whole blocks
+ * and lie on cache lines, else packed with zero rows), then per pair, per chunk of k, every block of 32
+ * rows; a block's sums are rounded out while the next block computes */
 static void rows_times_pairs(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx, const uint16_t *packed,
                              const uint16_t *bias, int64_t m0, int64_t m1, int64_t p0, int64_t p1, int64_t N,
                              int64_t K, void *scratch) {
-    const int64_t kblocks = K / TILE_K, a_block = 2 * kblocks * B_TILE, c_block = BIG_ROWS * PAIR_N;
+    const int64_t kblocks = K / TILE_K, c_block = BIG_ROWS * PAIR_N;
+    const int64_t chunks = (kblocks + K_CHUNK - 1) / K_CHUNK, chunk = (kblocks + chunks - 1) / chunks;
     const int64_t most = m1 - m0 < MACRO_ROWS ? (m1 - m0 + BIG_ROWS - 1) / BIG_ROWS * BIG_ROWS : MACRO_ROWS;
+    const int in_place = (ldx * 2) % 64 == 0 && (uintptr_t)x % 64 == 0;
     uint16_t *ap = scratch;
     float *c = (float *)(ap + most * K);
+    finished_block done = {out, c, 0, 0, 0};
     for (int64_t mb = m0; mb < m1; mb += MACRO_ROWS) {
         const int64_t rows = m1 - mb < MACRO_ROWS ? m1 - mb : MACRO_ROWS, blocks = (rows + BIG_ROWS - 1) / BIG_ROWS;
-        pack_rows(ap, x + mb * ldx, ldx, rows, blocks * BIG_ROWS, kblocks);
+        const int packs = !in_place || rows % BIG_ROWS;
+        if (packs) pack_rows(ap, x + mb * ldx, ldx, rows, blocks * BIG_ROWS, kblocks);
         for (int64_t p = p0; p < p1; p++) {
             const uint16_t *b0 = packed + 2 * p * kblocks * B_TILE, *b1 = b0 + kblocks * B_TILE;
             const int64_t n = N - p * PAIR_N < PAIR_N ? N - p * PAIR_N : PAIR_N;
-            for (int64_t kc = 0; kc < kblocks; kc += K_CHUNK) {
-                const int64_t ke = kblocks - kc < K_CHUNK ? kblocks : kc + K_CHUNK;
+            for (int64_t kc = 0; kc < kblocks; kc += chunk) {
+                const int64_t ke = kblocks - kc < chunk ? kblocks : kc + chunk;
                 for (int64_t rb = 0; rb < blocks; rb++) {
-                    const uint16_t *a0 = ap + rb * a_block;
-                    block_2x2(c + rb * c_block, a0, a0 + kblocks * B_TILE, b0, b1, kc, ke);
+                    const uint16_t *rows_x = x + (mb + rb * BIG_ROWS) * ldx, *rows_p = ap + rb * 2 * kblocks * B_TILE;
+                    const a_tiles a = packs ? (a_tiles){rows_p, rows_p + kblocks * B_TILE, B_TILE, 64}
+                                            : (a_tiles){rows_x, rows_x + TILE_ROWS * ldx, TILE_K, ldx * 2};
+                    float *cb = c + rb * c_block;
+                    if (done.c == cb) { /* one block of rows: this one's sums go where the last one's wait */
+                        round_out(&done, 0, done.rows, ldo, bias);
+                        done.rows = 0;
+                    }
+                    block_2x2(cb, &a, b0, b1, kc, ke, &done, ldo, bias);
+                    done.rows = 0;
                     if (ke == kblocks) {
                         const int64_t r0 = rb * BIG_ROWS, left = rows - r0 < BIG_ROWS ? rows - r0 : BIG_ROWS;
-                        store_rows(out + (mb + r0) * ldo, ldo, c + rb * c_block, PAIR_N, bias, p * PAIR_N, n, left);
+                        done = (finished_block){out + (mb + r0) * ldo, cb, p * PAIR_N, n, left};
                     }
                 }
             }
         }
+        round_out(&done, 0, done.rows, ldo, bias); /* before the next macro block's rows overwrite c */
+        done.rows = 0;
     }
 }
 
