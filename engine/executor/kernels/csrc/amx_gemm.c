@@ -8,7 +8,7 @@
  *                                                             N padded with zero rows to a multiple of 64)
  *   up to 16 rows:  per group of 64 outputs (split over the OpenMP threads):
  *                       C0..C3 (16 rows x 4 x 16 outputs) += A(16 x 32) B0..B3   for each 32 k in order
- *   more rows:      the threads split the rows (from 128 rows a thread) or else the pairs of 32 outputs;
+ *   more rows:      the threads split the rows (from 512 rows a thread) or else the pairs of 32 outputs;
  *                   each packs MACRO_ROWS rows at a time into A tiles, then per pair of B tiles, per chunk
  *                   of K_CHUNK k-blocks, for each block of 32 rows: C0..C3 += A0,A1 x B0,B1
  *   y = round_to_bfloat16(C + b)
@@ -51,7 +51,7 @@
 #define PAIR_N 32                /* outputs per block of the 2 x 2 kernel: two B tiles */
 #define MACRO_ROWS 256           /* rows a pair's B tiles pass over (their A tiles: 288 KB at K = 576) */
 #define K_CHUNK 9                /* k-blocks per chunk at most: a pair's B tiles of a chunk (18 KB) stay in L1 */
-#define SPLIT_ROWS 4             /* blocks of 32 rows a thread from which the threads split the rows */
+#define SPLIT_ROWS 16            /* blocks of 32 rows a thread from which the threads split the rows */
 
 int cbserve_amx_gemm_group_n(void) { return GROUP_N; }
 int cbserve_amx_gemm_tile_k(void) { return TILE_K; }
@@ -319,10 +319,10 @@ int cbserve_amx_gemm(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx,
     {
         const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
         int64_t m0 = 0, m1 = M, p0 = 0, p1 = pairs;
-        if (blocks >= SPLIT_ROWS * threads) { /* rows: each thread reads all of W, none packs another's rows */
+        if (blocks >= SPLIT_ROWS * threads) { /* rows: each thread reads all of W once per MACRO_ROWS rows */
             m0 = blocks * t / threads * BIG_ROWS;
             m1 = blocks * (t + 1) / threads * BIG_ROWS < M ? blocks * (t + 1) / threads * BIG_ROWS : M;
-        } else { /* pairs of outputs: few rows, so each thread reads only its part of W */
+        } else { /* pairs of outputs: each thread reads its part of W, and every row */
             p0 = pairs * t / threads;
             p1 = pairs * (t + 1) / threads;
         }
