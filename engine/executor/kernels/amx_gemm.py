@@ -27,9 +27,9 @@ TILE_N = 16
 TILE_K = 32
 GROUP_N = 64
 # calls of at most this many rows use the kernel where oneDNN holds the weights too: faster than oneDNN up to
-# here, slower from about 1,400 rows, where oneDNN changes its blocking (SmolLM2-135M's four projections, 2
-# Sapphire Rapids cores, GFLOPS kernel / oneDNN: 256 rows 2213 / 2190, 1024 2398 / 1930, 1280 2498 / 2186,
-# 1408 2464 / 2726, 2048 2414 / 2756; python -m bench.cpu_matmul --dtype bfloat16, docs/BENCHMARKS.md)
+# here, slower from about 1,400 rows, where oneDNN changes its blocking (python -m bench.cpu_matmul --dtype
+# bfloat16, 2 Sapphire Rapids cores, GFLOPS kernel / oneDNN: 256 rows 2357 / 2233, 512 2401 / 2146, 1024
+# 2556 / 2158, 1280 2532 / 2320, 1408 2629 / 2908, 2048 2218 / 2852; docs/BENCHMARKS.md)
 MAX_ROWS = 1280
 
 
