@@ -8,9 +8,9 @@
  *                                                             N padded with zero rows to a multiple of 64)
  *   up to 16 rows:  per group of 64 outputs (split over the OpenMP threads):
  *                       C0..C3 (16 rows x 4 x 16 outputs) += A(16 x 32) B0..B3   for each 32 k in order
- *   more rows:      the threads split the rows (from 512 rows a thread) or else the pairs of 32 outputs;
- *                   each packs MACRO_ROWS rows at a time into A tiles, then per pair of B tiles, per chunk
- *                   of K_CHUNK k-blocks, for each block of 32 rows: C0..C3 += A0,A1 x B0,B1
+ *   more rows:      the threads split the pairs of 32 outputs (or, from 512 rows a thread, the rows);
+ *                   each takes MACRO_ROWS rows at a time, then per pair of B tiles, per chunk of at most
+ *                   K_CHUNK k-blocks, for each block of 32 rows: C0..C3 += A0,A1 x B0,B1
  *   y = round_to_bfloat16(C + b)
  *
  * The result of a row does not depend on the other rows of the call, nor on the block shape that computed
@@ -21,11 +21,13 @@
  *
  * Why this blocking for many rows (python -m bench.cpu_matmul --dtype bfloat16, docs/BENCHMARKS.md): a tile
  * register is not renamed, so a tile load that misses L1 stalls the products that wait for it. A pair's B
- * tiles for one chunk of k (K_CHUNK x 2 KB) stay in L1 while the macro block's rows pass, the rows' A tiles
- * come from L2 in 1 KB runs (packed, 64-byte aligned: a tile row across two cache lines loads at half the
- * speed), and the macro block's A tiles stay in L2 while every pair of outputs passes over them.
+ * tiles for one chunk of k (at most K_CHUNK x 2 KB) stay in L1 while the MACRO_ROWS rows pass, whose A tiles
+ * come from L2 and stay there while every pair of outputs passes over them. The rows are read in place
+ * where they fill whole blocks and lie on cache lines, else packed (a tile row across two cache lines loads
+ * at half the speed); the threads split the outputs while each has few rows, so each reads only its part
+ * of W. A finished block's sums are rounded out a few rows at a time between the next block's products.
  *
- * Rows that do not fill a tile are zero rows of the packed block (of a scratch tile up to 16 rows): a tile
+ * Rows that do not fill a block are zero rows of the packed copy (of a scratch tile up to 16 rows): a tile
  * load always reads whole rows. K must be a multiple of 32 (amx_gemm.py keeps other weights on oneDNN).
  *
  * Linux lends a process the tile registers only on request (arch_prctl ARCH_REQ_XCOMP_PERM), and each
@@ -346,7 +348,7 @@ int cbserve_amx_gemm_available(void) { return 0; }
 int cbserve_amx_gemm(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx, const uint16_t *packed,
                      const uint16_t *bias, int64_t M, int64_t N, int64_t K) {
     (void)out, (void)ldo, (void)x, (void)ldx, (void)packed, (void)bias, (void)M, (void)N, (void)K;
-    (void)store_rows;
+    (void)store_rows, (void)pairs_scratch_bytes;
     return -1;
 }
 #endif
