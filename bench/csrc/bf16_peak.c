@@ -48,7 +48,9 @@ double bf16_peak_run(long iterations, int threads) {
             cfg.rows[t] = 16;
             cfg.colsb[t] = 64;
         }
-        _tile_loadconfig(&cfg);
+        /* NOTE: not _tile_loadconfig, whose asm operand (GCC 12) is the configuration's first 8 bytes: the
+         * compiler may drop the other stores as dead (engine/executor/kernels/csrc/amx_tiles.h) */
+        __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
         static const uint16_t zeros[16 * 32] = {0};
         _tile_loadd(6, zeros, 64);
         _tile_loadd(7, zeros, 64);
