@@ -106,6 +106,22 @@ def test_the_bits_do_not_depend_on_the_threads_or_the_rows_layout(kernel: AmxGem
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("m", [1, 40])
+def test_a_sum_in_float32_denormals_rounds_as_torch_does(kernel: AmxGemm, m: int) -> None:
+    """2^-125 from the tiles plus a bias of -15/16 of it: 2^-129, a float32 denormal, kept as a bfloat16
+    denormal as torch's conversion keeps it (AVX512-BF16's conversion would flush it to zero)."""
+    n, k = 40, 64
+    w = torch.zeros(n, k, dtype=torch.bfloat16)
+    w[:, 0] = 2.0**-63
+    x = torch.zeros(m, k, dtype=torch.bfloat16)
+    x[:, 0] = 2.0**-62
+    b = torch.full((n,), -(2.0**-125) * 15 / 16).bfloat16()
+    expected = torch.tensor(2.0**-129, dtype=torch.float32).bfloat16()
+    assert expected.item() != 0.0
+    out = kernel.linear(x, kernel.pack(w), n, b)
+    assert torch.equal(out, expected.expand(m, n))
+
+
 def test_strided_rows_and_leading_dimensions(kernel: AmxGemm) -> None:
     gen = torch.Generator().manual_seed(1)
     w = (torch.randn(130, 64, generator=gen) * 0.05).bfloat16()

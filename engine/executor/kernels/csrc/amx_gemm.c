@@ -40,8 +40,11 @@
 #include <string.h>
 
 #include "amx_tiles.h"
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#define VECTOR_ROUNDING 1
 #include <immintrin.h>
+#else
+#define VECTOR_ROUNDING 0
 #endif
 
 #define TILE_ROWS 16             /* rows of A and C per tile */
@@ -58,28 +61,20 @@
 int cbserve_amx_gemm_group_n(void) { return GROUP_N; }
 int cbserve_amx_gemm_tile_k(void) { return TILE_K; }
 
-#if !defined(__AVX512BF16__)
-/* float32 -> bfloat16, rounding to nearest even (as torch's conversion; inputs are finite here) */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+#if VECTOR_ROUNDING
+/* float32 -> bfloat16 on 16 lanes, rounding to nearest even in the integer steps of torch's conversion (as
+ * to_bf16 where there are no such vectors). NOTE: not VCVTNEPS2BF16 (AVX512-BF16), which flushes float32
+ * denormals to zero where torch's conversion keeps them as bfloat16 denormals */
+static inline __m256i to_bf16_x16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
-
-static inline float from_bf16(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-#endif
 
 /* out[m, n0 + j] = round(c[m * ldc + j] + bias[n0 + j]) for rows [0, M) and outputs j < n <= GROUP_N */
 static void store_rows(uint16_t *out, int64_t ldo, const float *c, int64_t ldc, const uint16_t *bias, int64_t n0,
                        int64_t n, int64_t M) {
-#if defined(__AVX512BF16__)
-    /* 16 outputs a vector: VCVTNEPS2BF16 rounds to nearest even, as torch's conversion (NaN stays NaN) */
     __m512 b[GROUP_N / 16];
     __mmask16 keep[GROUP_N / 16];
     const int64_t vectors = (n + 15) / 16;
@@ -94,9 +89,28 @@ static void store_rows(uint16_t *out, int64_t ldo, const float *c, int64_t ldc, 
     for (int64_t m = 0; m < M; m++)
         for (int64_t v = 0; v < vectors; v++) {
             const __m512 sum = _mm512_add_ps(_mm512_maskz_loadu_ps(keep[v], c + m * ldc + 16 * v), b[v]);
-            _mm256_mask_storeu_epi16(out + m * ldo + n0 + 16 * v, keep[v], (__m256i)_mm512_cvtneps_pbh(sum));
+            _mm256_mask_storeu_epi16(out + m * ldo + n0 + 16 * v, keep[v], to_bf16_x16(sum));
         }
+}
 #else
+/* float32 -> bfloat16, rounding to nearest even (as torch's conversion; inputs are finite here) */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float from_bf16(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* out[m, n0 + j] = round(c[m * ldc + j] + bias[n0 + j]) for rows [0, M) and outputs j < n <= GROUP_N */
+static void store_rows(uint16_t *out, int64_t ldo, const float *c, int64_t ldc, const uint16_t *bias, int64_t n0,
+                       int64_t n, int64_t M) {
     float b[GROUP_N];
     for (int64_t j = 0; j < n; j++) b[j] = bias ? from_bf16(bias[n0 + j]) : 0.0f;
     for (int64_t m = 0; m < M; m++) {
@@ -104,8 +118,8 @@ static void store_rows(uint16_t *out, int64_t ldo, const float *c, int64_t ldc, 
         uint16_t *restrict dst = out + m * ldo + n0;
         for (int64_t j = 0; j < n; j++) dst[j] = to_bf16(row[j] + b[j]);
     }
-#endif
 }
+#endif
 
 /* bytes of the scratch that rows_times_pairs needs for `rows` rows: their packed A tiles (at most MACRO_ROWS
  * rows) and one float32 block of sums per 32 of them */
