@@ -71,8 +71,8 @@ def apply_cpu_fast_paths(
     tensors by Hugging Face name (the GGUF loader's), kept as quantized panels where they give the loaded
     weight bit for bit. ``batch_invariant``: matmuls of every size on cbserve's kernels, never on oneDNN
     (whose kernel, and rounding, depend on the call's row count): float32 on the small kernel, bfloat16 on
-    the AMX kernel where the CPU has AMX-BF16 (slower than oneDNN at prefill sizes: docs/BENCHMARKS.md;
-    without the flag it takes calls of up to ``amx_gemm.MAX_ROWS`` rows)."""
+    the AMX kernel where the CPU has AMX-BF16 (slower than oneDNN from about 1,400 rows: docs/BENCHMARKS.md;
+    without the flag it takes calls of up to ``amx_gemm.MAX_ROWS`` rows, prefill chunks included)."""
     small, invariant = swap_linears(model, blocks or {}, batch_invariant)
     ops = swap_fused_ops(model)
     return CpuFastPaths(not any(isinstance(m, Linear) for m in model.modules()), small, ops, invariant)

@@ -25,7 +25,7 @@ from engine.outputs import GenerationOutput
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 12
-STEP_TOKENS = 512  # max_batch_tokens: well past the 64 rows where the default path would leave the kernels
+STEP_TOKENS = 512  # max_batch_tokens: well past the 64 rows where float32's default path leaves its kernel
 
 
 def _random_prompt(rng: random.Random, length: int) -> list[int]:

@@ -1,7 +1,8 @@
 """The bfloat16 AMX matmul kernel (engine/executor/kernels/amx_gemm.py), where the CPU has AMX-BF16: within
 float32-accumulation rounding of a float64 reference plus the one rounding of the output to bfloat16, at the
-model's shapes and at tails of rows and outputs; a row's bits do not depend on the rows beside it; argument
-checks. Its use by the model: tests/model/test_fast_paths.py and tests/engine/test_batch_invariance.py."""
+model's shapes, from one row to prefill sizes and at tails of rows and outputs; a row's bits do not depend on
+the rows beside it, on how the call's rows are laid out (read in place or packed), nor on the threads;
+argument checks. Its use by the model: tests/model/test_fast_paths.py and tests/engine/test_batch_invariance.py."""
 
 from __future__ import annotations
 
@@ -42,13 +43,14 @@ def assert_within_rounding(
     )
 
 
-# (out_features, in_features): the default model's projections (qkv, gate/up, down), outputs that are not a
-# multiple of the 64 of a work item, and the smallest k
-SHAPES = [(960, 576), (3072, 576), (576, 1536), (100, 64), (1000, 96)]
+# (out_features, in_features): the default model's projections (qkv, o, gate/up, down), outputs that are not
+# a multiple of the 32 of a block or the 64 of a work item, and the smallest k
+MODEL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+SHAPES = [*MODEL_SHAPES, (100, 64), (1000, 96)]
 
 
 @pytest.mark.parametrize(("n", "k"), SHAPES)
-@pytest.mark.parametrize("m", [1, 5, 16, 17, 31, 32, 33, 100])
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 31, 32, 33, 100, 255, 300])
 def test_matches_a_float64_reference_within_rounding(kernel: AmxGemm, n: int, k: int, m: int) -> None:
     gen = torch.Generator().manual_seed(n * 7 + m)
     w = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
@@ -59,18 +61,65 @@ def test_matches_a_float64_reference_within_rounding(kernel: AmxGemm, n: int, k:
     assert_within_rounding(kernel.linear(x, packed, n, b), x, w, b)
 
 
-def test_a_row_is_the_same_bits_in_any_batch(kernel: AmxGemm) -> None:
-    """Alone, in a block of 16 rows, in blocks of 32 and at the tail of a call: the same bits."""
-    gen = torch.Generator().manual_seed(0)
+@pytest.mark.parametrize("m", [2048, 2047])
+def test_matches_a_float64_reference_at_prefill_sizes(kernel: AmxGemm, m: int) -> None:
+    gen = torch.Generator().manual_seed(m)
     n, k = 960, 576
+    w, b = (torch.randn(n, k, generator=gen) * 0.05).bfloat16(), torch.randn(n, generator=gen).bfloat16()
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    assert_within_rounding(kernel.linear(x, kernel.pack(w), n, b), x, w, b)
+
+
+@pytest.mark.parametrize(("n", "k"), MODEL_SHAPES)
+def test_a_row_is_the_same_bits_in_any_batch(kernel: AmxGemm, n: int, k: int) -> None:
+    """Alone, in a tile of 16 rows, in blocks of 32 rows split over the outputs or over the rows, in a later
+    chunk of 256 rows and at the tail of a call: the same bits."""
+    gen = torch.Generator().manual_seed(n + k)
     w, b = (torch.randn(n, k, generator=gen) * 0.05).bfloat16(), torch.randn(n, generator=gen).bfloat16()
     packed = kernel.pack(w)
     row = torch.randn(1, k, generator=gen).bfloat16()
     alone = kernel.linear(row, packed, n, b)[0]
-    for m, at in ((16, 7), (17, 16), (64, 40), (300, 299), (2048, 1000)):
+    for m, at in ((16, 7), (17, 16), (64, 40), (129, 128), (255, 3), (300, 299), (1001, 600), (2048, 1000)):
         x = torch.randn(m, k, generator=gen).bfloat16()
         x[at] = row[0]
         assert torch.equal(kernel.linear(x, packed, n, b)[at], alone), (m, at)
+
+
+@pytest.mark.parametrize("m", [40, 300, 2048])
+def test_the_bits_do_not_depend_on_the_threads_or_the_rows_layout(kernel: AmxGemm, m: int) -> None:
+    """One thread or two; rows read in place (contiguous, on cache lines) or packed first (a row stride that
+    is not a multiple of 32, a start off a cache line): the same bits."""
+    gen = torch.Generator().manual_seed(m)
+    n, k = 576, 1536
+    w, b = (torch.randn(n, k, generator=gen) * 0.05).bfloat16(), torch.randn(n, generator=gen).bfloat16()
+    packed = kernel.pack(w)
+    wide = torch.randn(m + 1, k + 8, generator=gen).bfloat16()
+    x = wide[1:, 3 : 3 + k]  # rows k + 8 apart, starting 6 bytes into a cache line
+    expected = kernel.linear(x.contiguous(), packed, n, b)
+    assert torch.equal(kernel.linear(x, packed, n, b), expected)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            assert torch.equal(kernel.linear(x.contiguous(), packed, n, b), expected), count
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("m", [1, 40])
+def test_a_sum_in_float32_denormals_rounds_as_torch_does(kernel: AmxGemm, m: int) -> None:
+    """2^-125 from the tiles plus a bias of -15/16 of it: 2^-129, a float32 denormal, kept as a bfloat16
+    denormal as torch's conversion keeps it (AVX512-BF16's conversion would flush it to zero)."""
+    n, k = 40, 64
+    w = torch.zeros(n, k, dtype=torch.bfloat16)
+    w[:, 0] = 2.0**-63
+    x = torch.zeros(m, k, dtype=torch.bfloat16)
+    x[:, 0] = 2.0**-62
+    b = torch.full((n,), -(2.0**-125) * 15 / 16).bfloat16()
+    expected = torch.tensor(2.0**-129, dtype=torch.float32).bfloat16()
+    assert expected.item() != 0.0
+    out = kernel.linear(x, kernel.pack(w), n, b)
+    assert torch.equal(out, expected.expand(m, n))
 
 
 def test_strided_rows_and_leading_dimensions(kernel: AmxGemm) -> None:

@@ -6,39 +6,93 @@
  *
  *   packed W: [N / 16][K / 32][16 k-pairs][16 outputs][2]   (one 1 KB B tile per (16 outputs, 32 k);
  *                                                             N padded with zero rows to a multiple of 64)
- *   for each group of 64 outputs (split over the OpenMP threads):
- *       up to 16 rows:   C0..C3 (16 rows x 4 x 16 outputs) += A(16 x 32) B0..B3   for each 32 k in order
- *       more rows:       blocks of 32 rows x 2 x 16 outputs, C0..C3 += A0,A1 x B0,B1
+ *   up to 16 rows:  per group of 64 outputs (split over the OpenMP threads):
+ *                       C0..C3 (16 rows x 4 x 16 outputs) += A(16 x 32) B0..B3   for each 32 k in order
+ *   more rows:      the threads split the pairs of 32 outputs (or, from 512 rows a thread, the rows);
+ *                   each takes MACRO_ROWS rows at a time, then per pair of B tiles, per chunk of at most
+ *                   K_CHUNK k-blocks, for each block of 32 rows: C0..C3 += A0,A1 x B0,B1
  *   y = round_to_bfloat16(C + b)
  *
  * The result of a row does not depend on the other rows of the call, nor on the block shape that computed
  * it: every output is the same chain -- one TDPBF16PS per 32 k, in order of k, starting from zero -- then
- * the float32 bias and one rounding. So a sequence's logits are the same bits alone, in a full decode batch
- * and beside prefill chunks (tests/engine/test_batch_invariance.py).
+ * the float32 bias and one rounding. (Between chunks of k a block's float32 sums wait in memory: a store
+ * and a load are exact, so the chain goes on unchanged.) So a sequence's logits are the same bits alone, in
+ * a full decode batch and beside prefill chunks (tests/engine/test_batch_invariance.py).
  *
- * Rows that do not fill a tile (the last block of a call) are copied into a zero-padded scratch block: a
- * tile load always reads whole rows. K must be a multiple of 32 (amx_gemm.py keeps other weights on oneDNN).
+ * Why this blocking for many rows (python -m bench.cpu_matmul --dtype bfloat16, docs/BENCHMARKS.md): a tile
+ * register is not renamed, so a tile load that misses L1 stalls the products that wait for it. A pair's B
+ * tiles for one chunk of k (at most K_CHUNK x 2 KB) stay in L1 while the MACRO_ROWS rows pass, whose A tiles
+ * come from L2 and stay there while every pair of outputs passes over them. The rows are read in place
+ * where they fill whole blocks and lie on cache lines, else packed (a tile row across two cache lines loads
+ * at half the speed); the threads split the outputs while each has few rows, so each reads only its part
+ * of W. A finished block's sums are rounded out a few rows at a time between the next block's products.
+ *
+ * Rows that do not fill a block are zero rows of the packed copy (of a scratch tile up to 16 rows): a tile
+ * load always reads whole rows. K must be a multiple of 32 (amx_gemm.py keeps other weights on oneDNN).
  *
  * Linux lends a process the tile registers only on request (arch_prctl ARCH_REQ_XCOMP_PERM), and each
  * thread configures its tiles (LDTILECFG) before use and releases them after. Built without AMX (another
  * CPU, an older compiler) the library says so (`cbserve_amx_gemm_available` returns 0) and is not used.
  */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "amx_tiles.h"
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#define VECTOR_ROUNDING 1
+#include <immintrin.h>
+#else
+#define VECTOR_ROUNDING 0
+#endif
 
-#define TILE_ROWS 16    /* rows of A and C per tile */
-#define TILE_N 16       /* outputs per B and C tile */
-#define TILE_K 32       /* k per A and B tile: 32 bfloat16 = 64 bytes */
-#define GROUP_N 64      /* outputs per work item: four B tiles */
-#define BIG_ROWS 32     /* rows per block of the 2 x 2 kernel */
-#define B_TILE (TILE_K * TILE_N) /* bfloat16 per packed B tile */
+#define TILE_ROWS 16             /* rows of A and C per tile */
+#define TILE_N 16                /* outputs per B and C tile */
+#define TILE_K 32                /* k per A and B tile: 32 bfloat16 = 64 bytes */
+#define GROUP_N 64               /* outputs per work item of up to 16 rows: four B tiles */
+#define B_TILE (TILE_K * TILE_N) /* bfloat16 per packed B (or A) tile */
+#define BIG_ROWS 32              /* rows per block of the 2 x 2 kernel */
+#define PAIR_N 32                /* outputs per block of the 2 x 2 kernel: two B tiles */
+#define MACRO_ROWS 256           /* rows a pair's B tiles pass over (their A tiles: 288 KB at K = 576) */
+#define K_CHUNK 9                /* k-blocks per chunk at most: a pair's B tiles of a chunk (18 KB) stay in L1 */
+#define SPLIT_ROWS 16            /* blocks of 32 rows a thread from which the threads split the rows */
 
 int cbserve_amx_gemm_group_n(void) { return GROUP_N; }
 int cbserve_amx_gemm_tile_k(void) { return TILE_K; }
 
+#if VECTOR_ROUNDING
+/* float32 -> bfloat16 on 16 lanes, rounding to nearest even in the integer steps of torch's conversion (as
+ * to_bf16 where there are no such vectors). NOTE: not VCVTNEPS2BF16 (AVX512-BF16), which flushes float32
+ * denormals to zero where torch's conversion keeps them as bfloat16 denormals */
+static inline __m256i to_bf16_x16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+/* out[m, n0 + j] = round(c[m * ldc + j] + bias[n0 + j]) for rows [0, M) and outputs j < n <= GROUP_N */
+static void store_rows(uint16_t *out, int64_t ldo, const float *c, int64_t ldc, const uint16_t *bias, int64_t n0,
+                       int64_t n, int64_t M) {
+    __m512 b[GROUP_N / 16];
+    __mmask16 keep[GROUP_N / 16];
+    const int64_t vectors = (n + 15) / 16;
+    for (int64_t v = 0; v < vectors; v++) {
+        keep[v] = n - 16 * v >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - 16 * v)) - 1);
+        b[v] = _mm512_setzero_ps();
+        if (bias) {
+            const __m256i bits = _mm256_maskz_loadu_epi16(keep[v], bias + n0 + 16 * v);
+            b[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+        }
+    }
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t v = 0; v < vectors; v++) {
+            const __m512 sum = _mm512_add_ps(_mm512_maskz_loadu_ps(keep[v], c + m * ldc + 16 * v), b[v]);
+            _mm256_mask_storeu_epi16(out + m * ldo + n0 + 16 * v, keep[v], to_bf16_x16(sum));
+        }
+}
+#else
 /* float32 -> bfloat16, rounding to nearest even (as torch's conversion; inputs are finite here) */
 static inline uint16_t to_bf16(float f) {
     uint32_t u;
@@ -54,8 +108,7 @@ static inline float from_bf16(uint16_t h) {
     return f;
 }
 
-/* out[m, n0 + j] = round(c[m * ldc + j] + bias[n0 + j]) for rows [0, M) and outputs j < n <= GROUP_N: the
- * bias widened once, then one plain loop per row that the compiler turns into vector code */
+/* out[m, n0 + j] = round(c[m * ldc + j] + bias[n0 + j]) for rows [0, M) and outputs j < n <= GROUP_N */
 static void store_rows(uint16_t *out, int64_t ldo, const float *c, int64_t ldc, const uint16_t *bias, int64_t n0,
                        int64_t n, int64_t M) {
     float b[GROUP_N];
@@ -66,12 +119,22 @@ static void store_rows(uint16_t *out, int64_t ldo, const float *c, int64_t ldc, 
         for (int64_t j = 0; j < n; j++) dst[j] = to_bf16(row[j] + b[j]);
     }
 }
+#endif
+
+/* bytes of the scratch that rows_times_pairs needs for `rows` rows: their packed A tiles (at most MACRO_ROWS
+ * rows) and one float32 block of sums per 32 of them */
+static size_t pairs_scratch_bytes(int64_t rows, int64_t K) {
+    const int64_t block = rows < MACRO_ROWS ? (rows + BIG_ROWS - 1) / BIG_ROWS * BIG_ROWS : MACRO_ROWS;
+    return (size_t)block * K * 2 + (size_t)block * PAIR_N * 4;
+}
 
 #if HAVE_AMX
 /* every tile 16 rows x 64 bytes: C tiles 0-3, A tiles 4-5, B tiles 6-7 (the 1 x 4 kernel: A 4, B 5-7 and 4) */
 static void configure_tiles(void) { amx_configure_full_tiles(); }
 
 int cbserve_amx_gemm_available(void) { return amx_permitted(); }
+
+/* ---- up to 16 rows: one A tile, four B tiles ---- */
 
 /* C (16 rows x 64 outputs, float32, row stride 64) = A (16 rows, byte stride lda) x 4 B tiles, all k */
 static void rows16_times_group(float *c, const uint16_t *a, int64_t lda, const uint16_t *b, int64_t kblocks) {
@@ -98,103 +161,198 @@ static void rows16_times_group(float *c, const uint16_t *a, int64_t lda, const u
     _tile_stored(3, c + 48, GROUP_N * 4);
 }
 
-/* C (32 rows x 32 outputs, float32, row stride 64) = A (32 rows, byte stride lda) x 2 B tiles, all k */
-static void rows32_times_pair(float *c, const uint16_t *a, int64_t lda, const uint16_t *b, int64_t kblocks) {
-    const int64_t b_stride = kblocks * B_TILE;
-    const uint16_t *a1 = (const uint16_t *)((const char *)a + 16 * lda);
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t kb = 0; kb < kblocks; kb++) {
-        _tile_loadd(4, a + kb * TILE_K, lda);
-        _tile_loadd(6, b + kb * B_TILE, 64);
-        _tile_loadd(7, b + b_stride + kb * B_TILE, 64);
+/* outputs [g * 64, g * 64 + 64) of the M <= 16 rows of x: read in place when they fill the tile, else from a
+ * zero-padded copy in `scratch` (16 x K, 64-byte aligned) */
+static void rows16_times_one_group(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx, const uint16_t *packed,
+                                   const uint16_t *bias, int64_t M, int64_t N, int64_t K, int64_t g,
+                                   uint16_t *scratch) {
+    const int64_t kblocks = K / TILE_K, n0 = g * GROUP_N;
+    float c[TILE_ROWS * GROUP_N];
+    const uint16_t *a = x;
+    int64_t lda = ldx * 2;
+    if (M < TILE_ROWS) {
+        for (int64_t m = 0; m < TILE_ROWS; m++) {
+            if (m < M)
+                memcpy(scratch + m * K, x + m * ldx, (size_t)K * 2);
+            else
+                memset(scratch + m * K, 0, (size_t)K * 2);
+        }
+        a = scratch, lda = K * 2;
+    }
+    rows16_times_group(c, a, lda, packed + g * (GROUP_N / TILE_N) * kblocks * B_TILE, kblocks);
+    store_rows(out, ldo, c, GROUP_N, bias, n0, N - n0 < GROUP_N ? N - n0 : GROUP_N, M);
+}
+
+/* ---- more rows: blocks of 32 rows x 32 outputs over packed rows ---- */
+
+/* x's `rows` rows (row stride ldx) packed into A tiles, zero rows up to `padded`: the tile of rows
+ * [16 t, 16 t + 16) and k-block kb at ap + (t * kblocks + kb) * 512 */
+static void pack_rows(uint16_t *restrict ap, const uint16_t *x, int64_t ldx, int64_t rows, int64_t padded,
+                      int64_t kblocks) {
+    for (int64_t r = 0; r < padded; r++) {
+        uint16_t *dst = ap + (r / TILE_ROWS) * kblocks * B_TILE + (r % TILE_ROWS) * TILE_K;
+        for (int64_t kb = 0; kb < kblocks; kb++) {
+            if (r < rows)
+                memcpy(dst + kb * B_TILE, x + r * ldx + kb * TILE_K, TILE_K * 2);
+            else
+                memset(dst + kb * B_TILE, 0, TILE_K * 2);
+        }
+    }
+}
+
+/* Where a block's A tiles are: rows 0-15 of k-block kb at a0 + kb * step (bfloat16), rows 16-31 at a1 + kb *
+ * step, rows `stride` bytes apart (x itself, or its packed copy) */
+typedef struct {
+    const uint16_t *a0, *a1;
+    int64_t step, stride;
+} a_tiles;
+
+/* A block of 32 rows x 32 outputs whose float32 sums wait in `c` to be rounded into `out` (rows 0: none) */
+typedef struct {
+    uint16_t *out;
+    const float *c;
+    int64_t n0, n, rows;
+} finished_block;
+
+/* out[0:rows, n0:n0 + n] = round(c + bias) of a finished block, rows [r0, r1) of it */
+static void round_out(const finished_block *f, int64_t r0, int64_t r1, int64_t ldo, const uint16_t *bias) {
+    store_rows(f->out + r0 * ldo, ldo, f->c + r0 * PAIR_N, PAIR_N, bias, f->n0, f->n, r1 - r0);
+}
+
+/* C (32 rows x 32 outputs, float32, row stride 32) over k-blocks [kb0, kb1) of the A tiles `a` and the B
+ * tiles b0, b1: from zero when kb0 is 0, else on from the partial sums in c. Meanwhile the block `done`
+ * (another c) is rounded out, a few rows after each k-block's products: its vector work runs while the tile
+ * unit multiplies (NOTE: after this block's tile stores, it would wait for every product of the block). */
+static void block_2x2(float *c, const a_tiles *a, const uint16_t *b0, const uint16_t *b1, int64_t kb0, int64_t kb1,
+                      const finished_block *done, int64_t ldo, const uint16_t *bias) {
+    const int64_t rows_per_kb = (done->rows + (kb1 - kb0) - 1) / (kb1 - kb0);
+    int64_t rounded = 0;
+    if (kb0 == 0) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    } else {
+        _tile_loadd(0, c, PAIR_N * 4);
+        _tile_loadd(1, c + 16, PAIR_N * 4);
+        _tile_loadd(2, c + 16 * PAIR_N, PAIR_N * 4);
+        _tile_loadd(3, c + 16 * PAIR_N + 16, PAIR_N * 4);
+    }
+    for (int64_t kb = kb0; kb < kb1; kb++) {
+        _tile_loadd(4, a->a0 + kb * a->step, a->stride);
+        _tile_loadd(6, b0 + kb * B_TILE, 64);
+        _tile_loadd(7, b1 + kb * B_TILE, 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(5, a1 + kb * TILE_K, lda);
+        _tile_loadd(5, a->a1 + kb * a->step, a->stride);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
-    }
-    _tile_stored(0, c, GROUP_N * 4);
-    _tile_stored(1, c + 16, GROUP_N * 4);
-    _tile_stored(2, c + 16 * GROUP_N, GROUP_N * 4);
-    _tile_stored(3, c + 16 * GROUP_N + 16, GROUP_N * 4);
-}
-
-/* rows [m0, m0 + rows) of x as a block of `block` rows: x itself, or (fewer rows) a zero-padded copy */
-static const uint16_t *block_rows(const uint16_t *x, int64_t ldx, int64_t m0, int64_t rows, int64_t block, int64_t K,
-                                  uint16_t *scratch, int64_t *lda) {
-    if (rows == block) {
-        *lda = ldx * 2;
-        return x + m0 * ldx;
-    }
-    for (int64_t m = 0; m < block; m++) {
-        if (m < rows)
-            memcpy(scratch + m * K, x + (m0 + m) * ldx, (size_t)K * 2);
-        else
-            memset(scratch + m * K, 0, (size_t)K * 2);
-    }
-    *lda = K * 2;
-    return scratch;
-}
-
-/* outputs [g * 64, g * 64 + 64) of rows [m0, m1) */
-static void rows_times_group(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx, const uint16_t *packed,
-                             const uint16_t *bias, int64_t m0, int64_t m1, int64_t N, int64_t K, int64_t g,
-                             uint16_t *scratch) {
-    const int64_t kblocks = K / TILE_K, n0 = g * GROUP_N;
-    const uint16_t *b = packed + g * (GROUP_N / TILE_N) * kblocks * B_TILE;
-    float c[BIG_ROWS * GROUP_N];
-    int64_t lda;
-    if (m1 - m0 <= TILE_ROWS) {
-        const uint16_t *a = block_rows(x, ldx, m0, m1 - m0, TILE_ROWS, K, scratch, &lda);
-        rows16_times_group(c, a, lda, b, kblocks);
-        const int64_t n = N - n0 < GROUP_N ? N - n0 : GROUP_N;
-        store_rows(out + m0 * ldo, ldo, c, GROUP_N, bias, n0, n, m1 - m0);
-        return;
-    }
-    for (int64_t r0 = m0; r0 < m1; r0 += BIG_ROWS) {
-        const int64_t rows = m1 - r0 < BIG_ROWS ? m1 - r0 : BIG_ROWS;
-        const uint16_t *a = block_rows(x, ldx, r0, rows, BIG_ROWS, K, scratch, &lda);
-        for (int64_t half = 0; half < 2; half++) {
-            const int64_t np = n0 + half * 2 * TILE_N;
-            if (np >= N) break;
-            rows32_times_pair(c, a, lda, b + half * 2 * kblocks * B_TILE, kblocks);
-            const int64_t n = N - np < 2 * TILE_N ? N - np : 2 * TILE_N;
-            store_rows(out + r0 * ldo, ldo, c, GROUP_N, bias, np, n, rows);
+        if (rounded < done->rows) {
+            const int64_t next = done->rows - rounded < rows_per_kb ? done->rows : rounded + rows_per_kb;
+            round_out(done, rounded, next, ldo, bias);
+            rounded = next;
         }
+    }
+    _tile_stored(0, c, PAIR_N * 4);
+    _tile_stored(1, c + 16, PAIR_N * 4);
+    _tile_stored(2, c + 16 * PAIR_N, PAIR_N * 4);
+    _tile_stored(3, c + 16 * PAIR_N + 16, PAIR_N * 4);
+}
+
+/* out[m0:m1, 32 p0 : 32 p1] for rows [m0, m1) and pairs of outputs [p0, p1), in `scratch` (64-byte aligned,
+ * pairs_scratch_bytes(m1 - m0, K)): MACRO_ROWS rows at a time (read in place where they fill whole blocks
+ * and lie on cache lines, else packed with zero rows), then per pair, per chunk of k, every block of 32
+ * rows; a block's sums are rounded out while the next block computes */
+static void rows_times_pairs(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx, const uint16_t *packed,
+                             const uint16_t *bias, int64_t m0, int64_t m1, int64_t p0, int64_t p1, int64_t N,
+                             int64_t K, void *scratch) {
+    const int64_t kblocks = K / TILE_K, c_block = BIG_ROWS * PAIR_N;
+    const int64_t chunks = (kblocks + K_CHUNK - 1) / K_CHUNK, chunk = (kblocks + chunks - 1) / chunks;
+    const int64_t most = m1 - m0 < MACRO_ROWS ? (m1 - m0 + BIG_ROWS - 1) / BIG_ROWS * BIG_ROWS : MACRO_ROWS;
+    const int in_place = (ldx * 2) % 64 == 0 && (uintptr_t)x % 64 == 0;
+    uint16_t *ap = scratch;
+    float *c = (float *)(ap + most * K);
+    finished_block done = {out, c, 0, 0, 0};
+    for (int64_t mb = m0; mb < m1; mb += MACRO_ROWS) {
+        const int64_t rows = m1 - mb < MACRO_ROWS ? m1 - mb : MACRO_ROWS, blocks = (rows + BIG_ROWS - 1) / BIG_ROWS;
+        const int packs = !in_place || rows % BIG_ROWS;
+        if (packs) pack_rows(ap, x + mb * ldx, ldx, rows, blocks * BIG_ROWS, kblocks);
+        for (int64_t p = p0; p < p1; p++) {
+            const uint16_t *b0 = packed + 2 * p * kblocks * B_TILE, *b1 = b0 + kblocks * B_TILE;
+            const int64_t n = N - p * PAIR_N < PAIR_N ? N - p * PAIR_N : PAIR_N;
+            for (int64_t kc = 0; kc < kblocks; kc += chunk) {
+                const int64_t ke = kblocks - kc < chunk ? kblocks : kc + chunk;
+                for (int64_t rb = 0; rb < blocks; rb++) {
+                    const uint16_t *rows_x = x + (mb + rb * BIG_ROWS) * ldx, *rows_p = ap + rb * 2 * kblocks * B_TILE;
+                    const a_tiles a = packs ? (a_tiles){rows_p, rows_p + kblocks * B_TILE, B_TILE, 64}
+                                            : (a_tiles){rows_x, rows_x + TILE_ROWS * ldx, TILE_K, ldx * 2};
+                    float *cb = c + rb * c_block;
+                    if (done.c == cb) { /* one block of rows: this one's sums go where the last one's wait */
+                        round_out(&done, 0, done.rows, ldo, bias);
+                        done.rows = 0;
+                    }
+                    block_2x2(cb, &a, b0, b1, kc, ke, &done, ldo, bias);
+                    done.rows = 0;
+                    if (ke == kblocks) {
+                        const int64_t r0 = rb * BIG_ROWS, left = rows - r0 < BIG_ROWS ? rows - r0 : BIG_ROWS;
+                        done = (finished_block){out + (mb + r0) * ldo, cb, p * PAIR_N, n, left};
+                    }
+                }
+            }
+        }
+        round_out(&done, 0, done.rows, ldo, bias); /* before the next macro block's rows overwrite c */
+        done.rows = 0;
     }
 }
 
 /* out [M, N] bfloat16 (row stride ldo) = x [M, K] bfloat16 (row stride ldx) W^T (+ bias [N]); returns 0,
- * or -1 when a scratch block cannot be allocated. Rows go in chunks of about CHUNK_BYTES of x, which stay
- * in L2 while every group of outputs passes over them (streaming all of x once per group instead would
- * bound a prefill by the bandwidth of L3). */
-#define CHUNK_BYTES (512 * 1024)
+ * or -1 when a scratch block cannot be allocated. */
 int cbserve_amx_gemm(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx, const uint16_t *packed,
                      const uint16_t *bias, int64_t M, int64_t N, int64_t K) {
-    const int64_t groups = (N + GROUP_N - 1) / GROUP_N;
-    int64_t chunk = CHUNK_BYTES / (2 * K) / BIG_ROWS * BIG_ROWS;
-    if (chunk < BIG_ROWS) chunk = BIG_ROWS;
-    if (M <= TILE_ROWS) chunk = M;
     int failed = 0;
+    if (M <= TILE_ROWS) {
+        const int64_t groups = (N + GROUP_N - 1) / GROUP_N;
 #pragma omp parallel if (groups > 1 && M * N * K >= (1 << 18)) reduction(| : failed)
-    {
-        uint16_t *scratch = malloc((size_t)BIG_ROWS * K * 2);
-        configure_tiles();
-        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-            const int64_t m1 = M - m0 < chunk ? M : m0 + chunk;
-#pragma omp for schedule(static) nowait
+        {
+            /* NOTE: 64-byte aligned, as every tile this file loads: a tile row across two cache lines loads
+             * at half the speed */
+            uint16_t *scratch = aligned_alloc(64, (size_t)TILE_ROWS * K * 2);
+            configure_tiles();
+#pragma omp for schedule(static)
             for (int64_t g = 0; g < groups; g++) {
                 if (scratch)
-                    rows_times_group(out, ldo, x, ldx, packed, bias, m0, m1, N, K, g, scratch);
+                    rows16_times_one_group(out, ldo, x, ldx, packed, bias, M, N, K, g, scratch);
                 else
                     failed = 1;
             }
+            _tile_release();
+            free(scratch);
         }
-        _tile_release();
-        free(scratch);
+        return failed ? -1 : 0;
+    }
+    const int64_t pairs = (N + PAIR_N - 1) / PAIR_N, blocks = (M + BIG_ROWS - 1) / BIG_ROWS;
+#pragma omp parallel if (M * N * K >= (1 << 18)) reduction(| : failed)
+    {
+        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+        int64_t m0 = 0, m1 = M, p0 = 0, p1 = pairs;
+        if (blocks >= SPLIT_ROWS * threads) { /* rows: each thread reads all of W once per MACRO_ROWS rows */
+            m0 = blocks * t / threads * BIG_ROWS;
+            m1 = blocks * (t + 1) / threads * BIG_ROWS < M ? blocks * (t + 1) / threads * BIG_ROWS : M;
+        } else { /* pairs of outputs: each thread reads its part of W, and every row */
+            p0 = pairs * t / threads;
+            p1 = pairs * (t + 1) / threads;
+        }
+        if (m0 < m1 && p0 < p1) {
+            void *scratch = aligned_alloc(64, pairs_scratch_bytes(m1 - m0, K));
+            if (scratch) {
+                configure_tiles();
+                rows_times_pairs(out, ldo, x, ldx, packed, bias, m0, m1, p0, p1, N, K, scratch);
+                _tile_release();
+                free(scratch);
+            } else {
+                failed = 1;
+            }
+        }
     }
     return failed ? -1 : 0;
 }
@@ -204,7 +362,7 @@ int cbserve_amx_gemm_available(void) { return 0; }
 int cbserve_amx_gemm(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx, const uint16_t *packed,
                      const uint16_t *bias, int64_t M, int64_t N, int64_t K) {
     (void)out, (void)ldo, (void)x, (void)ldx, (void)packed, (void)bias, (void)M, (void)N, (void)K;
-    (void)store_rows;
+    (void)store_rows, (void)pairs_scratch_bytes;
     return -1;
 }
 #endif

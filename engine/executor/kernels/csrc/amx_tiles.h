@@ -39,7 +39,9 @@ static inline void amx_configure_full_tiles(void) {
         cfg.rows[t] = 16;
         cfg.colsb[t] = 64;
     }
-    _tile_loadconfig(&cfg);
+    /* NOTE: not _tile_loadconfig: GCC 12's asm operand there is the first 8 bytes of the configuration, so the
+     * compiler may drop the stores of the rest as dead (seen: the column widths gone, LDTILECFG faults) */
+    __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
 }
 #else
 #define HAVE_AMX 0

@@ -88,13 +88,21 @@ static void gemm_shared(float *out, int64_t ldo, const float *x, int64_t ldx, co
 
 
 /* bfloat16: y[:, 0:N] = x W^T (+ b) for Mp rows (a whole number of AMX blocks: 16, or a multiple of 32), the
- * groups of 64 outputs shared out among the threads of the region, which have configured their tiles */
+ * groups of 64 outputs (16 rows) or pairs of 32 (more) shared out among the threads of the region, which have
+ * configured their tiles; `scratch`: this thread's, 64-byte aligned */
 static void amx_shared(uint16_t *out, const uint16_t *x, const uint16_t *tiles, const uint16_t *bias, int64_t Mp,
                        int64_t N, int64_t K, uint16_t *scratch) {
 #if HAVE_AMX
-    const int64_t groups = (N + GROUP_N - 1) / GROUP_N;
+    if (Mp <= TILE_ROWS) {
+        const int64_t groups = (N + GROUP_N - 1) / GROUP_N;
 #pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; g++) rows_times_group(out, N, x, K, tiles, bias, 0, Mp, N, K, g, scratch);
+        for (int64_t g = 0; g < groups; g++) rows16_times_one_group(out, N, x, K, tiles, bias, Mp, N, K, g, scratch);
+    } else {
+        const int64_t pairs = (N + PAIR_N - 1) / PAIR_N, threads = omp_get_num_threads(), t = omp_get_thread_num();
+        rows_times_pairs(out, N, x, K, tiles, bias, 0, Mp, pairs * t / threads, pairs * (t + 1) / threads, N, K,
+                         scratch);
+#pragma omp barrier
+    }
 #else
     (void)out, (void)x, (void)tiles, (void)bias, (void)Mp, (void)N, (void)K, (void)scratch;
 #endif
@@ -216,17 +224,19 @@ static int allocate(buffers *b, const cbserve_model *m, int64_t S, int64_t score
     const int64_t Sp = padded_rows(S, bf16), es = bf16 ? 2 : 4;
     const int64_t widest = H > I ? (H > q_size ? H : q_size) : (I > q_size ? I : q_size);
     b->scores_per_thread = scores;
-    b->amx_scratch = bf16 ? (size_t)(BIG_ROWS * widest * 2) : 0;
+    const size_t rows16 = (size_t)(TILE_ROWS * widest * 2), blocks = pairs_scratch_bytes(Sp, widest);
+    b->amx_scratch = bf16 ? ((Sp <= TILE_ROWS ? rows16 : blocks) + 63) / 64 * 64 : 0;
     const size_t activations = (size_t)(Sp * (3 * H + qkv_size + q_size + 3 * I) * es);
     const size_t floats = (size_t)((bf16 ? 2 * S * q_size : 0) + threads * b->scores_per_thread);
-    b->base = malloc(activations + sizeof(float) * floats + threads * b->amx_scratch);
+    const size_t scratches = (activations + sizeof(float) * floats + 63) / 64 * 64; /* tiles load 64-byte rows */
+    b->base = aligned_alloc(64, (scratches + threads * b->amx_scratch + 63) / 64 * 64);
     if (b->base == NULL) return 0;
     b->residual = b->base, b->normed = b->residual + Sp * H * es, b->y = b->normed + Sp * H * es;
     b->qkv = b->y + Sp * H * es, b->attn = b->qkv + Sp * qkv_size * es, b->gate_up = b->attn + Sp * q_size * es;
     b->act = b->gate_up + Sp * 2 * I * es;
     b->queries = (float *)(b->base + activations), b->attn_out = b->queries + (bf16 ? S * q_size : 0);
     b->scores = b->attn_out + (bf16 ? S * q_size : 0);
-    b->amx_scratches = (char *)(b->scores + threads * b->scores_per_thread);
+    b->amx_scratches = b->base + scratches;
     if (Sp > S) { /* the matmuls' inputs: zero rows past the sequences */
         memset(b->normed + S * H * es, 0, (size_t)((Sp - S) * H * es));
         memset(b->attn + S * q_size * es, 0, (size_t)((Sp - S) * q_size * es));
