@@ -233,6 +233,10 @@ static void attend_tile_bf16(TILE_ARGS) { TILE_CALL(1); }
 #undef TILE_ARGS
 
 #include "paged_prefill_amx.c"
+#include "../../kernels/csrc/kept_buffer.h"
+
+/* the calling thread's scores, kept from call to call (kept_buffer.h) */
+static __thread kept_buffer prefill_scores;
 
 /* 1 where a bfloat16 prefill of this head_dim runs on AMX tiles (paged_prefill_amx.c): a head_dim the tiles
  * take, a library built for AMX and a process allowed to use it */
@@ -284,7 +288,7 @@ int cbserve_paged_prefill_attention(
 #else
     const int64_t scratch = TILE * group * widest;
 #endif
-    float *scores = malloc(sizeof(float) * (size_t)(threads * scratch));
+    float *scores = kept_alloc(&prefill_scores, sizeof(float) * (size_t)(threads * scratch));
     if (scores == NULL) return -1;
 
 #pragma omp parallel num_threads(threads)
@@ -326,6 +330,5 @@ int cbserve_paged_prefill_attention(
         if (amx) _tile_release();
 #endif
     }
-    free(scores);
     return 0;
 }

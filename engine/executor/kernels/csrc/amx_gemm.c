@@ -40,6 +40,7 @@
 #include <string.h>
 
 #include "amx_tiles.h"
+#include "kept_buffer.h"
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
 #define VECTOR_ROUNDING 1
 #include <immintrin.h>
@@ -260,9 +261,9 @@ static void block_2x2(float *c, const a_tiles *a, const uint16_t *b0, const uint
 }
 
 /* out[m0:m1, 32 p0 : 32 p1] for rows [m0, m1) and pairs of outputs [p0, p1), in `scratch` (64-byte aligned,
- * pairs_scratch_bytes(m1 - m0, K)): MACRO_ROWS rows at a time (read in place where they fill whole blocks
- * and lie on cache lines, else packed with zero rows), then per pair, per chunk of k, every block of 32
- * rows; a block's sums are rounded out while the next block computes */
+ * pairs_scratch_bytes(m1 - m0, K)): MACRO_ROWS rows at a time (whole blocks read in place where the rows lie
+ * on cache lines, else packed; a last block of fewer rows packed with zero rows), then per pair, per chunk of
+ * k, every block of 32 rows; a block's sums are rounded out while the next block computes */
 static void rows_times_pairs(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx, const uint16_t *packed,
                              const uint16_t *bias, int64_t m0, int64_t m1, int64_t p0, int64_t p1, int64_t N,
                              int64_t K, void *scratch) {
@@ -275,8 +276,12 @@ static void rows_times_pairs(uint16_t *out, int64_t ldo, const uint16_t *x, int6
     finished_block done = {out, c, 0, 0, 0};
     for (int64_t mb = m0; mb < m1; mb += MACRO_ROWS) {
         const int64_t rows = m1 - mb < MACRO_ROWS ? m1 - mb : MACRO_ROWS, blocks = (rows + BIG_ROWS - 1) / BIG_ROWS;
-        const int packs = !in_place || rows % BIG_ROWS;
-        if (packs) pack_rows(ap, x + mb * ldx, ldx, rows, blocks * BIG_ROWS, kblocks);
+        const int64_t whole = rows / BIG_ROWS; /* blocks read in place (in_place), before a packed last one */
+        if (!in_place)
+            pack_rows(ap, x + mb * ldx, ldx, rows, blocks * BIG_ROWS, kblocks);
+        else if (whole < blocks)
+            pack_rows(ap + whole * 2 * kblocks * B_TILE, x + (mb + whole * BIG_ROWS) * ldx, ldx,
+                      rows - whole * BIG_ROWS, BIG_ROWS, kblocks);
         for (int64_t p = p0; p < p1; p++) {
             const uint16_t *b0 = packed + 2 * p * kblocks * B_TILE, *b1 = b0 + kblocks * B_TILE;
             const int64_t n = N - p * PAIR_N < PAIR_N ? N - p * PAIR_N : PAIR_N;
@@ -284,8 +289,9 @@ static void rows_times_pairs(uint16_t *out, int64_t ldo, const uint16_t *x, int6
                 const int64_t ke = kblocks - kc < chunk ? kblocks : kc + chunk;
                 for (int64_t rb = 0; rb < blocks; rb++) {
                     const uint16_t *rows_x = x + (mb + rb * BIG_ROWS) * ldx, *rows_p = ap + rb * 2 * kblocks * B_TILE;
-                    const a_tiles a = packs ? (a_tiles){rows_p, rows_p + kblocks * B_TILE, B_TILE, 64}
-                                            : (a_tiles){rows_x, rows_x + TILE_ROWS * ldx, TILE_K, ldx * 2};
+                    const int packed_block = !in_place || rb == whole;
+                    const a_tiles a = packed_block ? (a_tiles){rows_p, rows_p + kblocks * B_TILE, B_TILE, 64}
+                                                   : (a_tiles){rows_x, rows_x + TILE_ROWS * ldx, TILE_K, ldx * 2};
                     float *cb = c + rb * c_block;
                     if (done.c == cb) { /* one block of rows: this one's sums go where the last one's wait */
                         round_out(&done, 0, done.rows, ldo, bias);
@@ -304,6 +310,9 @@ static void rows_times_pairs(uint16_t *out, int64_t ldo, const uint16_t *x, int6
         done.rows = 0;
     }
 }
+
+/* this thread's scratch for the blocks of more than 16 rows (kept_buffer.h) */
+static __thread kept_buffer pairs_scratch;
 
 /* out [M, N] bfloat16 (row stride ldo) = x [M, K] bfloat16 (row stride ldx) W^T (+ bias [N]); returns 0,
  * or -1 when a scratch block cannot be allocated. */
@@ -343,12 +352,11 @@ int cbserve_amx_gemm(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx,
             p1 = pairs * (t + 1) / threads;
         }
         if (m0 < m1 && p0 < p1) {
-            void *scratch = aligned_alloc(64, pairs_scratch_bytes(m1 - m0, K));
+            void *scratch = kept_alloc(&pairs_scratch, pairs_scratch_bytes(m1 - m0, K));
             if (scratch) {
                 configure_tiles();
                 rows_times_pairs(out, ldo, x, ldx, packed, bias, m0, m1, p0, p1, N, K, scratch);
                 _tile_release();
-                free(scratch);
             } else {
                 failed = 1;
             }

@@ -116,10 +116,11 @@ typedef struct {
     int64_t table_stride;
 } batch;
 
-/* The step's buffers, one allocation (`base`): the activations in the model's dtype, `padded_rows` each (the
- * matmuls' inputs with zero rows past the sequences); then float32: the queries and the attention's output
- * (bfloat16 only), each thread's scores; then each thread's AMX scratch block (bfloat16 only). The attention's
- * tiles (paged_decode.c's plan_tiles: one plan for every layer) are planned before, in their own allocation. */
+/* The step's buffers, one allocation (`base`, kept for the next step): the activations in the model's dtype,
+ * `padded_rows` each (the matmuls' inputs with zero rows past the sequences); then float32: the queries and
+ * the attention's output (bfloat16 only), each thread's scores; then each thread's AMX scratch block
+ * (bfloat16 only). The attention's tiles (paged_decode.c's plan_tiles: one plan for every layer) are planned
+ * before, in their own allocation. */
 typedef struct {
     char *base;
     char *residual;    /* [hidden]: h, the residual stream, before the last block's output y is added */
@@ -215,6 +216,9 @@ static int check_inputs(const cbserve_model *m, const cbserve_layer *layers, con
     return 0;
 }
 
+/* the calling thread's buffers, kept from step to step (kept_buffer.h) */
+static __thread kept_buffer step_buffers;
+
 /* The buffers of a step of S sequences on `threads` threads, `scores` floats of attention scores each; 0: out
  * of memory. */
 static int allocate(buffers *b, const cbserve_model *m, int64_t S, int64_t scores, int threads) {
@@ -229,7 +233,7 @@ static int allocate(buffers *b, const cbserve_model *m, int64_t S, int64_t score
     const size_t activations = (size_t)(Sp * (3 * H + qkv_size + q_size + 3 * I) * es);
     const size_t floats = (size_t)((bf16 ? 2 * S * q_size : 0) + threads * b->scores_per_thread);
     const size_t scratches = (activations + sizeof(float) * floats + 63) / 64 * 64; /* tiles load 64-byte rows */
-    b->base = aligned_alloc(64, (scratches + threads * b->amx_scratch + 63) / 64 * 64);
+    b->base = kept_alloc(&step_buffers, (scratches + threads * b->amx_scratch + 63) / 64 * 64);
     if (b->base == NULL) return 0;
     b->residual = b->base, b->normed = b->residual + Sp * H * es, b->y = b->normed + Sp * H * es;
     b->qkv = b->y + Sp * H * es, b->attn = b->qkv + Sp * qkv_size * es, b->gate_up = b->attn + Sp * q_size * es;
@@ -402,7 +406,6 @@ int cbserve_decode_stack(const cbserve_model *m, const cbserve_layer *layers,
         if (bf16) _tile_release();
 #endif
     }
-    free(b.base);
     free(plan);
     return 0;
 }

@@ -21,7 +21,8 @@ static inline __attribute__((always_inline)) exp16_f exp16(exp16_f x) {
     exp16_f n;
 #if defined(__AVX512F__) /* the clamp and rint on whole registers (GCC splits the loop below in halves) */
     x = (exp16_f)_mm512_min_ps(_mm512_max_ps((__m512)x, _mm512_set1_ps(-87.33654f)), _mm512_set1_ps(88.0f));
-    n = (exp16_f)_mm512_roundscale_ps((__m512)(x * 1.44269504088896341f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    n = (exp16_f)_mm512_roundscale_ps((__m512)(x * 1.44269504088896341f),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 #else
     for (int j = 0; j < 16; j++) {
         x[j] = __builtin_fminf(__builtin_fmaxf(x[j], -87.33654f), 88.0f);
