@@ -46,7 +46,7 @@ def assert_within_rounding(
 # (out_features, in_features): the default model's projections (qkv, o, gate/up, down), outputs that are not
 # a multiple of the 32 of a block or the 64 of a work item, and the smallest k
 MODEL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
-SHAPES = [*MODEL_SHAPES, (100, 64), (1000, 96)]
+SHAPES = [*MODEL_SHAPES, (100, 64), (1000, 96), (150, 64)]  # 150: three groups of 64, shared as halves
 
 
 @pytest.mark.parametrize(("n", "k"), SHAPES)
@@ -85,10 +85,11 @@ def test_a_row_is_the_same_bits_in_any_batch(kernel: AmxGemm, n: int, k: int) ->
         assert torch.equal(kernel.linear(x, packed, n, b)[at], alone), (m, at)
 
 
-@pytest.mark.parametrize("m", [40, 300, 2048])
+@pytest.mark.parametrize("m", [5, 16, 40, 300, 2048])
 def test_the_bits_do_not_depend_on_the_threads_or_the_rows_layout(kernel: AmxGemm, m: int) -> None:
-    """One thread or two; rows read in place (contiguous, on cache lines) or packed first (a row stride that
-    is not a multiple of 32, a start off a cache line): the same bits."""
+    """One thread or two (up to 16 rows, 576 outputs: nine groups of 64 on one thread, 18 halves on two);
+    rows read in place (contiguous, on cache lines) or packed first (a row stride that is not a multiple of
+    32, a start off a cache line): the same bits."""
     gen = torch.Generator().manual_seed(m)
     n, k = 576, 1536
     w, b = (torch.randn(n, k, generator=gen) * 0.05).bfloat16(), torch.randn(n, generator=gen).bfloat16()

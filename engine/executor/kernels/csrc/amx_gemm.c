@@ -6,7 +6,8 @@
  *
  *   packed W: [N / 16][K / 32][16 k-pairs][16 outputs][2]   (one 1 KB B tile per (16 outputs, 32 k);
  *                                                             N padded with zero rows to a multiple of 64)
- *   up to 16 rows:  per group of 64 outputs (split over the OpenMP threads):
+ *   up to 16 rows:  per group of 64 outputs (split over the OpenMP threads; halves of 32 where the groups
+ *                   would not share out evenly):
  *                       C0..C3 (16 rows x 4 x 16 outputs) += A(16 x 32) B0..B3   for each 32 k in order
  *   more rows:      the threads split the pairs of 32 outputs (or, from 512 rows a thread, the rows);
  *                   each takes MACRO_ROWS rows at a time, then per pair of B tiles, per chunk of at most
@@ -137,13 +138,18 @@ int cbserve_amx_gemm_available(void) { return amx_permitted(); }
 
 /* ---- up to 16 rows: one A tile, four B tiles ---- */
 
-/* C (16 rows x 64 outputs, float32, row stride 64) = A (16 rows, byte stride lda) x 4 B tiles, all k */
-static void rows16_times_group(float *c, const uint16_t *a, int64_t lda, const uint16_t *b, int64_t kblocks) {
+/* C (16 rows x 64 outputs, float32, row stride 64) = A (16 rows, byte stride lda) x 4 B tiles, all k (`four`
+ * 0: the first 32 outputs, two B tiles; a literal at each call) */
+static inline __attribute__((always_inline)) void rows16_times_tiles(float *c, const uint16_t *a, int64_t lda,
+                                                                    const uint16_t *b, int64_t kblocks,
+                                                                    const int four) {
     const int64_t b_stride = kblocks * B_TILE; /* from one 16-output tile to the next */
     _tile_zero(0);
     _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    if (four) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
     for (int64_t kb = 0; kb < kblocks; kb++) {
         const uint16_t *bk = b + kb * B_TILE;
         _tile_loadd(4, a + kb * TILE_K, lda);
@@ -151,23 +157,35 @@ static void rows16_times_group(float *c, const uint16_t *a, int64_t lda, const u
         _tile_dpbf16ps(0, 4, 5);
         _tile_loadd(6, bk + b_stride, 64);
         _tile_dpbf16ps(1, 4, 6);
-        _tile_loadd(7, bk + 2 * b_stride, 64);
-        _tile_dpbf16ps(2, 4, 7);
-        _tile_loadd(5, bk + 3 * b_stride, 64);
-        _tile_dpbf16ps(3, 4, 5);
+        if (four) {
+            _tile_loadd(7, bk + 2 * b_stride, 64);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_loadd(5, bk + 3 * b_stride, 64);
+            _tile_dpbf16ps(3, 4, 5);
+        }
     }
     _tile_stored(0, c, GROUP_N * 4);
     _tile_stored(1, c + 16, GROUP_N * 4);
-    _tile_stored(2, c + 32, GROUP_N * 4);
-    _tile_stored(3, c + 48, GROUP_N * 4);
+    if (four) {
+        _tile_stored(2, c + 32, GROUP_N * 4);
+        _tile_stored(3, c + 48, GROUP_N * 4);
+    }
 }
 
-/* outputs [g * 64, g * 64 + 64) of the M <= 16 rows of x: read in place when they fill the tile, else from a
- * zero-padded copy in `scratch` (16 x K, 64-byte aligned) */
-static void rows16_times_one_group(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx, const uint16_t *packed,
-                                   const uint16_t *bias, int64_t M, int64_t N, int64_t K, int64_t g,
-                                   uint16_t *scratch) {
-    const int64_t kblocks = K / TILE_K, n0 = g * GROUP_N;
+/* The outputs a work item of a call of up to 16 rows takes on `threads` threads: a group of 64, or half of one
+ * where the groups would not share out evenly (N = 576: 9 groups, one thread waiting for another's fifth; 18
+ * halves). Either way every output is the same chain. */
+static int64_t rows16_item_outputs(int64_t N, int64_t threads) {
+    return (N + GROUP_N - 1) / GROUP_N % threads ? PAIR_N : GROUP_N;
+}
+
+/* outputs [i * width, i * width + width) (width: rows16_item_outputs) of the M <= 16 rows of x: read in place
+ * when they fill the tile, else from a zero-padded copy in `scratch` (16 x K, 64-byte aligned) */
+static void rows16_times_item(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx, const uint16_t *packed,
+                              const uint16_t *bias, int64_t M, int64_t N, int64_t K, int64_t i, int64_t width,
+                              uint16_t *scratch) {
+    const int64_t kblocks = K / TILE_K, n0 = i * width;
+    if (n0 >= N) return; /* the zero outputs past N of the last group */
     float c[TILE_ROWS * GROUP_N];
     const uint16_t *a = x;
     int64_t lda = ldx * 2;
@@ -180,8 +198,12 @@ static void rows16_times_one_group(uint16_t *out, int64_t ldo, const uint16_t *x
         }
         a = scratch, lda = K * 2;
     }
-    rows16_times_group(c, a, lda, packed + g * (GROUP_N / TILE_N) * kblocks * B_TILE, kblocks);
-    store_rows(out, ldo, c, GROUP_N, bias, n0, N - n0 < GROUP_N ? N - n0 : GROUP_N, M);
+    const uint16_t *b = packed + n0 / TILE_N * kblocks * B_TILE;
+    if (width == GROUP_N)
+        rows16_times_tiles(c, a, lda, b, kblocks, 1);
+    else
+        rows16_times_tiles(c, a, lda, b, kblocks, 0);
+    store_rows(out, ldo, c, GROUP_N, bias, n0, N - n0 < width ? N - n0 : width, M);
 }
 
 /* ---- more rows: blocks of 32 rows x 32 outputs over packed rows ---- */
@@ -326,11 +348,12 @@ int cbserve_amx_gemm(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx,
             /* NOTE: 64-byte aligned, as every tile this file loads: a tile row across two cache lines loads
              * at half the speed */
             uint16_t *scratch = aligned_alloc(64, (size_t)TILE_ROWS * K * 2);
+            const int64_t width = rows16_item_outputs(N, omp_get_num_threads());
             configure_tiles();
 #pragma omp for schedule(static)
-            for (int64_t g = 0; g < groups; g++) {
+            for (int64_t i = 0; i < groups * GROUP_N / width; i++) {
                 if (scratch)
-                    rows16_times_one_group(out, ldo, x, ldx, packed, bias, M, N, K, g, scratch);
+                    rows16_times_item(out, ldo, x, ldx, packed, bias, M, N, K, i, width, scratch);
                 else
                     failed = 1;
             }

@@ -94,9 +94,10 @@ static void amx_shared(uint16_t *out, const uint16_t *x, const uint16_t *tiles, 
                        int64_t N, int64_t K, uint16_t *scratch) {
 #if HAVE_AMX
     if (Mp <= TILE_ROWS) {
-        const int64_t groups = (N + GROUP_N - 1) / GROUP_N;
+        const int64_t width = rows16_item_outputs(N, omp_get_num_threads());
+        const int64_t items = (N + GROUP_N - 1) / GROUP_N * GROUP_N / width;
 #pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++) rows16_times_one_group(out, N, x, K, tiles, bias, Mp, N, K, g, scratch);
+        for (int64_t i = 0; i < items; i++) rows16_times_item(out, N, x, K, tiles, bias, Mp, N, K, i, width, scratch);
     } else {
         const int64_t pairs = (N + PAIR_N - 1) / PAIR_N, threads = omp_get_num_threads(), t = omp_get_thread_num();
         rows_times_pairs(out, N, x, K, tiles, bias, 0, Mp, pairs * t / threads, pairs * (t + 1) / threads, N, K,
