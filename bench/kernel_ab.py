@@ -1,0 +1,139 @@
+"""The CPU's C kernels of another commit against this checkout's, interleaved in one process, so that a noisy
+machine's slow minutes hit both sides alike: the fused ops (csrc/cpu_ops.c) and, in bfloat16 on a CPU with
+AMX, the matmul (csrc/amx_gemm.c).
+
+    python -m bench.kernel_ab --before f4cf4a7 [--rows 16 2048] [--rounds 15] [--dtype bfloat16]
+
+The before side's kernel sources come from ``git archive`` of ``--before`` (run from the repository), built
+as the engine builds its own (engine/cpu/native_build.py). Per row count: SiLU-and-multiply over
+SmolLM2-135M's gate and up halves, RMSNorm with the residual add, the rotary embedding of the queries, and
+the four projections of ``--layers`` layers with weights of their own (so that, as in a forward, each call
+reads its weights from memory, not from a cache the previous call warmed). Prints each side's best and
+median over the rounds, and whether both sides give the same bits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable
+from io import BytesIO
+from pathlib import Path
+
+import torch
+
+from engine.cpu.native_build import BuildOnce, KernelUnavailable
+from engine.executor.kernels import amx_gemm, cpu_ops
+from engine.executor.kernels.amx_gemm import AmxGemm
+from engine.executor.kernels.cpu_ops import CpuOps
+
+KERNELS = "engine/executor/kernels/csrc"
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # the projections' (out, in): SmolLM2-135M's
+HIDDEN, INTER, HEADS, HEAD_DIM = 576, 1536, 9, 64
+
+
+def checkout_kernels(rev: str, into: Path) -> Path:
+    """The kernel sources of ``rev`` under ``into``; returns their folder."""
+    tar = subprocess.run(["git", "archive", rev, KERNELS], capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=BytesIO(tar)) as archive:
+        archive.extractall(into, filter="data")
+    return into / KERNELS
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def op_cases(ops: CpuOps, rows: int, dtype: torch.dtype) -> dict[str, Callable[[], torch.Tensor]]:
+    """Each fused op on ``rows`` rows of random data (the same data for both sides: seeded)."""
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * INTER, generator=gen).to(dtype)
+    x, weight = (
+        torch.randn(rows, HIDDEN, generator=gen).to(dtype),
+        torch.randn(HIDDEN, generator=gen).to(dtype),
+    )
+    residual = torch.randn(rows, HIDDEN, generator=gen).to(dtype)
+    q = torch.randn(rows, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    cos, sin = (torch.randn(rows, HEAD_DIM, generator=gen).to(dtype) for _ in range(2))
+    positions = torch.arange(rows, dtype=torch.int64)
+
+    def norm() -> torch.Tensor:  # the residual grows by x at each call, on both sides alike
+        return ops.rms_norm(x, weight, 1e-5, residual)
+
+    def rotary() -> torch.Tensor:  # rotated in place, again at each call
+        ops.rotary(q, positions, cos, sin)
+        return q
+
+    return {"silu_and_mul": lambda: ops.silu_and_mul(gate_up), "add_rms_norm": norm, "rotary": rotary}
+
+
+def matmul_case(gemm: AmxGemm, rows: int, layers: int) -> Callable[[], torch.Tensor]:
+    """The four projections of ``layers`` layers on ``rows`` rows, each layer its own weights."""
+    gen = torch.Generator().manual_seed(rows)
+    weights = [
+        [(n, k, gemm.pack((torch.randn(n, k, generator=gen) * 0.05).bfloat16())) for n, k in SHAPES]
+        for _ in range(layers)
+    ]
+    inputs = {k: torch.randn(rows, k, generator=gen).bfloat16() for _, k in SHAPES}
+
+    def run() -> torch.Tensor:
+        last = torch.empty(0)
+        for layer in weights:
+            for n, k, packed in layer:
+                last = gemm.linear(inputs[k], packed, n, None)
+        return last  # the bits compared: the last projection's
+
+    return run
+
+
+def compare(cases: dict[str, dict[str, Callable[[], torch.Tensor]]], rounds: int) -> None:
+    """Time every case on both sides, alternating which goes first; print a line per case."""
+    sides = list(cases)
+    for name in cases[sides[0]]:
+        same = torch.equal(*(cases[side][name]().view(torch.int16) for side in sides))
+        times: dict[str, list[float]] = {side: [] for side in sides}
+        for r in range(rounds):
+            for side in sides if r % 2 == 0 else sides[::-1]:
+                times[side].append(timed(cases[side][name]))
+        cells = [
+            f"{side} best {1e3 * min(t):8.3f} ms median {1e3 * statistics.median(t):8.3f} ms"
+            for side, t in times.items()
+        ]
+        print(f"{name:22s} " + " | ".join(cells) + f" | {'same bits' if same else 'BITS DIFFER'}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", required=True, help="the commit whose kernels are the before side")
+    parser.add_argument("--rows", type=int, nargs="+", default=[16, 2048])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--layers", type=int, default=30, help="layers of weights the matmul case reads")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    args = parser.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    with tempfile.TemporaryDirectory() as tmp:
+        before = checkout_kernels(args.before, Path(tmp))
+        ops = {"before": BuildOnce(before / "cpu_ops.c", CpuOps)(), "after": cpu_ops.load()}
+        gemms: dict[str, AmxGemm] = {}
+        if dtype == torch.bfloat16:
+            try:
+                gemms = {"before": BuildOnce(before / "amx_gemm.c", AmxGemm)(), "after": amx_gemm.load()}
+            except KernelUnavailable as e:
+                print(f"no AMX matmul here ({e}): the fused ops only")
+        for rows in args.rows:
+            print(f"rows {rows}, {args.dtype}, before {args.before}:")
+            cases = {side: op_cases(o, rows, dtype) for side, o in ops.items()}
+            for side, gemm in gemms.items():
+                cases[side][f"{args.layers} layers' matmuls"] = matmul_case(gemm, rows, args.layers)
+            compare(cases, args.rounds)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,49 @@
+"""bench/kernel_ab.py end to end: the kernels of a commit against this checkout's, here the checkout's own
+commit, so both sides must give the same bits on every case."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.kernel_ab import KERNELS, checkout_kernels, main
+from engine.cpu.native_build import KernelUnavailable
+from engine.executor.kernels import cpu_ops
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _head() -> str:
+    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip("not a git checkout")
+    return done.stdout.strip()
+
+
+def test_checks_out_the_kernel_sources_of_a_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+    folder = checkout_kernels(_head(), tmp_path)
+    assert folder == tmp_path / KERNELS
+    assert {"cpu_ops.c", "amx_gemm.c", "exp16.h"} <= {p.name for p in folder.iterdir()}
+
+
+@pytest.mark.slow  # builds the kernels of both sides
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_commit_against_itself_gives_the_same_bits(
+    dtype: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not cpu_ops.CpuOps.supports(torch.device("cpu"), getattr(torch, dtype)):
+        pytest.skip(f"no fused ops in {dtype}")
+    try:
+        cpu_ops.load()
+    except KernelUnavailable as e:
+        pytest.skip(f"the fused ops cannot be built here: {e}")
+    monkeypatch.chdir(ROOT)
+    argv = ["--before", _head(), "--rows", "3", "40", "--rounds", "1", "--layers", "1", "--dtype", dtype]
+    assert main(argv) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "ms median" in ln]
+    assert len(lines) >= 6  # three ops at each row count, and the matmuls where the CPU has AMX
+    assert all(ln.endswith("same bits") for ln in lines), lines
