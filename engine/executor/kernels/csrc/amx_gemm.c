@@ -333,8 +333,10 @@ static void rows_times_pairs(uint16_t *out, int64_t ldo, const uint16_t *x, int6
     }
 }
 
-/* this thread's scratch for the blocks of more than 16 rows (kept_buffer.h) */
-static __thread kept_buffer pairs_scratch;
+/* this thread's scratch, kept from call to call (kept_buffer.h): a zero-padded tile of up to 16 rows, or the
+ * blocks of more rows (64-byte aligned, as every tile this file loads: a tile row across two cache lines
+ * loads at half the speed) */
+static __thread kept_buffer thread_scratch;
 
 /* out [M, N] bfloat16 (row stride ldo) = x [M, K] bfloat16 (row stride ldx) W^T (+ bias [N]); returns 0,
  * or -1 when a scratch block cannot be allocated. */
@@ -345,9 +347,7 @@ int cbserve_amx_gemm(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx,
         const int64_t groups = (N + GROUP_N - 1) / GROUP_N;
 #pragma omp parallel if (groups > 1 && M * N * K >= (1 << 18)) reduction(| : failed)
         {
-            /* NOTE: 64-byte aligned, as every tile this file loads: a tile row across two cache lines loads
-             * at half the speed */
-            uint16_t *scratch = aligned_alloc(64, (size_t)TILE_ROWS * K * 2);
+            uint16_t *scratch = kept_alloc(&thread_scratch, (size_t)TILE_ROWS * K * 2);
             const int64_t width = rows16_item_outputs(N, omp_get_num_threads());
             configure_tiles();
 #pragma omp for schedule(static)
@@ -358,7 +358,6 @@ int cbserve_amx_gemm(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx,
                     failed = 1;
             }
             _tile_release();
-            free(scratch);
         }
         return failed ? -1 : 0;
     }
@@ -375,7 +374,7 @@ int cbserve_amx_gemm(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx,
             p1 = pairs * (t + 1) / threads;
         }
         if (m0 < m1 && p0 < p1) {
-            void *scratch = kept_alloc(&pairs_scratch, pairs_scratch_bytes(m1 - m0, K));
+            void *scratch = kept_alloc(&thread_scratch, pairs_scratch_bytes(m1 - m0, K));
             if (scratch) {
                 configure_tiles();
                 rows_times_pairs(out, ldo, x, ldx, packed, bias, m0, m1, p0, p1, N, K, scratch);

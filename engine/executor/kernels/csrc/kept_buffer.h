@@ -1,5 +1,5 @@
-/* A scratch buffer kept from one call of a kernel to the next, per thread (amx_gemm.c's blocks, the decode
- * stack's activations, the prefill attention's scores).
+/* A scratch buffer kept from one call of a kernel to the next, per thread (amx_gemm.c's padded tiles and
+ * blocks, the decode stack's activations, the prefill attention's scores).
  *
  * Why: a buffer of more than ~128 KB is one the C library maps afresh at each malloc and unmaps at each free,
  * so every call paid a page fault and the zeroing of every page it touched: ~10-20% of a prefill-sized matmul
