@@ -130,6 +130,13 @@ static size_t pairs_scratch_bytes(int64_t rows, int64_t K) {
     return (size_t)block * K * 2 + (size_t)block * PAIR_N * 4;
 }
 
+/* The bytes of scratch a thread of amx_gemm_share needs for M rows of K: a zero-padded tile of up to 16 rows,
+ * or the blocks of more rows (64-byte aligned, as every tile this file loads: a tile row across two cache
+ * lines loads at half the speed) */
+static size_t amx_scratch_bytes(int64_t M, int64_t K) {
+    return M <= TILE_ROWS ? (size_t)TILE_ROWS * K * 2 : pairs_scratch_bytes(M, K);
+}
+
 #if HAVE_AMX
 /* every tile 16 rows x 64 bytes: C tiles 0-3, A tiles 4-5, B tiles 6-7 (the 1 x 4 kernel: A 4, B 5-7 and 4) */
 static void configure_tiles(void) { amx_configure_full_tiles(); }
@@ -333,56 +340,57 @@ static void rows_times_pairs(uint16_t *out, int64_t ldo, const uint16_t *x, int6
     }
 }
 
-/* this thread's scratch, kept from call to call (kept_buffer.h): a zero-padded tile of up to 16 rows, or the
- * blocks of more rows (64-byte aligned, as every tile this file loads: a tile row across two cache lines
- * loads at half the speed) */
+/* This thread's share of out [M, N] = x [M, K] W^T (+ bias), called by every thread of an OpenMP region that
+ * has configured its tiles (cbserve_amx_gemm's, the decode stack's), no barrier after it: up to 16 rows, items
+ * of 64 outputs (or halves: rows16_item_outputs); more, the rows (from SPLIT_ROWS blocks a thread: each reads
+ * all of W once per MACRO_ROWS rows) or pairs of outputs (each reads its part of W, and every row).
+ * `scratch`: amx_scratch_bytes(M, K), this thread's. Returns 0, -1 where it was needed and is NULL. */
+static int amx_gemm_share(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx, const uint16_t *packed,
+                          const uint16_t *bias, int64_t M, int64_t N, int64_t K, void *scratch) {
+    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+    int failed = 0;
+    if (M <= TILE_ROWS) {
+        const int64_t width = rows16_item_outputs(N, threads);
+        const int64_t items = (N + GROUP_N - 1) / GROUP_N * GROUP_N / width;
+#pragma omp for schedule(static) nowait
+        for (int64_t i = 0; i < items; i++) {
+            if (scratch)
+                rows16_times_item(out, ldo, x, ldx, packed, bias, M, N, K, i, width, scratch);
+            else
+                failed = 1;
+        }
+        return failed ? -1 : 0;
+    }
+    const int64_t pairs = (N + PAIR_N - 1) / PAIR_N, blocks = (M + BIG_ROWS - 1) / BIG_ROWS;
+    int64_t m0 = 0, m1 = M, p0 = 0, p1 = pairs;
+    if (blocks >= SPLIT_ROWS * threads) {
+        m0 = blocks * t / threads * BIG_ROWS;
+        m1 = blocks * (t + 1) / threads * BIG_ROWS < M ? blocks * (t + 1) / threads * BIG_ROWS : M;
+    } else {
+        p0 = pairs * t / threads;
+        p1 = pairs * (t + 1) / threads;
+    }
+    if (m0 >= m1 || p0 >= p1) return 0;
+    if (scratch == NULL) return -1;
+    rows_times_pairs(out, ldo, x, ldx, packed, bias, m0, m1, p0, p1, N, K, scratch);
+    return 0;
+}
+
+/* this thread's scratch, kept from call to call (kept_buffer.h) */
 static __thread kept_buffer thread_scratch;
 
 /* out [M, N] bfloat16 (row stride ldo) = x [M, K] bfloat16 (row stride ldx) W^T (+ bias [N]); returns 0,
  * or -1 when a scratch block cannot be allocated. */
 int cbserve_amx_gemm(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx, const uint16_t *packed,
                      const uint16_t *bias, int64_t M, int64_t N, int64_t K) {
+    const int one_group = M <= TILE_ROWS && N <= GROUP_N;
     int failed = 0;
-    if (M <= TILE_ROWS) {
-        const int64_t groups = (N + GROUP_N - 1) / GROUP_N;
-#pragma omp parallel if (groups > 1 && M * N * K >= (1 << 18)) reduction(| : failed)
-        {
-            uint16_t *scratch = kept_alloc(&thread_scratch, (size_t)TILE_ROWS * K * 2);
-            const int64_t width = rows16_item_outputs(N, omp_get_num_threads());
-            configure_tiles();
-#pragma omp for schedule(static)
-            for (int64_t i = 0; i < groups * GROUP_N / width; i++) {
-                if (scratch)
-                    rows16_times_item(out, ldo, x, ldx, packed, bias, M, N, K, i, width, scratch);
-                else
-                    failed = 1;
-            }
-            _tile_release();
-        }
-        return failed ? -1 : 0;
-    }
-    const int64_t pairs = (N + PAIR_N - 1) / PAIR_N, blocks = (M + BIG_ROWS - 1) / BIG_ROWS;
-#pragma omp parallel if (M * N * K >= (1 << 18)) reduction(| : failed)
+#pragma omp parallel if (!one_group && M * N * K >= (1 << 18)) reduction(| : failed)
     {
-        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
-        int64_t m0 = 0, m1 = M, p0 = 0, p1 = pairs;
-        if (blocks >= SPLIT_ROWS * threads) { /* rows: each thread reads all of W once per MACRO_ROWS rows */
-            m0 = blocks * t / threads * BIG_ROWS;
-            m1 = blocks * (t + 1) / threads * BIG_ROWS < M ? blocks * (t + 1) / threads * BIG_ROWS : M;
-        } else { /* pairs of outputs: each thread reads its part of W, and every row */
-            p0 = pairs * t / threads;
-            p1 = pairs * (t + 1) / threads;
-        }
-        if (m0 < m1 && p0 < p1) {
-            void *scratch = kept_alloc(&thread_scratch, pairs_scratch_bytes(m1 - m0, K));
-            if (scratch) {
-                configure_tiles();
-                rows_times_pairs(out, ldo, x, ldx, packed, bias, m0, m1, p0, p1, N, K, scratch);
-                _tile_release();
-            } else {
-                failed = 1;
-            }
-        }
+        void *scratch = kept_alloc(&thread_scratch, amx_scratch_bytes(M, K));
+        configure_tiles();
+        failed = amx_gemm_share(out, ldo, x, ldx, packed, bias, M, N, K, scratch) != 0;
+        _tile_release();
     }
     return failed ? -1 : 0;
 }
@@ -392,7 +400,7 @@ int cbserve_amx_gemm_available(void) { return 0; }
 int cbserve_amx_gemm(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx, const uint16_t *packed,
                      const uint16_t *bias, int64_t M, int64_t N, int64_t K) {
     (void)out, (void)ldo, (void)x, (void)ldx, (void)packed, (void)bias, (void)M, (void)N, (void)K;
-    (void)store_rows, (void)pairs_scratch_bytes;
+    (void)store_rows, (void)amx_scratch_bytes;
     return -1;
 }
 #endif

@@ -87,23 +87,14 @@ static void gemm_shared(float *out, int64_t ldo, const float *x, int64_t ldx, co
 }
 
 
-/* bfloat16: y[:, 0:N] = x W^T (+ b) for Mp rows (a whole number of AMX blocks: 16, or a multiple of 32), the
- * groups of 64 outputs (16 rows) or pairs of 32 (more) shared out among the threads of the region, which have
- * configured their tiles; `scratch`: this thread's, 64-byte aligned */
+/* bfloat16: y[:, 0:N] = x W^T (+ b) for Mp rows (a whole number of AMX blocks: 16, or a multiple of 32),
+ * shared out among the threads of the region as amx_gemm.c shares a call's (they have configured their
+ * tiles); `scratch`: this thread's, 64-byte aligned, amx_scratch_bytes(Mp, K) */
 static void amx_shared(uint16_t *out, const uint16_t *x, const uint16_t *tiles, const uint16_t *bias, int64_t Mp,
                        int64_t N, int64_t K, uint16_t *scratch) {
 #if HAVE_AMX
-    if (Mp <= TILE_ROWS) {
-        const int64_t width = rows16_item_outputs(N, omp_get_num_threads());
-        const int64_t items = (N + GROUP_N - 1) / GROUP_N * GROUP_N / width;
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < items; i++) rows16_times_item(out, N, x, K, tiles, bias, Mp, N, K, i, width, scratch);
-    } else {
-        const int64_t pairs = (N + PAIR_N - 1) / PAIR_N, threads = omp_get_num_threads(), t = omp_get_thread_num();
-        rows_times_pairs(out, N, x, K, tiles, bias, 0, Mp, pairs * t / threads, pairs * (t + 1) / threads, N, K,
-                         scratch);
+    (void)amx_gemm_share(out, N, x, K, tiles, bias, Mp, N, K, scratch); /* the scratch is there: allocate() */
 #pragma omp barrier
-    }
 #else
     (void)out, (void)x, (void)tiles, (void)bias, (void)Mp, (void)N, (void)K, (void)scratch;
 #endif
@@ -229,8 +220,7 @@ static int allocate(buffers *b, const cbserve_model *m, int64_t S, int64_t score
     const int64_t Sp = padded_rows(S, bf16), es = bf16 ? 2 : 4;
     const int64_t widest = H > I ? (H > q_size ? H : q_size) : (I > q_size ? I : q_size);
     b->scores_per_thread = scores;
-    const size_t rows16 = (size_t)(TILE_ROWS * widest * 2), blocks = pairs_scratch_bytes(Sp, widest);
-    b->amx_scratch = bf16 ? ((Sp <= TILE_ROWS ? rows16 : blocks) + 63) / 64 * 64 : 0;
+    b->amx_scratch = bf16 ? (amx_scratch_bytes(Sp, widest) + 63) / 64 * 64 : 0;
     const size_t activations = (size_t)(Sp * (3 * H + qkv_size + q_size + 3 * I) * es);
     const size_t floats = (size_t)((bf16 ? 2 * S * q_size : 0) + threads * b->scores_per_thread);
     const size_t scratches = (activations + sizeof(float) * floats + 63) / 64 * 64; /* tiles load 64-byte rows */
