@@ -1,9 +1,9 @@
 /* Paged prefill attention on the CPU: each sequence's new queries (a fresh prompt or a later chunk of one)
  * attend causally over that sequence's KV pages, read in place through its block table.
  *
- * Work item = (sequence, KV head, tile of up to TILE consecutive queries). The tile's rows are its queries
- * times the `group` query heads that share the KV head, and the two products are small matrix products
- * over the pages:
+ * Work item = (sequence, KV head, tile of up to TILE consecutive queries, AMX_TILE on the AMX tiles). The
+ * tile's rows are its queries times the `group` query heads that share the KV head, and the two products are
+ * small matrix products over the pages:
  *
  *   S[r, j] = scale * <q[r], K[j]>     for the keys j the tile can see   (rows x pages of 16 keys)
  *   S[r, j] = softcap * tanh(S[r, j] / softcap)   where the model soft-caps its attention logits (Gemma 2)
@@ -271,22 +271,28 @@ int cbserve_paged_prefill_attention(
     if (!supported(num_heads, num_kv_heads, head_dim, block_size)) return -2;
     const int64_t group = num_heads / num_kv_heads;
     const int64_t block_stride = num_kv_heads * head_dim * block_size;
+    const int threads = omp_get_max_threads(), amx = q_is_bf16;
+    if (amx && !(kv_is_bf16 && cbserve_prefill_amx_takes(head_dim))) return -2;
+#if HAVE_AMX
+    const int64_t tile_q = amx ? AMX_TILE : TILE; /* queries per work item */
+#else
+    const int64_t tile_q = TILE;
+#endif
     int64_t items = 0, widest = 0; /* widest: the longest key range of a tile, in padded keys */
     for (int64_t s = 0; s < num_seqs; s++) {
         const int64_t q_len = query_starts[s + 1] - query_starts[s];
         if (q_len < 1 || q_len > seq_lens[s] || (seq_lens[s] + block_size - 1) / block_size > table_stride)
             return -5;
-        items += num_kv_heads * ((q_len + TILE - 1) / TILE);
-        const int64_t span = (sliding_window > 0 && sliding_window < seq_lens[s] ? sliding_window + TILE : seq_lens[s]);
+        items += num_kv_heads * ((q_len + tile_q - 1) / tile_q);
+        const int64_t span =
+            (sliding_window > 0 && sliding_window < seq_lens[s] ? sliding_window + tile_q : seq_lens[s]);
         widest = span + 2 * block_size > widest ? span + 2 * block_size : widest;
     }
-    const int threads = omp_get_max_threads(), amx = q_is_bf16;
-    if (amx && !(kv_is_bf16 && cbserve_prefill_amx_takes(head_dim))) return -2;
 #if HAVE_AMX
-    const int64_t scratch = amx ? amx_scratch_bytes(TILE * group, (widest + 64 + 31) / 32 * 32, head_dim) / 4 + 1
-                                : TILE * group * widest; /* floats */
+    const int64_t scratch = amx ? amx_scratch_bytes(tile_q * group, (widest + 64 + 31) / 32 * 32, head_dim) / 4 + 1
+                                : tile_q * group * widest; /* floats */
 #else
-    const int64_t scratch = TILE * group * widest;
+    const int64_t scratch = tile_q * group * widest;
 #endif
     float *scores = kept_alloc(&prefill_scores, sizeof(float) * (size_t)(threads * scratch));
     if (scores == NULL) return -1;
@@ -303,13 +309,13 @@ int cbserve_paged_prefill_attention(
              * of a sequence latest first (the longest key ranges start first), heads innermost */
             int64_t s = 0, rest = item, tiles = 0;
             for (;; s++) {
-                tiles = (query_starts[s + 1] - query_starts[s] + TILE - 1) / TILE;
+                tiles = (query_starts[s + 1] - query_starts[s] + tile_q - 1) / tile_q;
                 if (rest < tiles * num_kv_heads) break;
                 rest -= tiles * num_kv_heads;
             }
             const int64_t q_len = query_starts[s + 1] - query_starts[s];
             const int64_t tile = tiles - 1 - rest / num_kv_heads, h = rest % num_kv_heads;
-            const int64_t i0 = tile * TILE, i1 = i0 + TILE < q_len ? i0 + TILE : q_len;
+            const int64_t i0 = tile * tile_q, i1 = i0 + tile_q < q_len ? i0 + tile_q : q_len;
             const int64_t start = query_starts[s];
 #if HAVE_AMX
             if (amx) {

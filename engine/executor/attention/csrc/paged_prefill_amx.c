@@ -24,6 +24,10 @@
 #include "../../kernels/csrc/exp16.h"
 
 #define AMX_MAX_HEAD_DIM 256
+/* queries per work item on the tiles: each item re-lays out its keys and values for the tiles, so an item of
+ * more queries re-lays out the same pages fewer times (16, the vector path's TILE, re-laid out the K and V
+ * pages of a 2,048-token prompt 128 times; here 64 times); a row's result does not depend on its item */
+#define AMX_TILE 32
 
 #if HAVE_AMX
 /* A thread's scratch for one item: Q rows, scores, P, and the re-laid-out K (one 16-key unit) and V (the
@@ -61,6 +65,14 @@ static inline uint16_t amx_bf16(float f) {
     memcpy(&u, &f, sizeof u);
     u += 0x7FFFu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
+}
+
+/* dst[t] = amx_bf16(src[t] * scale) for t < 16, on whole registers (the same bits) */
+static inline void store_bf16x16(uint16_t *dst, const float *src, float scale) {
+    __m512i bits = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(src), _mm512_set1_ps(scale)));
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+    _mm256_storeu_si256((__m256i *)dst, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
 }
 
 /* dst[2t + e] = (e ? r1 : r0)[t] for t < 16: two rows of 16 bfloat16 interleaved (a B tile's row) */
@@ -217,7 +229,7 @@ static void attend_tile_amx(uint16_t *out, const uint16_t *q, int64_t q_stride, 
         relayout_keys(sc.kt, page, u * 16 % block_size, head_dim, block_size);
         score_unit(sc.s + (u * 16 - k0), ld, sc.q, padded, sc.kt, head_dim);
     }
-    float inv[TILE * MAX_GROUP]; /* each row's 1 / sum of its weights */
+    float inv[AMX_TILE * MAX_GROUP]; /* each row's 1 / sum of its weights */
     for (int64_t r = 0; r < padded; r++) { /* P */
         if (r >= rows) {
             memset(sc.p + r * ld, 0, (size_t)ld * 2);
@@ -242,7 +254,7 @@ static void attend_tile_amx(uint16_t *out, const uint16_t *q, int64_t q_stride, 
             for (int64_t m = 0; m < 16 && r0 + m < rows; m++) {
                 const int64_t r = r0 + m;
                 uint16_t *o = out + (i0 + r / group) * num_heads * head_dim + (h * group + r % group) * head_dim;
-                for (int64_t d = 0; d < width * 16; d++) o[n * 16 + d] = amx_bf16(c[m * 64 + d] * inv[r]);
+                for (int64_t d = 0; d < width * 16; d += 16) store_bf16x16(o + n * 16 + d, c + m * 64 + d, inv[r]);
             }
         }
     }
