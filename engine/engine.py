@@ -67,7 +67,7 @@ class CacheOptions:
         None  # prompt tokens in a step that also decodes (scheduler/config.py)
     )
     enforce_eager: bool = False  # CUDA: no graphs of the decode step (engine/executor/cuda_graphs.py)
-    # several requests reaching an idle engine: its first step waits until none has come for this long
+    # requests reaching an idle engine: its first step waits until none has come for this long
     # (engine/loop.py's _gather_arrivals); 0: it starts on the first it sees
     arrival_window_ms: float = 3.0
 
@@ -120,7 +120,9 @@ class Engine:
         self.attention_backend = self.decode_kernel.name if self.decode_kernel is not None else "sdpa"
         # a row's logits are the same bits whatever else shares its step: matmul kernels with one path per
         # row (LoadedModel.batch_invariant) and attention kernels whose reductions run per query
-        self.batch_invariant = loaded.batch_invariant and getattr(self.decode_kernel, "batch_invariant", False)
+        self.batch_invariant = loaded.batch_invariant and getattr(
+            self.decode_kernel, "batch_invariant", False
+        )
         self.cuda_graphs: CudaGraphDecoder | None = None
         # NOTE: the transformers backend says False: its forward runs eagerly
         graphs = getattr(self.model, "supports_cuda_graphs", True) and not options.enforce_eager

@@ -297,13 +297,15 @@ class EngineLoop:
         return admitted
 
     def _gather_arrivals(self, admitted: int) -> None:
-        """Requests that reach an idle engine together start together: where nothing runs yet and one drain
-        admitted several, the rest of the burst is still on its way (the server admits one request at a
+        """Requests that reach an idle engine together start together: where nothing runs yet and a drain
+        admitted some, the rest of a burst may still be on its way (the server admits one request at a
         time), so wait until none has come for ``arrival_window_s`` (at most ``ARRIVAL_CAP`` windows).
         Otherwise the first step prefills the early ones, the late ones are prefilled beside the early ones'
-        first decode, and each early request's first interval is that whole prefill. A lone request never
-        waits."""
-        if self.arrival_window_s <= 0 or admitted < 2 or self.scheduler.num_running:
+        first decode, and each early request's first interval is that whole prefill. A burst's first
+        request usually reaches the engine alone (the others are still being parsed), so a lone request
+        waits too, one window: a request that nothing follows starts that much later (3 ms by default),
+        where a burst would otherwise prefill one prompt alone and the rest a step later."""
+        if self.arrival_window_s <= 0 or admitted < 1 or self.scheduler.num_running:
             return
         deadline = time.monotonic() + ARRIVAL_CAP * self.arrival_window_s
         while not self.stopping.is_set() and time.monotonic() < deadline:

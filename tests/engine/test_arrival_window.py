@@ -1,7 +1,7 @@
 """Requests that reach an idle engine together start together (``arrival_window_ms``, engine/loop.py's
 ``_gather_arrivals``): a burst whose last requests come a little later is still prefilled in one step,
-while a lone request starts at once. Observed through the manager's step observer: the first step's
-token count says which prompts it prefilled."""
+and a lone request waits one window for company. Observed through the manager's step observer: the first
+step's token count says which prompts it prefilled."""
 
 from __future__ import annotations
 
@@ -64,7 +64,15 @@ def test_without_the_window_the_engine_starts_on_what_it_has(default_model: Load
     assert first == len(PROMPTS[0]) + len(PROMPTS[1])
 
 
-def test_a_lone_request_does_not_wait(default_model: LoadedModel) -> None:
-    """One request at an idle engine starts at once: a second one 0.5 s later, well inside a 2 s window
-    that a burst would wait for, is not in the first step."""
-    assert first_step_tokens(default_model, 2000.0, early=1, late_after_s=0.5) == len(PROMPTS[0])
+def test_a_lone_request_waits_one_window_for_company(default_model: LoadedModel) -> None:
+    """A burst's first request often reaches the idle engine alone: one that comes 20 ms later, inside
+    the window, is prefilled in the same step."""
+    assert first_step_tokens(default_model, 200.0, early=1, late_after_s=0.02) == len(PROMPTS[0]) + len(
+        PROMPTS[1]
+    )
+
+
+def test_a_lone_request_waits_no_longer_than_one_window(default_model: LoadedModel) -> None:
+    """One request at an idle engine that nothing follows within the window starts alone: a second one
+    0.5 s later, past a 0.1 s window, is not in the first step."""
+    assert first_step_tokens(default_model, 100.0, early=1, late_after_s=0.5) == len(PROMPTS[0])
