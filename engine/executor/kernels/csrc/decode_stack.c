@@ -303,7 +303,8 @@ INLINE void paged_attention(const step *st, const cbserve_layer *w) {
     const int64_t q_size = nh * hd, qkv_size = q_size + 2 * nkv * hd;
     const float *q = st->bf16 ? b->queries : (const float *)b->qkv;
     float *a = st->bf16 ? b->attn_out : (float *)b->attn;
-#pragma omp for schedule(dynamic, 1)
+    const int64_t chunk = items_per_chunk(b->tiles, omp_get_num_threads(), nkv);
+#pragma omp for schedule(dynamic, chunk)
     for (int64_t item = 0; item < b->tiles * nkv; item++) {
         const int64_t tile = item / nkv, h = item % nkv;
         const int64_t *rows = b->row_ids + b->tile_starts[tile], n = b->tile_starts[tile + 1] - b->tile_starts[tile];
