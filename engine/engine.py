@@ -120,9 +120,7 @@ class Engine:
         self.attention_backend = self.decode_kernel.name if self.decode_kernel is not None else "sdpa"
         # a row's logits are the same bits whatever else shares its step: matmul kernels with one path per
         # row (LoadedModel.batch_invariant) and attention kernels whose reductions run per query
-        self.batch_invariant = loaded.batch_invariant and getattr(
-            self.decode_kernel, "batch_invariant", False
-        )
+        self.batch_invariant = loaded.batch_invariant and getattr(self.decode_kernel, "batch_invariant", False)
         self.cuda_graphs: CudaGraphDecoder | None = None
         # NOTE: the transformers backend says False: its forward runs eagerly
         graphs = getattr(self.model, "supports_cuda_graphs", True) and not options.enforce_eager
