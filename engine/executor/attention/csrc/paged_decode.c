@@ -107,20 +107,19 @@ static inline vf loadv(const void *cache, int64_t index, int bf16) {
     return f;
 }
 
-/* Ask for the `bytes` at `p` (one K or V page of one head) ahead of their use: a sequence's pages lie
- * anywhere in the cache, so the hardware prefetcher cannot guess the next one. */
-static inline void prefetch_page(const void *cache, int64_t index, int bf16, int64_t elements) {
+/* Ask for the `elements` from `index` on (one K or V page of one head) ahead of their use: a sequence's pages
+ * lie anywhere in the cache, so the hardware prefetcher cannot guess the next one. Into L1, or with `l2`
+ * (a literal at each call) into L2 only: a page the item reads later (its V pages, asked for during the K
+ * pass, so that the value pass finds them near instead of waiting on each in turn). */
+static inline void prefetch_page(const void *cache, int64_t index, int bf16, int64_t elements, const int l2) {
     const char *p = (const char *)cache + index * (bf16 ? 2 : 4);
     const int64_t bytes = elements * (bf16 ? 2 : 4);
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
-}
-
-/* The same into L2 only: a page the item reads later (its V pages, asked for during the K pass, so that
- * the value pass finds them near instead of waiting on each in turn). */
-static inline void prefetch_page_l2(const void *cache, int64_t index, int bf16, int64_t elements) {
-    const char *p = (const char *)cache + index * (bf16 ? 2 : 4);
-    const int64_t bytes = elements * (bf16 ? 2 : 4);
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
+    for (int64_t off = 0; off < bytes; off += 64) {
+        if (l2)
+            __builtin_prefetch(p + off, 0, 2);
+        else
+            __builtin_prefetch(p + off, 0, 3);
+    }
 }
 
 /* s[j] = softcap * tanh(s[j] / softcap) for j in [lo, hi): Gemma 2's soft-capped attention logits. */
@@ -180,7 +179,7 @@ static inline __attribute__((always_inline)) void values_row(
         for (int64_t b = b_first; b < b_end; b++) {
             const int64_t v = table[b] * block_stride + head_offset + d0; /* [block_size, head_dim] */
             if (d0 == 0 && b + 1 < b_end)
-                prefetch_page(v_cache, table[b + 1] * block_stride + head_offset, bf16, page);
+                prefetch_page(v_cache, table[b + 1] * block_stride + head_offset, bf16, page, 0);
             const int64_t j0 = (b - b_first) * block_size;
             const int64_t t0 = lo > j0 ? lo - j0 : 0, t1 = hi - j0 < block_size ? hi - j0 : block_size;
             for (int64_t t = t0; t < t1; t++)
@@ -215,7 +214,7 @@ static inline __attribute__((always_inline)) void values_run(
         for (int64_t b = b_first; b < b_end; b++) {
             const int64_t v = table[b] * block_stride + head_offset + d0; /* [block_size, head_dim] */
             if (d0 == 0 && b + 1 < b_end)
-                prefetch_page(v_cache, table[b + 1] * block_stride + head_offset, bf16, page);
+                prefetch_page(v_cache, table[b + 1] * block_stride + head_offset, bf16, page, 0);
             const int64_t j0 = (b - b_first) * block_size;
             const int64_t t0 = j_lo > j0 ? j_lo - j0 : 0, t1 = j_hi - j0 < block_size ? j_hi - j0 : block_size;
             for (int64_t t = t0; t < t1; t++) {
@@ -261,12 +260,12 @@ static inline __attribute__((always_inline)) void attend(
     /* s[r, g, j]: a VL-key tile at a time; lanes outside a row's [lo, hi) are computed and never read. Two
      * accumulators per head (even and odd dimensions) hide the FMA latency. */
     for (int64_t b = b_first; b < b_end && b < b_first + PREFETCH_PAGES; b++)
-        prefetch_page(k_cache, table[b] * block_stride + head_offset, bf16, page);
+        prefetch_page(k_cache, table[b] * block_stride + head_offset, bf16, page, 0);
     for (int64_t b = b_first; b < b_end; b++) {
         const int64_t k = table[b] * block_stride + head_offset; /* [head_dim, block_size] */
         if (b + PREFETCH_PAGES < b_end)
-            prefetch_page(k_cache, table[b + PREFETCH_PAGES] * block_stride + head_offset, bf16, page);
-        prefetch_page_l2(v_cache, table[b] * block_stride + head_offset, bf16, page);
+            prefetch_page(k_cache, table[b + PREFETCH_PAGES] * block_stride + head_offset, bf16, page, 0);
+        prefetch_page(v_cache, table[b] * block_stride + head_offset, bf16, page, 1);
         for (int64_t t = 0; t < block_size; t += VL) {
             vf even[MAX_GROUP], odd[MAX_GROUP]; /* [rows * group]: row r's head g at r * group + g */
             for (int64_t h = 0; h < rows * group; h++) even[h] = odd[h] = (vf){0};
@@ -285,7 +284,7 @@ static inline __attribute__((always_inline)) void attend(
             }
         }
     }
-    prefetch_page(v_cache, table[b_first] * block_stride + head_offset, bf16, page);
+    prefetch_page(v_cache, table[b_first] * block_stride + head_offset, bf16, page, 0);
 
     /* p[r, g, j] = exp(s[r, g, j] - max) / sum over row r's visible keys */
     float inv_sum[MAX_GROUP];

@@ -273,11 +273,7 @@ int cbserve_paged_prefill_attention(
     const int64_t block_stride = num_kv_heads * head_dim * block_size;
     const int threads = omp_get_max_threads(), amx = q_is_bf16;
     if (amx && !(kv_is_bf16 && cbserve_prefill_amx_takes(head_dim))) return -2;
-#if HAVE_AMX
     const int64_t tile_q = amx ? AMX_TILE : TILE; /* queries per work item */
-#else
-    const int64_t tile_q = TILE;
-#endif
     int64_t items = 0, widest = 0; /* widest: the longest key range of a tile, in padded keys */
     for (int64_t s = 0; s < num_seqs; s++) {
         const int64_t q_len = query_starts[s + 1] - query_starts[s];

@@ -21,6 +21,7 @@
  * Used where the library was built for AMX, the process may use the tiles, head_dim is a multiple of 32 up
  * to AMX_MAX_HEAD_DIM, and q, the output and the cache are bfloat16 (cbserve_paged_prefill_attention). */
 #include "../../kernels/csrc/amx_tiles.h"
+#include "../../kernels/csrc/bf16_round.h"
 #include "../../kernels/csrc/exp16.h"
 
 #define AMX_MAX_HEAD_DIM 256
@@ -65,14 +66,6 @@ static inline uint16_t amx_bf16(float f) {
     memcpy(&u, &f, sizeof u);
     u += 0x7FFFu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
-}
-
-/* dst[t] = amx_bf16(src[t] * scale) for t < 16, on whole registers (the same bits) */
-static inline void store_bf16x16(uint16_t *dst, const float *src, float scale) {
-    __m512i bits = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(src), _mm512_set1_ps(scale)));
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
-    _mm256_storeu_si256((__m256i *)dst, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
 }
 
 /* dst[2t + e] = (e ? r1 : r0)[t] for t < 16: two rows of 16 bfloat16 interleaved (a B tile's row) */
@@ -254,7 +247,10 @@ static void attend_tile_amx(uint16_t *out, const uint16_t *q, int64_t q_stride, 
             for (int64_t m = 0; m < 16 && r0 + m < rows; m++) {
                 const int64_t r = r0 + m;
                 uint16_t *o = out + (i0 + r / group) * num_heads * head_dim + (h * group + r % group) * head_dim;
-                for (int64_t d = 0; d < width * 16; d += 16) store_bf16x16(o + n * 16 + d, c + m * 64 + d, inv[r]);
+                const __m512 scale = _mm512_set1_ps(inv[r]);
+                for (int64_t d = 0; d < width * 16; d += 16) /* amx_bf16(c * inv[r]), 16 at a time */
+                    _mm256_storeu_si256((__m256i *)(o + n * 16 + d),
+                                        to_bf16_x16(_mm512_mul_ps(_mm512_loadu_ps(c + m * 64 + d), scale)));
             }
         }
     }

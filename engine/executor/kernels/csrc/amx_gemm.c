@@ -41,6 +41,7 @@
 #include <string.h>
 
 #include "amx_tiles.h"
+#include "bf16_round.h" /* to_bf16_x16: as to_bf16 below where there are no such vectors */
 #include "kept_buffer.h"
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
 #define VECTOR_ROUNDING 1
@@ -64,16 +65,6 @@ int cbserve_amx_gemm_group_n(void) { return GROUP_N; }
 int cbserve_amx_gemm_tile_k(void) { return TILE_K; }
 
 #if VECTOR_ROUNDING
-/* float32 -> bfloat16 on 16 lanes, rounding to nearest even in the integer steps of torch's conversion (as
- * to_bf16 where there are no such vectors). NOTE: not VCVTNEPS2BF16 (AVX512-BF16), which flushes float32
- * denormals to zero where torch's conversion keeps them as bfloat16 denormals */
-static inline __m256i to_bf16_x16(__m512 f) {
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
-
 /* out[m, n0 + j] = round(c[m * ldc + j] + bias[n0 + j]) for rows [0, M) and outputs j < n <= GROUP_N */
 static void store_rows(uint16_t *out, int64_t ldo, const float *c, int64_t ldc, const uint16_t *bias, int64_t n0,
                        int64_t n, int64_t M) {
