@@ -171,7 +171,9 @@ def _count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         "qwen3",
     ],
 )
-@pytest.mark.parametrize("lengths", [[7], [1, 15, 16, 17, 40, 33, 90, 2]], ids=["one", "eight"])
+@pytest.mark.parametrize(
+    "lengths", [[7], [150], [1, 15, 16, 17, 40, 33, 90, 2]], ids=["one", "one-of-ten-pages", "eight"]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_the_same_bits_as_layer_by_layer(
     kernel: PagedDecodeKernel,
@@ -181,7 +183,9 @@ def test_the_same_bits_as_layer_by_layer(
     dtype: torch.dtype,
 ) -> None:
     """Logits and both caches' K/V are equal bit for bit; the sequences come in unsorted, so the batch is
-    reordered by length and the logits must come back in the caller's order."""
+    reordered by length and the logits must come back in the caller's order. A lone row's attention runs
+    split over the threads (its pages' scores, its heads' softmax, its output lanes) in the stack, whole in
+    the layer-by-layer kernel."""
     stack = _model(cfg, dtype=dtype)
     state = _prefilled(stack.model, kernel, lengths, seed=len(lengths))
     stacked_cache, layered_cache = state["caches"]

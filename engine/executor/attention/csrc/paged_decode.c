@@ -164,21 +164,23 @@ NOIPA float softmax_row(float *s, int64_t lo, int64_t hi, float softcap) {
     return 1.0f / sum;
 }
 
-/* o[g] = sum_j p[g, j] V[j] for one row's `group` query heads over its keys [lo, hi) (scores[g * padded + j]
- * = p[g, j] * sum), in slices of `slice` vectors of head_dim (all of it unless PV_REGS says otherwise; see VL).
+/* o[g][d_lo:d_hi] = sum_j p[g, j] V[j][d_lo:d_hi] for one row's `group` query heads over its keys [lo, hi)
+ * (scores[g * padded + j] = p[g, j] * sum), in slices of `slice` vectors of head_dim (all of the range unless
+ * PV_REGS says otherwise; see VL). Each lane sums over the keys in order, whatever the range and the slice.
  * Inlined, as `attend`. */
 static inline __attribute__((always_inline)) void values_row(
     float *out, const void *v_cache, int bf16, const int64_t *table, int64_t b_first, int64_t b_end, int64_t lo,
     int64_t hi, const int64_t group, const int64_t head_dim, int64_t block_size, int64_t block_stride,
-    int64_t head_offset, const float *scores, int64_t padded, const float *inv_sum) {
-    const int64_t page = head_dim * block_size, slice = value_slice(1, group, head_dim);
-    for (int64_t d0 = 0; d0 < head_dim; d0 += slice * VL) {
+    int64_t head_offset, const float *scores, int64_t padded, const float *inv_sum, int64_t d_lo, int64_t d_hi) {
+    const int64_t page = head_dim * block_size, whole = value_slice(1, group, head_dim);
+    const int64_t slice = whole * VL <= d_hi - d_lo ? whole : (d_hi - d_lo) / VL; /* each lane's sums the same */
+    for (int64_t d0 = d_lo; d0 < d_hi; d0 += slice * VL) {
         vf acc[MAX_GROUP][MAX_HEAD_DIM / VL];
         for (int64_t g = 0; g < group; g++)
             for (int64_t c = 0; c < slice; c++) acc[g][c] = (vf){0};
         for (int64_t b = b_first; b < b_end; b++) {
             const int64_t v = table[b] * block_stride + head_offset + d0; /* [block_size, head_dim] */
-            if (d0 == 0 && b + 1 < b_end)
+            if (d0 == d_lo && b + 1 < b_end)
                 prefetch_page(v_cache, table[b + 1] * block_stride + head_offset, bf16, page, 0);
             const int64_t j0 = (b - b_first) * block_size;
             const int64_t t0 = lo > j0 ? lo - j0 : 0, t1 = hi - j0 < block_size ? hi - j0 : block_size;
@@ -240,28 +242,19 @@ static inline __attribute__((always_inline)) void values_run(
     }
 }
 
-/* One tile (`rows` rows of one verify run, or one decode row) x one KV head. Row r's query heads are at
- * q[r], its output at out[r]; it sees keys first[r] .. seq_len[r] - 1 of the pages in `table`; the rows
- * are in ascending seq_len. Inlined into each call site: where `head_dim`, `group` and `rows` are literals,
- * the loops unroll and the accumulators of the tile's rows x group query heads stay in registers. Each K
- * and V vector is loaded (and widened from bfloat16) once and used by every query head of the tile; each
- * head's sums are those of the row attended alone, over the same keys in the same order. */
-static inline __attribute__((always_inline)) void attend(
-    float *const *out, const float *const *q, const void *k_cache, const void *v_cache, int bf16,
-    const int64_t *table, const int64_t *first, const int64_t *seq_len, const int64_t rows, const int64_t group,
-    const int64_t head_dim, int64_t block_size, int64_t block_stride, int64_t head_offset, float scale,
-    float softcap, float *scores) {
-    const int64_t b_first = first[0] / block_size, b_end = (seq_len[rows - 1] + block_size - 1) / block_size;
-    const int64_t padded = (b_end - b_first) * block_size; /* scores row length per query head */
-    const int64_t page = head_dim * block_size;            /* elements of one head's K (or V) page */
-    int64_t lo[MAX_RUN_ROWS], hi[MAX_RUN_ROWS];                    /* row r's visible keys [lo, hi) in its scores */
-    for (int64_t r = 0; r < rows; r++) lo[r] = first[r] - b_first * block_size, hi[r] = seq_len[r] - b_first * block_size;
-
-    /* s[r, g, j]: a VL-key tile at a time; lanes outside a row's [lo, hi) are computed and never read. Two
-     * accumulators per head (even and odd dimensions) hide the FMA latency. */
-    for (int64_t b = b_first; b < b_end && b < b_first + PREFETCH_PAGES; b++)
+/* s[r, g, j] = scale * <q[r][g], K[j]> for the keys of pages [b_lo, b_hi) of a tile (rows x group query heads;
+ * the tile's scores start at page b_first, `padded` floats per head), a VL-key tile at a time; lanes outside
+ * a row's visible keys are computed and never read. Two accumulators per head (even and odd dimensions) hide
+ * the FMA latency. Each key's scores are the same whatever range of pages computes them. K pages are asked
+ * for PREFETCH_PAGES ahead, each V page into L2 meanwhile. Inlined, as `attend`. */
+static inline __attribute__((always_inline)) void score_pages(
+    float *scores, const float *const *q, const void *k_cache, const void *v_cache, int bf16, const int64_t *table,
+    int64_t b_first, int64_t b_lo, int64_t b_hi, const int64_t rows, const int64_t group, const int64_t head_dim,
+    int64_t block_size, int64_t block_stride, int64_t head_offset, float scale, int64_t padded) {
+    const int64_t page = head_dim * block_size, b_end = b_hi;
+    for (int64_t b = b_lo; b < b_end && b < b_lo + PREFETCH_PAGES; b++)
         prefetch_page(k_cache, table[b] * block_stride + head_offset, bf16, page, 0);
-    for (int64_t b = b_first; b < b_end; b++) {
+    for (int64_t b = b_lo; b < b_end; b++) {
         const int64_t k = table[b] * block_stride + head_offset; /* [head_dim, block_size] */
         if (b + PREFETCH_PAGES < b_end)
             prefetch_page(k_cache, table[b + PREFETCH_PAGES] * block_stride + head_offset, bf16, page, 0);
@@ -284,6 +277,27 @@ static inline __attribute__((always_inline)) void attend(
             }
         }
     }
+}
+
+/* One tile (`rows` rows of one verify run, or one decode row) x one KV head. Row r's query heads are at
+ * q[r], its output at out[r]; it sees keys first[r] .. seq_len[r] - 1 of the pages in `table`; the rows
+ * are in ascending seq_len. Inlined into each call site: where `head_dim`, `group` and `rows` are literals,
+ * the loops unroll and the accumulators of the tile's rows x group query heads stay in registers. Each K
+ * and V vector is loaded (and widened from bfloat16) once and used by every query head of the tile; each
+ * head's sums are those of the row attended alone, over the same keys in the same order. */
+static inline __attribute__((always_inline)) void attend(
+    float *const *out, const float *const *q, const void *k_cache, const void *v_cache, int bf16,
+    const int64_t *table, const int64_t *first, const int64_t *seq_len, const int64_t rows, const int64_t group,
+    const int64_t head_dim, int64_t block_size, int64_t block_stride, int64_t head_offset, float scale,
+    float softcap, float *scores) {
+    const int64_t b_first = first[0] / block_size, b_end = (seq_len[rows - 1] + block_size - 1) / block_size;
+    const int64_t padded = (b_end - b_first) * block_size; /* scores row length per query head */
+    const int64_t page = head_dim * block_size;            /* elements of one head's K (or V) page */
+    int64_t lo[MAX_RUN_ROWS], hi[MAX_RUN_ROWS];                    /* row r's visible keys [lo, hi) in its scores */
+    for (int64_t r = 0; r < rows; r++) lo[r] = first[r] - b_first * block_size, hi[r] = seq_len[r] - b_first * block_size;
+
+    score_pages(scores, q, k_cache, v_cache, bf16, table, b_first, b_first, b_end, rows, group, head_dim, block_size,
+                block_stride, head_offset, scale, padded);
     prefetch_page(v_cache, table[b_first] * block_stride + head_offset, bf16, page, 0);
 
     /* p[r, g, j] = exp(s[r, g, j] - max) / sum over row r's visible keys */
@@ -296,7 +310,7 @@ static inline __attribute__((always_inline)) void attend(
      * NaN, so a key past a row's end never enters its sums, not even times 0) */
     if (rows == 1)
         values_row(out[0], v_cache, bf16, table, b_first, b_end, lo[0], hi[0], group, head_dim, block_size,
-                   block_stride, head_offset, scores, padded, inv_sum);
+                   block_stride, head_offset, scores, padded, inv_sum, 0, head_dim);
     else
         values_run(out, v_cache, bf16, table, b_first, b_end, lo, hi, rows, group, head_dim, block_size,
                    block_stride, head_offset, scores, padded, inv_sum);
@@ -365,6 +379,98 @@ NOIPA void attend_item(float *out, const float *q, int64_t q_seq_stride, const v
 #undef ATTEND_ROWS
 #undef ATTEND
 }
+
+/* ---- a lone row's items split over the threads ----
+ *
+ * A step of one row has a work item per KV head (3 for SmolLM2), so on 2 threads one thread attends two
+ * while the other waits (a 2,048-token context: the step ~2.8 ms longer than a balanced split). Where a step
+ * has fewer items than two per thread and every tile is one row, the decode stack (decode_stack.c's
+ * paged_attention_split) splits each item in three passes, each ending in a barrier:
+ *   score_item_part   the scores of one part of the item's pages (parts of near-equal size)
+ *   softmax_item_head softmax_row of one query head; 1 / sum stored after the item's scores
+ *   values_item_part  the output lanes [d_lo, d_hi) of the item's heads
+ * Each key's scores, each head's softmax and each lane's sums are attend_item's computations in the same
+ * order, so a row's output is the same bits split or not (tests/model/test_decode_stack.py). An item's
+ * scratch is split_scores_size floats. */
+
+/* Floats of one split item's scratch: its heads' scores, then their 1 / sum. */
+static int64_t split_scores_size(int64_t group, int64_t seq_len, int64_t block_size) {
+    return scores_size(1, group, seq_len, block_size) + group;
+}
+
+/* Row s's keys as attend sees them: pages [b_first, b_end), visible keys [lo, hi) of its scores, `padded`
+ * scores per query head. */
+typedef struct {
+    int64_t b_first, b_end, lo, hi, padded;
+} row_keys;
+
+static row_keys keys_of(const int64_t *seq_lens, int64_t s, int64_t sliding_window, int64_t block_size) {
+    const int64_t len = seq_lens[s], first = sliding_window > 0 && len > sliding_window ? len - sliding_window : 0;
+    row_keys k = {first / block_size, (len + block_size - 1) / block_size, 0, 0, 0};
+    k.lo = first - k.b_first * block_size, k.hi = len - k.b_first * block_size;
+    k.padded = (k.b_end - k.b_first) * block_size;
+    return k;
+}
+
+/* CALL(GROUP, HEAD_DIM) with literals where the group and head_dim have their own unrolled copies */
+#define LITERAL_SHAPES(CALL)                                                                          \
+    if (head_dim == 64 && group == 1) CALL(1, 64);                                                    \
+    else if (head_dim == 64 && group == 2) CALL(2, 64);                                               \
+    else if (head_dim == 64 && group == 3) CALL(3, 64);                                               \
+    else if (head_dim == 64 && group == 4) CALL(4, 64);                                               \
+    else if (head_dim == 64 && group == 8) CALL(8, 64);                                               \
+    else if (head_dim == 128 && group == 1) CALL(1, 128);                                             \
+    else if (head_dim == 128 && group == 2) CALL(2, 128);                                             \
+    else if (head_dim == 128 && group == 4) CALL(4, 128);                                             \
+    else if (head_dim == 128 && group == 8) CALL(8, 128);                                             \
+    else CALL(group, head_dim)
+
+/* The scores of part `part` of `parts` of the pages of item (row s, KV head h). */
+NOIPA void score_item_part(float *scores, const float *q, int64_t q_seq_stride, const void *k_cache,
+                            const void *v_cache, int bf16, const int64_t *block_tables, int64_t table_stride,
+                            const int64_t *seq_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                            int64_t block_size, float scale, int64_t sliding_window, int64_t s, int64_t h,
+                            int64_t part, int64_t parts) {
+    const int64_t group = num_heads / num_kv_heads, head_stride = head_dim * block_size;
+    const int64_t block_stride = num_kv_heads * head_stride;
+    const row_keys k = keys_of(seq_lens, s, sliding_window, block_size);
+    const int64_t pages = k.b_end - k.b_first;
+    const int64_t b_lo = k.b_first + pages * part / parts, b_hi = k.b_first + pages * (part + 1) / parts;
+    const float *qs[1] = {q + s * q_seq_stride + h * group * head_dim};
+    const int64_t *table = block_tables + s * table_stride;
+#define SCORE(GROUP, HEAD_DIM)                                                                         \
+    score_pages(scores, qs, k_cache, v_cache, bf16, table, k.b_first, b_lo, b_hi, 1, GROUP, HEAD_DIM, block_size, \
+                block_stride, h * head_stride, scale, k.padded)
+    LITERAL_SHAPES(SCORE);
+#undef SCORE
+}
+
+/* Query head g's softmax over its scores (after score_item_part of every part); its 1 / sum after the
+ * item's scores. */
+NOIPA void softmax_item_head(float *scores, const int64_t *seq_lens, int64_t group, int64_t block_size,
+                              int64_t sliding_window, float softcap, int64_t s, int64_t g) {
+    const row_keys k = keys_of(seq_lens, s, sliding_window, block_size);
+    scores[group * k.padded + g] = softmax_row(scores + g * k.padded, k.lo, k.hi, softcap);
+}
+
+/* The output lanes [d_lo, d_hi) of item (row s, KV head h)'s query heads (after softmax_item_head of every
+ * head): out as attend_item's. */
+NOIPA void values_item_part(float *out, const void *v_cache, int bf16, const int64_t *block_tables,
+                             int64_t table_stride, const int64_t *seq_lens, int64_t num_heads, int64_t num_kv_heads,
+                             int64_t head_dim, int64_t block_size, int64_t sliding_window, int64_t s, int64_t h,
+                             int64_t d_lo, int64_t d_hi, const float *scores) {
+    const int64_t group = num_heads / num_kv_heads, head_stride = head_dim * block_size;
+    const int64_t block_stride = num_kv_heads * head_stride;
+    const row_keys k = keys_of(seq_lens, s, sliding_window, block_size);
+    float *o = out + (s * num_heads + h * group) * head_dim;
+    const int64_t *table = block_tables + s * table_stride;
+#define VALUES(GROUP, HEAD_DIM)                                                                        \
+    values_row(o, v_cache, bf16, table, k.b_first, k.b_end, k.lo, k.hi, GROUP, HEAD_DIM, block_size, block_stride, \
+               h * head_stride, scores, k.padded, scores + GROUP * k.padded, d_lo, d_hi)
+    LITERAL_SHAPES(VALUES);
+#undef VALUES
+}
+#undef LITERAL_SHAPES
 
 /* Whether row s can follow row `last` in the verify run that row `head` began: the next position, and the
  * same pages (the same block table entries for every page s reads; compared from its last page, where

@@ -127,6 +127,7 @@ typedef struct {
     float *scores;     /* scores_per_thread per thread */
     const int64_t *row_ids, *tile_starts; /* the attention's tiles (paged_decode.c's plan_tiles) */
     int64_t tiles;
+    int64_t split_item;  /* > 0: the attention runs split (paged_attention_split), an item's scratch floats */
     char *amx_scratches; /* amx_scratch bytes per thread */
     int64_t scores_per_thread;
     size_t amx_scratch;
@@ -267,6 +268,13 @@ INLINE void norm_output(const step *st, const void *weight) {
     for (int64_t r = 0; r < st->rows; r++) norm(st, ROW(y, r, H), NULL, ROW(y, r, H), weight, H, st->m->eps);
 }
 
+/* Whether a step's attention runs split (paged_decode.c's score_item_part...): every tile one row, and fewer
+ * work items (tile, KV head) than two per thread -- one row's three items on two threads otherwise leave one
+ * thread a second item while the other waits. */
+static int split_attention(int64_t tiles, int64_t num_seqs, int64_t num_kv_heads, int threads) {
+    return tiles == num_seqs && tiles * num_kv_heads < 2 * threads;
+}
+
 /* Row by row: q and k normed per head (Qwen3, Gemma 3), then rotated to the token's position (the layer's
  * table; not in a NoPE layer); k and v stored in the token's slot; in bfloat16 the queries widened to
  * float32, as the layer-by-layer path hands them to the attention. */
@@ -323,6 +331,44 @@ INLINE void prefetch_kv_slots(const step *st, const cbserve_layer *w) {
 /* attn = attention(q, the pages) (paged_decode.c): one item per (tile, KV head), a tile one row or rows of
  * one verify run, in the layer's window, the scores soft-capped where the model caps them; in bfloat16 the
  * float32 output is rounded for o. */
+/* paged_attention for a step that split_attention says runs split: the items' scores by parts of their pages,
+ * their heads' softmax, their outputs by slices of head_dim (64 bytes of each V row) -- each pass over all
+ * the threads, the same bits as paged_attention's (paged_decode.c). The items' scratch is the threads'
+ * scores buffers, one after another. */
+INLINE void paged_attention_split(const step *st, const cbserve_layer *w) {
+    const cbserve_model *m = st->m;
+    const buffers *b = st->b;
+    const int64_t nh = m->num_heads, nkv = m->num_kv_heads, hd = m->head_dim, group = nh / nkv, bs = m->block_size;
+    const int64_t q_size = nh * hd, items = b->tiles * nkv, parts = omp_get_num_threads();
+    const int64_t lanes = hd % (64 / st->es) == 0 ? 64 / st->es : LANES, slices = hd / lanes;
+    const float *q = st->bf16 ? b->queries : (const float *)b->qkv;
+    float *a = st->bf16 ? b->attn_out : (float *)b->attn;
+#define ITEM_ROW(item) (b->row_ids[(item) / nkv])
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < items * parts; u++)
+        score_item_part(b->scores + u / parts * b->split_item, q, st->bf16 ? q_size : q_size + 2 * nkv * hd,
+                        w->k_cache, w->v_cache, st->bf16, st->in->block_tables, st->in->table_stride,
+                        st->in->seq_lens, nh, nkv, hd, bs, m->scale, w->sliding_window, ITEM_ROW(u / parts),
+                        u / parts % nkv, u % parts, parts);
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < items * group; u++)
+        softmax_item_head(b->scores + u / group * b->split_item, st->in->seq_lens, group, bs, w->sliding_window,
+                          m->softcap, ITEM_ROW(u / group), u % group);
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < items * slices; u++) {
+        const int64_t item = u / slices, s = ITEM_ROW(item), h = item % nkv, d_lo = u % slices * lanes;
+        values_item_part(a, w->v_cache, st->bf16, st->in->block_tables, st->in->table_stride, st->in->seq_lens,
+                         nh, nkv, hd, bs, w->sliding_window, s, h, d_lo, d_lo + lanes,
+                         b->scores + item * b->split_item);
+        if (st->bf16) /* this slice of the item's heads rounded to bfloat16 for o */
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t first = s * q_size + (h * group + g) * hd + d_lo;
+                for (int64_t i = first; i < first + lanes; i++) store(b->attn, i, b->attn_out[i], 1);
+            }
+    }
+#undef ITEM_ROW
+}
+
 INLINE void paged_attention(const step *st, const cbserve_layer *w) {
     const cbserve_model *m = st->m;
     const buffers *b = st->b;
@@ -353,7 +399,7 @@ INLINE void self_attention(const step *st, const cbserve_layer *w) {
     const int64_t qkv_size = q_size + 2 * st->m->num_kv_heads * st->m->head_dim;
     project(st, b->qkv, b->normed, w->qkv, w->qkv_q, w->qkv_q_offsets, w->qkv_bias, qkv_size, H);
     rotate_and_store_kv(st, w);
-    paged_attention(st, w);
+    b->split_item ? paged_attention_split(st, w) : paged_attention(st, w);
     project(st, b->y, b->attn, w->o, w->o_q, w->o_q_offsets, w->o_bias, H, q_size);
     norm_output(st, w->post_attn_norm);
 }
@@ -404,12 +450,19 @@ int cbserve_decode_stack(const cbserve_model *m, const cbserve_layer *layers,
     const int64_t tiles = plan_tiles(block_tables, table_stride, seq_lens, num_seqs, m->block_size, group,
                                      min_tiles(threads, m->num_kv_heads), plan);
     buffers b;
-    if (!allocate(&b, m, num_seqs, plan_scores_size(plan, tiles, num_seqs, seq_lens, group, m->block_size),
-                  threads)) {
+    int64_t scores = plan_scores_size(plan, tiles, num_seqs, seq_lens, group, m->block_size), split_item = 0;
+    if (split_attention(tiles, num_seqs, m->num_kv_heads, threads)) { /* the items' scratch, one after another */
+        int64_t longest = 0;
+        for (int64_t s = 0; s < num_seqs; s++) longest = seq_lens[s] > longest ? seq_lens[s] : longest;
+        split_item = split_scores_size(group, longest, m->block_size);
+        const int64_t per_thread = (tiles * m->num_kv_heads * split_item + threads - 1) / threads;
+        scores = per_thread > scores ? per_thread : scores;
+    }
+    if (!allocate(&b, m, num_seqs, scores, threads)) {
         free(plan);
         return -1;
     }
-    b.row_ids = plan, b.tile_starts = plan + num_seqs, b.tiles = tiles;
+    b.row_ids = plan, b.tile_starts = plan + num_seqs, b.tiles = tiles, b.split_item = split_item;
     const int bf16 = m->bf16 != 0;
 
 #pragma omp parallel num_threads(threads)
