@@ -3,7 +3,8 @@
  *
  * Work item = (row, KV head); the `group` query heads that share the KV head are computed together, so
  * each key and value vector is loaded (and widened from bfloat16) once per step and used by every head of
- * the group (GQA without repeating K/V), and K pages are prefetched two ahead (each V page into L2 meanwhile):
+ * the group (GQA without repeating K/V), and K pages are prefetched ahead (eight into L2, two into L1; each V
+ * page into L2 meanwhile):
  *
  *   s[g, j] = scale * <q[g], K[j]>        for the visible keys j of the sequence
  *   s[g, j] = softcap * tanh(s[g, j] / softcap)   where the model soft-caps its attention logits (Gemma 2)
