@@ -334,6 +334,30 @@ static int64_t scores_size(int64_t rows, int64_t group, int64_t seq_len, int64_t
     return rows * group * (seq_len + 2 * block_size);
 }
 
+/* CALL(GROUP, HEAD_DIM) with literals where the group and head_dim have their own unrolled copies (groups 1,
+ * 2, 3, 4 and 8 at head_dim 64 and 128), else GENERIC */
+#define LITERAL_GROUPS(CALL, GENERIC, HEAD_DIM)                                                       \
+    switch (group) {                                                                                  \
+    case 1: CALL(1, HEAD_DIM); break;                                                                 \
+    case 2: CALL(2, HEAD_DIM); break;                                                                 \
+    case 3: CALL(3, HEAD_DIM); break;                                                                 \
+    case 4: CALL(4, HEAD_DIM); break;                                                                 \
+    case 8: CALL(8, HEAD_DIM); break;                                                                 \
+    default: GENERIC;                                                                                 \
+    }
+#define LITERAL_SHAPES(CALL, GENERIC)                                                                 \
+    if (head_dim == 64)                                                                               \
+        LITERAL_GROUPS(CALL, GENERIC, 64)                                                             \
+    else if (head_dim == 128)                                                                         \
+        LITERAL_GROUPS(CALL, GENERIC, 128)                                                            \
+    else                                                                                              \
+        GENERIC
+
+/* The first key a row of KV length `len` sees: all of them, or the last `sliding_window` (> 0). */
+static inline int64_t first_key(int64_t len, int64_t sliding_window) {
+    return sliding_window > 0 && len > sliding_window ? len - sliding_window : 0;
+}
+
 /* Work item (tile, h): the `group` query heads that share KV head h of each of the tile's `rows` rows,
  * row_ids[0 .. rows) (one verify run's, in ascending seq_len; or one row), over the pages of the last row's
  * block table (plan_tiles made sure that every row's pages are the same entries there). `scores`: at least
@@ -351,7 +375,7 @@ NOIPA void attend_item(float *out, const float *q, int64_t q_seq_stride, const v
     for (int64_t r = 0; r < rows; r++) {
         const int64_t s = row_ids[r];
         lens[r] = seq_lens[s];
-        first[r] = sliding_window > 0 && lens[r] > sliding_window ? lens[r] - sliding_window : 0;
+        first[r] = first_key(lens[r], sliding_window);
         qs[r] = q + s * q_seq_stride + h * group * head_dim;
         os[r] = out + (s * num_heads + h * group) * head_dim;
     }
@@ -367,22 +391,7 @@ NOIPA void attend_item(float *out, const float *q, int64_t q_seq_stride, const v
     case 3: if (RUN_ROWS(GROUP) >= 3) ATTEND(3, GROUP, HEAD_DIM); break;                             \
     default: if (RUN_ROWS(GROUP) >= 4) ATTEND(4, GROUP, HEAD_DIM); break;                            \
     }
-#define ATTEND_GROUPS(HEAD_DIM)                                                                       \
-    switch (group) {                                                                                  \
-    case 1: ATTEND_ROWS(1, HEAD_DIM); break;                                                          \
-    case 2: ATTEND_ROWS(2, HEAD_DIM); break;                                                          \
-    case 3: ATTEND_ROWS(3, HEAD_DIM); break;                                                          \
-    case 4: ATTEND_ROWS(4, HEAD_DIM); break;                                                          \
-    case 8: ATTEND_ROWS(8, HEAD_DIM); break;                                                          \
-    default: ATTEND(rows, group, HEAD_DIM);                                                           \
-    }
-    if (head_dim == 64)
-        ATTEND_GROUPS(64)
-    else if (head_dim == 128)
-        ATTEND_GROUPS(128)
-    else
-        ATTEND(rows, group, head_dim);
-#undef ATTEND_GROUPS
+    LITERAL_SHAPES(ATTEND_ROWS, ATTEND(rows, group, head_dim));
 #undef ATTEND_ROWS
 #undef ATTEND
 }
@@ -412,25 +421,12 @@ typedef struct {
 } row_keys;
 
 static row_keys keys_of(const int64_t *seq_lens, int64_t s, int64_t sliding_window, int64_t block_size) {
-    const int64_t len = seq_lens[s], first = sliding_window > 0 && len > sliding_window ? len - sliding_window : 0;
+    const int64_t len = seq_lens[s], first = first_key(len, sliding_window);
     row_keys k = {first / block_size, (len + block_size - 1) / block_size, 0, 0, 0};
     k.lo = first - k.b_first * block_size, k.hi = len - k.b_first * block_size;
     k.padded = (k.b_end - k.b_first) * block_size;
     return k;
 }
-
-/* CALL(GROUP, HEAD_DIM) with literals where the group and head_dim have their own unrolled copies */
-#define LITERAL_SHAPES(CALL)                                                                          \
-    if (head_dim == 64 && group == 1) CALL(1, 64);                                                    \
-    else if (head_dim == 64 && group == 2) CALL(2, 64);                                               \
-    else if (head_dim == 64 && group == 3) CALL(3, 64);                                               \
-    else if (head_dim == 64 && group == 4) CALL(4, 64);                                               \
-    else if (head_dim == 64 && group == 8) CALL(8, 64);                                               \
-    else if (head_dim == 128 && group == 1) CALL(1, 128);                                             \
-    else if (head_dim == 128 && group == 2) CALL(2, 128);                                             \
-    else if (head_dim == 128 && group == 4) CALL(4, 128);                                             \
-    else if (head_dim == 128 && group == 8) CALL(8, 128);                                             \
-    else CALL(group, head_dim)
 
 /* The scores of part `part` of `parts` of the pages of item (row s, KV head h). */
 NOIPA void score_item_part(float *scores, const float *q, int64_t q_seq_stride, const void *k_cache,
@@ -448,7 +444,7 @@ NOIPA void score_item_part(float *scores, const float *q, int64_t q_seq_stride, 
 #define SCORE(GROUP, HEAD_DIM)                                                                         \
     score_pages(scores, qs, k_cache, v_cache, bf16, table, k.b_first, b_lo, b_hi, 1, GROUP, HEAD_DIM, block_size, \
                 block_stride, h * head_stride, scale, k.padded)
-    LITERAL_SHAPES(SCORE);
+    LITERAL_SHAPES(SCORE, SCORE(group, head_dim));
 #undef SCORE
 }
 
@@ -474,10 +470,11 @@ NOIPA void values_item_part(float *out, const void *v_cache, int bf16, const int
 #define VALUES(GROUP, HEAD_DIM)                                                                        \
     values_row(o, v_cache, bf16, table, k.b_first, k.b_end, k.lo, k.hi, GROUP, HEAD_DIM, block_size, block_stride, \
                h * head_stride, scores, k.padded, scores + GROUP * k.padded, d_lo, d_hi)
-    LITERAL_SHAPES(VALUES);
+    LITERAL_SHAPES(VALUES, VALUES(group, head_dim));
 #undef VALUES
 }
 #undef LITERAL_SHAPES
+#undef LITERAL_GROUPS
 
 /* Whether row s can follow row `last` in the verify run that row `head` began: the next position, and the
  * same pages (the same block table entries for every page s reads; compared from its last page, where

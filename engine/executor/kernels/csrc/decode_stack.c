@@ -328,9 +328,34 @@ INLINE void prefetch_kv_slots(const step *st, const cbserve_layer *w) {
     }
 }
 
+/* bfloat16: the attention's float32 outputs [first, first + count) rounded into o's input */
+INLINE void round_for_o(const step *st, int64_t first, int64_t count) {
+    for (int64_t i = first; i < first + count; i++) store(st->b->attn, i, st->b->attn_out[i], 1);
+}
+
 /* attn = attention(q, the pages) (paged_decode.c): one item per (tile, KV head), a tile one row or rows of
  * one verify run, in the layer's window, the scores soft-capped where the model caps them; in bfloat16 the
  * float32 output is rounded for o. */
+INLINE void paged_attention(const step *st, const cbserve_layer *w) {
+    const cbserve_model *m = st->m;
+    const buffers *b = st->b;
+    const int64_t nh = m->num_heads, nkv = m->num_kv_heads, hd = m->head_dim, group = nh / nkv;
+    const int64_t q_size = nh * hd, qkv_size = q_size + 2 * nkv * hd;
+    const float *q = st->bf16 ? b->queries : (const float *)b->qkv;
+    float *a = st->bf16 ? b->attn_out : (float *)b->attn;
+    const int64_t chunk = items_per_chunk(b->tiles, omp_get_num_threads(), nkv);
+#pragma omp for schedule(dynamic, chunk)
+    for (int64_t item = 0; item < b->tiles * nkv; item++) {
+        const int64_t tile = item / nkv, h = item % nkv;
+        const int64_t *rows = b->row_ids + b->tile_starts[tile], n = b->tile_starts[tile + 1] - b->tile_starts[tile];
+        attend_item(a, q, st->bf16 ? q_size : qkv_size, w->k_cache, w->v_cache, st->bf16, st->in->block_tables,
+                    st->in->table_stride, st->in->seq_lens, nh, nkv, hd, m->block_size, m->scale, w->sliding_window,
+                    m->softcap, rows, n, h, st->scores);
+        if (st->bf16) /* this item's heads rounded to bfloat16 for o */
+            for (int64_t r = 0; r < n; r++) round_for_o(st, rows[r] * q_size + h * group * hd, group * hd);
+    }
+}
+
 /* paged_attention for a step that split_attention says runs split: the items' scores by parts of their pages,
  * their heads' softmax, their outputs by slices of head_dim (64 bytes of each V row) -- each pass over all
  * the threads, the same bits as paged_attention's (paged_decode.c). The items' scratch is the threads'
@@ -361,35 +386,9 @@ INLINE void paged_attention_split(const step *st, const cbserve_layer *w) {
                          nh, nkv, hd, bs, w->sliding_window, s, h, d_lo, d_lo + lanes,
                          b->scores + item * b->split_item);
         if (st->bf16) /* this slice of the item's heads rounded to bfloat16 for o */
-            for (int64_t g = 0; g < group; g++) {
-                const int64_t first = s * q_size + (h * group + g) * hd + d_lo;
-                for (int64_t i = first; i < first + lanes; i++) store(b->attn, i, b->attn_out[i], 1);
-            }
+            for (int64_t g = 0; g < group; g++) round_for_o(st, s * q_size + (h * group + g) * hd + d_lo, lanes);
     }
 #undef ITEM_ROW
-}
-
-INLINE void paged_attention(const step *st, const cbserve_layer *w) {
-    const cbserve_model *m = st->m;
-    const buffers *b = st->b;
-    const int64_t nh = m->num_heads, nkv = m->num_kv_heads, hd = m->head_dim, group = nh / nkv;
-    const int64_t q_size = nh * hd, qkv_size = q_size + 2 * nkv * hd;
-    const float *q = st->bf16 ? b->queries : (const float *)b->qkv;
-    float *a = st->bf16 ? b->attn_out : (float *)b->attn;
-    const int64_t chunk = items_per_chunk(b->tiles, omp_get_num_threads(), nkv);
-#pragma omp for schedule(dynamic, chunk)
-    for (int64_t item = 0; item < b->tiles * nkv; item++) {
-        const int64_t tile = item / nkv, h = item % nkv;
-        const int64_t *rows = b->row_ids + b->tile_starts[tile], n = b->tile_starts[tile + 1] - b->tile_starts[tile];
-        attend_item(a, q, st->bf16 ? q_size : qkv_size, w->k_cache, w->v_cache, st->bf16, st->in->block_tables,
-                    st->in->table_stride, st->in->seq_lens, nh, nkv, hd, m->block_size, m->scale, w->sliding_window,
-                    m->softcap, rows, n, h, st->scores);
-        if (st->bf16) /* this item's heads rounded to bfloat16 for o */
-            for (int64_t r = 0; r < n; r++) {
-                const int64_t first = rows[r] * q_size + h * group * hd;
-                for (int64_t i = first; i < first + group * hd; i++) store(b->attn, i, b->attn_out[i], 1);
-            }
-    }
 }
 
 /* y = o(attention(q, k, v)), q, k, v = qkv(normed): llama.py's Attention (Gemma: y normed after o) */
