@@ -85,7 +85,7 @@ class ContinuousBatchingManager:
         else:
             draft_proposer = None
         self.loop = EngineLoop(
-            scheduler, executor, sampler, Speculator(disable_by, early_exit, draft_proposer)
+            scheduler, executor, sampler, Speculator(disable_by, early_exit, draft_proposer, tokenizer)
         )
         if speculative_config is not None:
             self._check_speculation(

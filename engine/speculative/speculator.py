@@ -12,11 +12,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.generation.speculation import MAX_SPECULATIVE_TOKENS, DraftLength, Speculation
 from engine.speculative.config import DEFAULT_DISABLE_BY_BATCH_SIZE
 from engine.speculative.early_exit import EarlyExitProposer
-from engine.speculative.ngram import NgramIndex
+from engine.speculative.ngram import NgramIndex, word_start_ids
 from scheduler.request import Request
 
 logger = logging.getLogger(__name__)
@@ -52,10 +53,13 @@ class Speculator:
         disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE,
         early_exit: EarlyExitProposer | None = None,
         draft_model: EarlyExitProposer | None = None,
+        tokenizer: Any = None,
     ) -> None:
         self.disable_by_batch_size = disable_by_batch_size
         self.early_exit = early_exit  # None: the model cannot draft with its first layers
         self.draft_model = draft_model  # None: no draft model is loaded
+        self.tokenizer = tokenizer  # None: prompt lookup resumes a copy at the next token, not the next word
+        self._word_starts: frozenset[int] | None = None  # the tokenizer's, made for the first n-gram index
         self.stats = SpecDecodeStats()
         # NOTE: by request (its identity: a client may use a request id again), the running ones only: a
         # request that stops running (finished, cancelled, preempted) drops its index, and builds it anew
@@ -114,8 +118,10 @@ class Speculator:
         """The request's n-gram index, brought up to its tokens (built at its first proposal)."""
         index = self._ngram_indexes.get(req)
         if index is None:
+            if self._word_starts is None and self.tokenizer is not None:
+                self._word_starts = word_start_ids(self.tokenizer)
             index = self._ngram_indexes[req] = NgramIndex(
-                speculation.prompt_lookup_min, speculation.prompt_lookup_max
+                speculation.prompt_lookup_min, speculation.prompt_lookup_max, self._word_starts
             )
         index.update(req.prompt_ids, req.output_ids)
         return index

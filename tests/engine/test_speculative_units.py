@@ -8,6 +8,7 @@ import math
 import queue
 import random
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from engine.output_processor import OutputProcessor, StepTokens
 from engine.request_handle import SyncSink
 from engine.sequence_group import Sequence, SequenceGroup
 from engine.speculative.config import SpeculativeConfig, speculation_for
-from engine.speculative.ngram import NgramIndex
+from engine.speculative.ngram import NgramIndex, word_start_ids
 from engine.speculative.speculator import SpecDecodeStats, Speculator
 from engine.speculative.verifier import VerifyRun, num_accepted, verify_drafts
 from scheduler.request import Request
@@ -32,31 +33,73 @@ def propose_ngram(token_ids: list[int], min_n: int, max_n: int, num_tokens: int)
     return index.propose(num_tokens)
 
 
-def latest_longest_match(token_ids: list[int], min_n: int, max_n: int, num_tokens: int) -> list[int]:
-    """The rule, by its definition: a search of the whole sequence."""
-    length = len(token_ids)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        starts = [s for s in range(length - n) if token_ids[s : s + n] == token_ids[length - n :]]
-        if starts and num_tokens > 0:
-            start = starts[-1] + n
-            return [token_ids[start + i % (length - start)] for i in range(num_tokens)]
-    return []
+class SearchedCopy:
+    """The rule, by its definition: a search of the whole sequence at every proposal, and the copy cursor
+    walked along the output's new tokens from where the last drafts were copied."""
+
+    def __init__(self, min_n: int, max_n: int, word_starts: set[int] | None = None) -> None:
+        self.min_n, self.max_n, self.word_starts = min_n, max_n, word_starts
+        self.ids: list[int] = []
+        self.cursor: int | None = None
+        self.source: int | None = None
+
+    def grow(self, new_ids: list[int]) -> None:
+        source = self.source if self.source is not None else self.cursor
+        self.source = None
+        first_new = len(self.ids)
+        self.ids += new_ids
+        if source is None:
+            return
+        for position in range(first_new, len(self.ids)):
+            if source < position and self.ids[source] == self.ids[position]:
+                source += 1
+            else:
+                break
+        self.cursor = source
+
+    def propose(self, num_tokens: int) -> list[int]:
+        ids, length = self.ids, len(self.ids)
+        if num_tokens < 1:
+            return []
+        start = None
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            continuations = [s + n for s in range(length - n) if ids[s : s + n] == ids[length - n :]]
+            if continuations:
+                near = [c for c in continuations if self.cursor is not None and 0 <= c - self.cursor <= 64]
+                start = near[0] if near else continuations[-1]
+                break
+        if start is None and self.cursor is not None:
+            words = [
+                p
+                for p in range(self.cursor + 1, length)
+                if self.word_starts is None or ids[p] in self.word_starts
+            ]
+            start = words[0] if words else None
+        if start is None:
+            return []
+        self.source = start
+        return [ids[start + i % (length - start)] for i in range(num_tokens)]
 
 
 def test_ngram_index_kept_as_the_sequence_grows_proposes_what_a_search_finds() -> None:
     rng = random.Random(3)
-    for trial in range(200):
+    for trial in range(300):
         vocab = rng.randint(2, 6)
         prompt = [rng.randrange(vocab) for _ in range(rng.randint(0, 12))]
         output: list[int] = []
         min_n = rng.randint(1, 3)
-        index = NgramIndex(min_n, rng.randint(min_n, 4))
-        for _ in range(rng.randint(1, 8)):  # steps: a few tokens accepted at each
-            output += [rng.randrange(vocab) for _ in range(rng.randint(0, 4))]
-            index.update(prompt, output)
+        words = {t for t in range(vocab) if rng.random() < 0.5} if rng.random() < 0.5 else None
+        index = NgramIndex(min_n, rng.randint(min_n, 4), words)
+        reference = SearchedCopy(index.min_n, index.max_n, words)
+        reference.grow(prompt)
+        for _ in range(rng.randint(1, 10)):  # steps: the drafts' accepted prefix, then the target's token
             k = rng.randint(0, 6)
-            expected = latest_longest_match(prompt + output, index.min_n, index.max_n, k)
-            assert index.propose(k) == expected, (trial, prompt, output)
+            index.update(prompt, output)
+            drafts = index.propose(k)
+            assert drafts == reference.propose(k), (trial, prompt, output)
+            new = drafts[: rng.randint(0, len(drafts))] + [rng.randrange(vocab)]
+            output += new
+            reference.grow(new)
 
 
 def test_ngram_takes_the_longest_suffix_and_its_latest_match() -> None:
@@ -67,6 +110,50 @@ def test_ngram_takes_the_longest_suffix_and_its_latest_match() -> None:
     # with n <= 2, (6 7) matches at 1 and 6: the latest wins
     assert propose_ngram(tokens, 1, 2, 3) == [2, 3, 5]
     assert propose_ngram(tokens, 1, 3, 1) == [8]
+
+
+def test_ngram_follows_an_edit_of_its_prompt_where_it_copies_from() -> None:
+    """Fixing typos: after each changed word the copy resumes at the source's next word, and a common word
+    continues the copy where it stands, not at the word's latest occurrence."""
+    words = "fix : the comittee met on the tuesday and the budjet . answer : the committee met on the".split()
+    vocab = {w: i for i, w in enumerate(dict.fromkeys(words + ["tuesday", "and"]))}
+    ids = [vocab[w] for w in words]
+    prompt, output = ids[:14], ids[14:]  # the output so far: "the committee met on the"
+    index = NgramIndex(1, 2)
+    index.update(prompt, output[:1])  # "the"
+    assert index.propose(3) == [vocab["comittee"], vocab["met"], vocab["on"]]  # the copy starts at 3
+    index.update(prompt, output[:2])  # the target changed "comittee" to "committee": the cursor stays at 3
+    assert index.cursor == 3
+    assert index.propose(3) == [vocab["met"], vocab["on"], vocab["the"]]  # the copy resumes at the next word
+    index.update(prompt, output)  # the drafts accepted, then "the" (position 6 in the source)
+    assert index.cursor == 7
+    # "on the" occurs once: its continuation. Then one more step with only "the" to go by: its occurrences
+    # at 2, 6, 9 and in the output, and the copy goes on at the cursor's (6 -> 7 "tuesday")
+    assert index.propose(2) == [vocab["tuesday"], vocab["and"]]
+    index.update(prompt, output + [vocab["tuesday"], vocab["and"], vocab["the"]])
+    assert index.cursor == 10
+    latest_only = NgramIndex(1, 1)
+    latest_only.update(prompt, output + [vocab["tuesday"], vocab["and"], vocab["the"]])
+    assert latest_only.propose(1) == [vocab["tuesday"]]  # without a cursor: the latest "the" (the output's)
+    index.min_n = index.max_n = 1
+    assert index.propose(1) == [vocab["budjet"]]  # with it: the "the" at the cursor
+
+
+def test_word_starts_are_the_tokens_after_a_space_or_line_break(smollm2_reader: Any) -> None:
+    from engine.loader.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_gguf(smollm2_reader)
+    starts = word_start_ids(tokenizer)
+    (the,) = tokenizer.encode(" the", add_special_tokens=False)
+    (bare,) = tokenizer.encode("the", add_special_tokens=False)
+    (newline,) = tokenizer.encode("\n", add_special_tokens=False)
+    assert the in starts and newline in starts and bare not in starts
+    # SentencePiece: a piece's "\u2581" is its space, which decoding the piece alone drops
+    pieces = ["\u2581the", "the", "<0x0A>"]
+    spm = SimpleNamespace(
+        vocab_size=3, convert_ids_to_tokens=lambda ids: [pieces[i] for i in ids], decode=lambda ids: "the"
+    )
+    assert word_start_ids(spm) == {0}
 
 
 def test_ngram_gives_nothing_without_a_match() -> None:
@@ -104,11 +191,15 @@ def test_speculator_follows_each_request_as_it_grows_and_not_another_of_the_same
     first.output_ids += [3, 9, 8]  # a verify step accepted 3, then the target said 9, then 8
     first.num_computed_tokens += 3
     speculator.propose([first])
-    assert first.draft_ids == []  # (9 8) and 8 never came before
-    first.output_ids += [1]
+    # (9 8) and 8 never came before: the copy resumes after the source token the output changed
+    # (position 3, a 1 where the output said 9): 2, then the sequence's own continuation from there
+    assert first.draft_ids == [2, 3, 9]
+    first.output_ids += [5]  # nothing accepted: 5 is the target's
     first.num_computed_tokens += 1
     speculator.propose([first])
-    assert first.draft_ids == [2, 3, 9]  # the latest earlier 1 (position 3) was followed by 2 3 9
+    # the output did not follow the resumed copy (from position 4) either: the cursor is there now, and
+    # the copy resumes one token on
+    assert first.draft_ids == [3, 9, 8]
     again = decoding("a", [7, 8, 7])  # a new request under the same id: its own tokens only
     speculator.propose([again])
     assert again.draft_ids == [8, 7, 8]
