@@ -15,6 +15,7 @@ something new, a corrected word), it resumes the copy at the first word after th
 from __future__ import annotations
 
 import bisect
+import weakref
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -115,9 +116,23 @@ class NgramIndex:
         return position if position < length else None
 
 
+_WORD_STARTS: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
 def word_start_ids(tokenizer: Any) -> frozenset[int]:
     """The ids of the tokens that begin a word: their text starts with whitespace (byte-level BPE's " the",
-    "\\n") or their piece with SentencePiece's "\u2581" (whose lone decode drops the space)."""
+    "\\n") or their piece with SentencePiece's "\u2581" (whose lone decode drops the space). Made once
+    per tokenizer (a vocabulary's decodes take ~70 ms), however many managers an engine starts."""
+    try:
+        starts = _WORD_STARTS.get(tokenizer)
+    except TypeError:  # NOTE: a tokenizer that cannot be weakly referenced is not cached.
+        return _word_start_ids(tokenizer)
+    if starts is None:
+        starts = _WORD_STARTS[tokenizer] = _word_start_ids(tokenizer)
+    return starts
+
+
+def _word_start_ids(tokenizer: Any) -> frozenset[int]:
     vocab = range(tokenizer.vocab_size)
     pieces = tokenizer.convert_ids_to_tokens(list(vocab))
     return frozenset(

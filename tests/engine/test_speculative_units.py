@@ -148,6 +148,7 @@ def test_word_starts_are_the_tokens_after_a_space_or_line_break(smollm2_reader: 
     (bare,) = tokenizer.encode("the", add_special_tokens=False)
     (newline,) = tokenizer.encode("\n", add_special_tokens=False)
     assert the in starts and newline in starts and bare not in starts
+    assert word_start_ids(tokenizer) is starts  # made once per tokenizer
     # SentencePiece: a piece's "\u2581" is its space, which decoding the piece alone drops
     pieces = ["\u2581the", "the", "<0x0A>"]
     spm = SimpleNamespace(
