@@ -138,7 +138,8 @@ def test_cli_exits_1_when_a_rank_dies(tiny_folder: Path, tmp_path: Path) -> None
             except httpx.HTTPError:
                 return False
 
-        assert wait_until(lambda: healthy() or proc.poll() is not None, 180, 0.5) and healthy(), (
+        # healthy once (a second look could time out on a loaded machine), or the process ended
+        assert wait_until(lambda: healthy() or proc.poll() is not None, 180, 0.5) and proc.poll() is None, (
             log.read_text()
         )
         _kill_a_rank(proc.pid)
