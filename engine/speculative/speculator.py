@@ -59,7 +59,6 @@ class Speculator:
         self.early_exit = early_exit  # None: the model cannot draft with its first layers
         self.draft_model = draft_model  # None: no draft model is loaded
         self.tokenizer = tokenizer  # None: prompt lookup resumes a copy at the next token, not the next word
-        self._word_starts: frozenset[int] | None = None  # the tokenizer's, made for the first n-gram index
         self.stats = SpecDecodeStats()
         # NOTE: by request (its identity: a client may use a request id again), the running ones only: a
         # request that stops running (finished, cancelled, preempted) drops its index, and builds it anew
@@ -118,10 +117,9 @@ class Speculator:
         """The request's n-gram index, brought up to its tokens (built at its first proposal)."""
         index = self._ngram_indexes.get(req)
         if index is None:
-            if self._word_starts is None and self.tokenizer is not None:
-                self._word_starts = word_start_ids(self.tokenizer)
+            words = word_start_ids(self.tokenizer) if self.tokenizer is not None else None
             index = self._ngram_indexes[req] = NgramIndex(
-                speculation.prompt_lookup_min, speculation.prompt_lookup_max, self._word_starts
+                speculation.prompt_lookup_min, speculation.prompt_lookup_max, words
             )
         index.update(req.prompt_ids, req.output_ids)
         return index
