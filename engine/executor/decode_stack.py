@@ -35,6 +35,7 @@ from engine.executor.kernels.modules import (
     FusedRMSNorm,
     FusedRotaryEmbedding,
     FusedSiLUMul,
+    QuantAmxLinear,
     QuantPanelLinear,
     SmallGemmLinear,
 )
@@ -93,7 +94,19 @@ def _packed(m: Panels) -> torch.Tensor:
     """A projection's weights as the stack's matmuls read them: float32 panels or bfloat16 AMX tiles."""
     if isinstance(m, AmxLinear):
         return m.tiles
+    if isinstance(m, QuantAmxLinear):
+        return m.rest.tiles
     return m.rest.panels if isinstance(m, QuantPanelLinear) else m.panels
+
+
+def _quantized(m: Panels) -> tuple[torch.Tensor | None, int]:
+    """A projection's blocks as the stack's matmuls read them (float32 panels' or bfloat16 tiles'), or None;
+    and 1 where they hold offsets (the bfloat16 tiles' 4-bit codes), 0 where not."""
+    if isinstance(m, QuantPanelLinear):
+        return m.qpanels, int(has_offsets(m.qpanels))
+    if isinstance(m, QuantAmxLinear):
+        return m.qtiles, int(m.four_bit)
+    return None, 0
 
 
 def _weight(norm: nn.Module | None) -> torch.Tensor | None:
@@ -101,11 +114,11 @@ def _weight(norm: nn.Module | None) -> torch.Tensor | None:
     return None if norm is None else cast(torch.Tensor, norm.weight)
 
 
-Panels = SmallGemmLinear | QuantPanelLinear | AmxLinear
+Panels = SmallGemmLinear | QuantPanelLinear | AmxLinear | QuantAmxLinear
 # the projections the stack's matmuls read, per dtype
 _MATMULS: dict[torch.dtype, tuple[type, ...]] = {
     torch.float32: (SmallGemmLinear, QuantPanelLinear),
-    torch.bfloat16: (AmxLinear,),
+    torch.bfloat16: (AmxLinear, QuantAmxLinear),
 }
 
 
@@ -169,12 +182,12 @@ class StackLayer:
     def struct(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> _Layer:
         projections = (self.qkv, self.o, self.gate_up, self.down)
         floats = [_packed(m) for m in projections]
-        quantized = [m.qpanels if isinstance(m, QuantPanelLinear) else None for m in projections]
+        quantized = [_quantized(m) for m in projections]
         return _Layer(
             _ptr_of(self.input_norm), _ptr_of(floats[0]), _ptr_of(self.qkv.bias), _ptr_of(floats[1]),
             _ptr_of(self.o.bias), _ptr_of(self.post_norm), _ptr_of(floats[2]), _ptr_of(floats[3]),
             k_cache.data_ptr(), v_cache.data_ptr(),
-            *(_ptr_of(q) for q in quantized), *(int(q is not None and has_offsets(q)) for q in quantized),
+            *(_ptr_of(q) for q, _ in quantized), *(offsets for _, offsets in quantized),
             int(self.rotate), self.sliding_window or 0, _ptr_of(self.post_attn_norm), _ptr_of(self.post_ff_norm),
             int(self.gelu), _ptr_of(self.q_norm), _ptr_of(self.k_norm), self.rotary.cos.data_ptr(),
             self.rotary.sin_signed.data_ptr(),

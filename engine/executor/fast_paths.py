@@ -8,7 +8,8 @@ as gpt-fast's ``replace_linear_int4`` does: the model's code stays the architect
                                               QuantPanelLinear where the checkpoint's blocks give W exactly
             bfloat16, AMX:                    AmxLinear (every K a multiple of 32; else PackedLinear),
                                               + PackedLinear for more than amx_gemm.MAX_ROWS rows
-                                              unless batch_invariant
+                                              unless batch_invariant, wrapped in a QuantAmxLinear
+                                              where the checkpoint's blocks round to W exactly
             otherwise, where oneDNN packs:    PackedLinear
         RMSNorm -> FusedRMSNorm, RotaryEmbedding -> FusedRotaryEmbedding, SiluAndMul -> FusedSiLUMul,
         GeluTanhAndMul -> FusedGeluTanhMul
@@ -30,8 +31,9 @@ from torch import nn
 
 from engine.cpu import huge_pages
 from engine.cpu.native_build import KernelUnavailable
-from engine.executor.kernels import amx_gemm, cpu_ops, prepacked, small_gemm
+from engine.executor.kernels import amx_gemm, amx_qgemm, cpu_ops, prepacked, small_gemm
 from engine.executor.kernels.amx_gemm import AmxGemm
+from engine.executor.kernels.amx_qgemm import AmxQGemm
 from engine.executor.kernels.block_codes import BlockCodes
 from engine.executor.kernels.cpu_ops import CpuOps
 from engine.executor.kernels.modules import (
@@ -41,6 +43,7 @@ from engine.executor.kernels.modules import (
     FusedRotaryEmbedding,
     FusedSiLUMul,
     PackedLinear,
+    QuantAmxLinear,
     QuantPanelLinear,
     SmallGemmLinear,
 )
@@ -87,13 +90,7 @@ def swap_linears(
         return None, False
     amx = _amx(model)
     if amx is not None:  # bfloat16 with AMX: the tiles for decode-sized calls (every call if batch_invariant)
-        fits = all(amx_gemm.fits(m.in_features) for m in model.modules() if isinstance(m, Linear))
-        for parent, name, m in _children(model):
-            if isinstance(m, Linear):
-                w = m.weight.detach()
-                large = None if fits and batch_invariant else PackedLinear(w, m.bias)
-                setattr(parent, name, AmxLinear(amx, w, m.bias, large) if fits else large)
-        return None, fits and batch_invariant
+        return None, swap_amx_linears(model, amx, blocks, batch_invariant)
     small: SmallGemm | None = None
     if small_gemm.supports(model.device, model.dtype):
         try:
@@ -120,6 +117,26 @@ def swap_linears(
     return small, not onednn
 
 
+def swap_amx_linears(
+    model: NativeModel, amx: AmxGemm, blocks: Mapping[str, BlockCodes], batch_invariant: bool
+) -> bool:
+    """bfloat16 with AMX: every ``Linear`` on the tiles (where every K is a multiple of 32; else all on
+    oneDNN), behind the checkpoint's blocks where they round to the weight; returns whether every row takes
+    one kernel whatever its batch."""
+    fits = all(amx_gemm.fits(m.in_features) for m in model.modules() if isinstance(m, Linear))
+    places = [(parent, name) for parent, name, m in _children(model) if isinstance(m, Linear)]
+    qgemm = _amx_quantized() if fits and blocks else None
+    linears = [getattr(parent, name) for parent, name in places]
+    codes = _block_codes(model, linears, blocks) if qgemm is not None else [None] * len(linears)
+    del linears
+    for (parent, name), c in zip(places, codes, strict=True):
+        m = getattr(parent, name)
+        w = m.weight.detach()
+        large = None if fits and batch_invariant else PackedLinear(w, m.bias)
+        setattr(parent, name, _amx_linear(amx, qgemm, w, m.bias, large, c) if fits else large)
+    return fits and batch_invariant
+
+
 def _amx(model: NativeModel) -> AmxGemm | None:
     """The AMX kernel for a bfloat16 CPU model, where the CPU has AMX-BF16 and it could be built."""
     if not amx_gemm.supports(model.device, model.dtype):
@@ -129,6 +146,32 @@ def _amx(model: NativeModel) -> AmxGemm | None:
     except KernelUnavailable as e:
         logger.info("the AMX matmul kernel is not used (%s); oneDNN runs bfloat16 matmuls", e)
         return None
+
+
+def _amx_quantized() -> AmxQGemm | None:
+    """The kernel that expands a checkpoint's blocks into AMX tiles, where it could be built."""
+    try:
+        return amx_qgemm.load()
+    except KernelUnavailable as e:
+        logger.info("bfloat16 decode steps read the bfloat16 weights (%s)", e)
+        return None
+
+
+def _amx_linear(
+    amx: AmxGemm,
+    qgemm: AmxQGemm | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    large: PackedLinear | None,
+    codes: BlockCodes | None,
+) -> nn.Module:
+    """A bfloat16 ``Linear``'s replacement: its AMX tiles, behind the checkpoint's blocks where the kernel
+    gives their weights exactly (``amx_qgemm.pack``)."""
+    tiles = AmxLinear(amx, weight, bias, large)
+    if qgemm is None or codes is None:
+        return tiles
+    packed = amx_qgemm.pack(codes)
+    return tiles if packed is None else QuantAmxLinear(qgemm, packed[0], packed[1], tiles)
 
 
 def _fast_linear(
@@ -171,7 +214,8 @@ def _block_codes(
     model: NativeModel, linears: list[Linear], blocks: Mapping[str, BlockCodes]
 ) -> list[BlockCodes | None]:
     """Per Linear: its weight as ``blocks`` hold it (the fused ones' parts in row order), or None where a
-    part is missing, parts mix kinds, or the blocks do not give the loaded weight bit for bit."""
+    part is missing, parts mix kinds, or the blocks do not give the loaded weight bit for bit (rounded to
+    its dtype)."""
     parts: dict[int, list[tuple[int, int, BlockCodes]]] = {}
     for name, (param, start, end) in model.weight_slots().items():
         if name in blocks:
@@ -184,7 +228,8 @@ def _block_codes(
             bool(pieces) and [s for s, _, _ in pieces] == starts[:-1] and starts[-1] == module.out_features
         )
         joined = BlockCodes.cat([c for _, _, c in pieces]) if whole else None
-        if joined is not None and torch.equal(joined.dequantize(), module.weight.detach()):
+        weight = module.weight.detach()
+        if joined is not None and torch.equal(joined.dequantize().to(weight.dtype), weight):
             result.append(joined)
         else:
             result.append(None)

@@ -54,6 +54,8 @@ _BLOCK_NAMES = {
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # Architectures whose q/k rows llama.cpp's converter permuted (LlamaModel and its subclasses).
 _PERMUTED_ARCHITECTURES = ("llama", "mistral")
+# the dtypes whose kernels read a matrix's blocks as stored: float32 (small_gemm.c), bfloat16 (amx_qgemm.c)
+_BLOCK_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def open_gguf(path: str | Path) -> GGUFReader:
@@ -153,9 +155,9 @@ def iter_gguf_weights(
     blocks: dict[str, BlockCodes] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every weight of ``tensors`` (a reader's ``tensors``), one tensor
-    dequantized at a time, cast to ``dtype``. With ``blocks`` (and ``dtype`` float32), a matrix stored in
-    Q4_0, Q4_1 or Q8_0 blocks is also put there under its name, as codes, scales and offsets whose
-    ``dequantize()`` is the yielded tensor, bit for bit.
+    dequantized at a time, cast to ``dtype``. With ``blocks`` (and ``dtype`` float32 or bfloat16), a matrix
+    stored in Q4_0, Q4_1 or Q8_0 blocks is also put there under its name, as codes, scales and offsets whose
+    ``dequantize()`` is the yielded tensor before the cast, bit for bit.
 
     Unknown tensors raise ``ModelLoadError``: silently skipping one would leave a parameter random."""
     permute = config.architecture in _PERMUTED_ARCHITECTURES
@@ -163,7 +165,7 @@ def iter_gguf_weights(
         hf_name = gguf_to_hf_name(t.name)
         if hf_name is None:
             raise ModelLoadError(f"{where}: tensor {t.name!r} has no Hugging Face equivalent in cbserve")
-        codes = split_tensor(t, where) if blocks is not None and dtype == torch.float32 else None
+        codes = split_tensor(t, where) if blocks is not None and dtype in _BLOCK_DTYPES else None
         w = dequantize_tensor(t, where) if codes is None else codes.dequantize()
         if permute and (".attn_q." in t.name or ".attn_k." in t.name):
             heads = config.num_attention_heads if ".attn_q." in t.name else config.num_key_value_heads

@@ -6,6 +6,7 @@
     SmallGemmLinear       the float32 small-batch kernel's panels (small_gemm.py), oneDNN for larger calls
     QuantPanelLinear      a quantized checkpoint's blocks, expanded in registers, for calls of a few rows
     AmxLinear             bfloat16 on AMX tiles (amx_gemm.py), oneDNN for larger calls unless it takes them all
+    QuantAmxLinear        a quantized checkpoint's blocks expanded into AMX tiles, for calls of up to 32 rows
     FusedRMSNorm          RMSNorm with its residual add in one C call (cpu_ops.py)
     FusedRotaryEmbedding  q and k rotated in place in one C call
     FusedSiLUMul          SwiGLU's ``silu(gate) * up`` in one C call
@@ -17,8 +18,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.executor.kernels import amx_gemm, prepacked, small_gemm
+from engine.executor.kernels import amx_gemm, amx_qgemm, prepacked, small_gemm
 from engine.executor.kernels.amx_gemm import AmxGemm
+from engine.executor.kernels.amx_qgemm import AmxQGemm
 from engine.executor.kernels.cpu_ops import CpuOps
 from engine.executor.kernels.small_gemm import SmallGemm
 from engine.executor.models.layers import RMSNorm, RotaryEmbedding, RotaryInputs
@@ -120,6 +122,34 @@ class AmxLinear(nn.Module):
         if self.large is not None and x.numel() > amx_gemm.MAX_ROWS * self.in_features:
             return self.large(x)
         return self.amx.linear(x, self.tiles, self.out_features, self.bias)  # [..., out_features]
+
+
+class QuantAmxLinear(nn.Module):
+    """``x W^T + b`` in bfloat16 for a ``W`` that the checkpoint stored in blocks of codes, each rounding to
+    the loaded bfloat16 weight (engine/executor/fast_paths.py checks): calls of at most ``amx_qgemm.MAX_ROWS`` rows read
+    the blocks (``qtiles``, from ``amx_qgemm.pack``), expanded into the tiles as they are multiplied -- the
+    bits of ``rest``'s tiles from a third of the bytes; other calls go to ``rest``."""
+
+    def __init__(self, qgemm: AmxQGemm, qtiles: torch.Tensor, four_bit: bool, rest: AmxLinear) -> None:
+        super().__init__()
+        self.out_features, self.in_features = rest.out_features, rest.in_features
+        self.qgemm = qgemm
+        self.qtiles = qtiles  # uint8 [ceil(out / 64) * 4, in / 32, tile bytes]
+        self.four_bit = four_bit
+        self.rest = rest
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.rest.bias
+
+    def takes(self, num_rows: int) -> bool:
+        """Whether a call of ``num_rows`` rows runs on tiles (quantized or not)."""
+        return self.rest.takes(num_rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() <= amx_qgemm.MAX_ROWS * self.in_features:
+            return self.qgemm.linear(x, self.qtiles, self.four_bit, self.out_features, self.bias)
+        return self.rest(x)
 
 
 class FusedRMSNorm(RMSNorm):

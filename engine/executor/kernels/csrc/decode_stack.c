@@ -33,14 +33,15 @@
  */
 #include "small_gemm.c"
 #include "cpu_ops.c"
-#include "amx_gemm.c"
+#include "amx_qgemm.c" /* and amx_gemm.c */
 #include "../../attention/csrc/paged_decode.c"
 
 #include <omp.h>
 
 /* One decoder layer's weights, in the model's dtype (float32 or bfloat16 bits): matrices packed in
- * small_gemm.c's panels (float32) or amx_gemm.c's tiles (bfloat16); where the checkpoint stored a float32
- * matrix in blocks, its quantized panels too (else NULL), which steps of at most ROWS sequences use. */
+ * small_gemm.c's panels (float32) or amx_gemm.c's tiles (bfloat16); where the checkpoint stored a matrix in
+ * blocks, its quantized panels (float32; steps of at most ROWS sequences use them) or quantized tiles
+ * (bfloat16, amx_qgemm.c; steps of at most QROWS) too, else NULL. */
 typedef struct {
     const void *input_norm;     /* [hidden] */
     const void *qkv;            /* [q_size + 2 * kv_size] x [hidden], packed */
@@ -52,7 +53,7 @@ typedef struct {
     const void *down;           /* [hidden] x [intermediate], packed */
     void *k_cache;              /* [num_blocks, num_kv_heads, head_dim, block_size] */
     void *v_cache;              /* [num_blocks, num_kv_heads, block_size, head_dim] */
-    const uint8_t *qkv_q, *o_q, *gate_up_q, *down_q; /* quantized panels or NULL */
+    const uint8_t *qkv_q, *o_q, *gate_up_q, *down_q; /* quantized panels (tiles) or NULL */
     int64_t qkv_q_offsets, o_q_offsets, gate_up_q_offsets, down_q_offsets; /* 1: d * q + m, 0: d * q */
     int64_t rotate;             /* 1: q and k take the rotary embedding; 0: a NoPE layer (SmolLM3) */
     int64_t sliding_window;     /* this layer's window, <= 0: none */
@@ -173,10 +174,25 @@ static inline void rotate(const step *st, void *x, const void *c, const void *s,
         rotary_f32(x, c, s, half);
 }
 
-/* y[:, 0:N] = x[:, 0:K] W^T (+ b), every row of the step */
+/* bfloat16: amx_shared's product from the checkpoint's blocks in quantized tiles (amx_qgemm.c; 4-bit codes
+ * with offsets, else 8-bit), for at most QROWS rows */
+static void amx_q_shared(uint16_t *out, const uint16_t *x, const uint8_t *q, int offsets, const uint16_t *bias,
+                         int64_t Mp, int64_t N, int64_t K, uint16_t *scratch) {
+#if HAVE_AMX_Q
+    (void)amx_qgemm_share(out, N, x, K, q, offsets, bias, Mp, N, K, scratch); /* Mp fills its tiles */
+#pragma omp barrier
+#else
+    (void)out, (void)x, (void)q, (void)offsets, (void)bias, (void)Mp, (void)N, (void)K, (void)scratch;
+#endif
+}
+
+/* y[:, 0:N] = x[:, 0:K] W^T (+ b), every row of the step: from the weights' blocks where the checkpoint
+ * stored them so (float32: up to ROWS rows; bfloat16: up to QROWS) */
 static inline void project(const step *st, void *out, const void *x, const void *w, const uint8_t *q, int64_t offsets,
                            const void *bias, int64_t N, int64_t K) {
-    if (st->bf16)
+    if (st->bf16 && q != NULL && st->padded <= QROWS)
+        amx_q_shared(out, x, q, (int)offsets, bias, st->padded, N, K, st->scratch);
+    else if (st->bf16)
         amx_shared(out, x, w, bias, st->padded, N, K, st->scratch);
     else
         gemm_shared(out, N, x, K, w, q, offsets, bias, st->rows, N, K);
