@@ -20,6 +20,8 @@ tokens, so the run takes at least ``output tokens / C`` forwards, and each reads
 layers' projections and the output head, in the dtype's bytes: a server holding its weights so). The
 bandwidth is measured as the best rate of streaming a buffer of that many bytes (from whichever level of
 the memory holds it: a large L3 may) through vector adds on ``--threads`` threads (bench/csrc/mem_read.c). KV-cache reads are left out, so the bound stays a bound.
+For a GGUF whose matrices are stored in blocks, a second bound counts the blocks' bytes instead: cbserve's
+bfloat16 decode steps read those (engine/executor/kernels/amx_qgemm.py), so the first is no bound for them.
 
 With ``--times N`` each run also says what N times its own throughput would need, as a share of the
 ceiling: above 100% no server in this precision can do it on this machine.
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gguf import GGUFReader
 
 from engine.cpu.native_build import BuildOnce
 from engine.loader.dummy import PRESETS, get_preset
@@ -158,6 +161,21 @@ def weight_bytes(config: ModelConfig, bytes_per_weight: int) -> float:
     return float(bytes_per_weight * (config.num_hidden_layers * per_layer + config.vocab_size * h))
 
 
+def stored_weight_bytes(model: str) -> float | None:
+    """The same matrices' bytes as a GGUF stores them (its blocks, with their scales): what a server that
+    reads the blocks in its decode steps reads a step, as cbserve's bfloat16 steps of up to 32 sequences do
+    (engine/executor/kernels/amx_qgemm.py); None for a dummy preset or any other checkpoint."""
+    if model in PRESETS:
+        return None
+    source = resolve_model(model)
+    if source.kind != "gguf" or source.path is None:
+        return None
+    tensors = GGUFReader(str(source.path)).tensors
+    untied = any(t.name == "output.weight" for t in tensors)  # else the embedding is the head, read a step
+    matrices = [t for t in tensors if len(t.shape) == 2 and not (untied and t.name == "token_embd.weight")]
+    return float(sum(int(t.n_bytes) for t in matrices))
+
+
 def memory_bandwidth_gbs(threads: int, nbytes: float, rounds: int = 5) -> float:
     """The best GB/s of ``rounds`` passes of the read loop over a buffer of ``nbytes`` (a step's weights: in
     whichever level of the memory holds that much) on ``threads`` threads."""
@@ -208,8 +226,11 @@ def report(
     machine: Machine,
     measured: float | None,
     times: float,
+    stored: float | None = None,
 ) -> str:
-    """A run's ceiling; ``memory``: (its concurrency, the bytes of weights a step reads)."""
+    """A run's ceiling; ``memory``: (its concurrency, the bytes of weights a step reads); ``stored``: the
+    checkpoint's bytes of the same matrices where it stores them in blocks (``stored_weight_bytes``), whose
+    bound is reported too."""
     concurrency, weights = memory
     compute_s = floor_seconds(work, machine.peak_gflops)
     memory_s = memory_floor_seconds(output_tokens, concurrency, weights, machine.bandwidth_gbs)
@@ -229,6 +250,16 @@ def report(
         lines.append(
             f"  {times:g}x that = {wanted:.1f} tok/s = {100 * wanted / ceiling:.0f}% of the ceiling"
             + (" (beyond what this precision can do here)" if wanted > ceiling else "")
+        )
+    if stored is not None:
+        blocks_s = max(
+            compute_s, memory_floor_seconds(output_tokens, concurrency, stored, machine.bandwidth_gbs)
+        )
+        bound = output_tokens / blocks_s if blocks_s > 0 else float("inf")
+        served = f", served {100 * measured / bound:.0f}% of it" if measured is not None else ""
+        lines.append(
+            f"  reading the checkpoint's blocks instead ({stored / 1e9:.3f} GB a step, as cbserve's bfloat16 "
+            f"decode steps do): bound {bound:.1f} tok/s{served}"
         )
     return "\n".join(lines)
 
@@ -265,11 +296,12 @@ def main(argv: list[str] | None = None) -> int:
         f"(best of {args.rounds})"
     )
     machine = Machine(peak, bandwidth)
+    stored = stored_weight_bytes(args.model)
     if not args.runs:
         n = args.num_prompts
         work = run_work(config, [args.random_input_len] * n, [args.random_output_len] * n)
         memory = (args.max_concurrency or n, weights)
-        print(report("workload", work, n * args.random_output_len, memory, machine, None, args.times))
+        print(report("workload", work, n * args.random_output_len, memory, machine, None, args.times, stored))
         return 0
     for path in args.runs:
         doc: dict[str, Any] = json.loads(Path(path).read_text())
@@ -278,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         label = str(doc.get("label") or Path(path).stem)
         memory = (int(doc.get("max_concurrency") or len(output_lens)), weights)
         measured = float(doc["output_throughput"])
-        print(report(label, work, sum(output_lens), memory, machine, measured, args.times))
+        print(report(label, work, sum(output_lens), memory, machine, measured, args.times, stored))
     return 0
 
 

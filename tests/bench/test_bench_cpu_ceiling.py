@@ -187,3 +187,23 @@ def test_cli_takes_the_bfloat16_peak(
     work = run_work(get_preset("smollm2-135m"), [128, 128], [64, 64])
     assert lines[1] == "memory bandwidth: 1000.0 GB/s on 2 threads, reading 0.269 GB (best of 5)"
     assert lines[2].endswith(f"ceiling {ceiling_tok_s(work, 128, 500.0):.1f} tok/s (compute-bound)")
+
+
+def test_the_stored_blocks_bound_counts_the_ggufs_bytes() -> None:
+    """SmolLM2-135M's GGUF: its layers' Q4_1 blocks (20 bytes per 32 weights) and its tied head's Q8_0 (34);
+    a dummy preset has none. At 16 a step the blocks' memory floor falls under the compute floor, so the
+    bound reading them is compute-bound."""
+    cfg = get_preset("smollm2-135m")
+    per_layer = 576 * 960 + 576 * 576 + 576 * 3072 + 1536 * 576
+    stored = cpu_ceiling.stored_weight_bytes("default")
+    assert stored == 30 * per_layer * 20 / 32 + 49152 * 576 * 34 / 32
+    assert cpu_ceiling.stored_weight_bytes("smollm2-135m") is None
+    work = run_work(cfg, [128] * 32, [64] * 32)
+    machine = cpu_ceiling.Machine(2000.0, 25.0)
+    text = cpu_ceiling.report("run", work, 2048, (16, weight_bytes(cfg, 2)), machine, 700.0, 4.0, stored)
+    bound = 2048 / floor_seconds(work, 2000.0)
+    assert memory_floor_seconds(2048, 16, stored, 25.0) < floor_seconds(work, 2000.0)
+    assert text.splitlines()[-1] == (
+        f"  reading the checkpoint's blocks instead ({stored / 1e9:.3f} GB a step, as cbserve's bfloat16 decode "
+        f"steps do): bound {bound:.1f} tok/s, served {100 * 700.0 / bound:.0f}% of it"
+    )
