@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+from typing import Generic, TypeVar
+
 import torch
 from torch import nn
 
@@ -71,34 +73,6 @@ class SmallGemmLinear(nn.Module):
         return self.large(x)
 
 
-class QuantPanelLinear(nn.Module):
-    """``x W^T + b`` for a ``W`` that the checkpoint stored in blocks of codes (``BlockCodes``; their
-    ``dequantize()`` is the loaded ``W`` bit for bit): calls of at most ``small_gemm.QUANTIZED_MAX_ROWS``
-    rows read the blocks (``qpanels``, from ``SmallGemm.pack_blocks``), the same bits from a third to a
-    quarter of the bytes; other calls go to ``rest``, the float32 panels of the same ``W``."""
-
-    def __init__(self, qpanels: torch.Tensor, rest: SmallGemmLinear) -> None:
-        super().__init__()
-        self.out_features, self.in_features = rest.out_features, rest.in_features
-        self.qpanels = qpanels  # uint8 [ceil(out / 16), in / 32, block bytes]
-        self.rest = rest
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.rest.bias
-
-    def takes(self, num_rows: int) -> bool:
-        """Whether a call of ``num_rows`` contiguous float32 rows runs on panels (quantized or not)."""
-        return self.rest.takes(num_rows)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if small_gemm.fits_quantized(x):
-            return self.rest.small.linear(
-                x, self.qpanels, self.out_features, self.bias
-            )  # [rows, out_features]
-        return self.rest(x)
-
-
 class AmxLinear(nn.Module):
     """``x W^T + b`` in bfloat16 with ``W`` in the AMX kernel's tiles (``AmxGemm.pack``). With ``large`` (the
     weights also in oneDNN's layout), calls of more than ``amx_gemm.MAX_ROWS`` rows go there; without, the
@@ -124,27 +98,56 @@ class AmxLinear(nn.Module):
         return self.amx.linear(x, self.tiles, self.out_features, self.bias)  # [..., out_features]
 
 
-class QuantAmxLinear(nn.Module):
-    """``x W^T + b`` in bfloat16 for a ``W`` that the checkpoint stored in blocks of codes, each rounding to
-    the loaded bfloat16 weight (engine/executor/fast_paths.py checks): calls of at most ``amx_qgemm.MAX_ROWS`` rows read
-    the blocks (``qtiles``, from ``amx_qgemm.pack``), expanded into the tiles as they are multiplied -- the
-    bits of ``rest``'s tiles from a third of the bytes; other calls go to ``rest``."""
+Rest = TypeVar("Rest", SmallGemmLinear, AmxLinear)
 
-    def __init__(self, qgemm: AmxQGemm, qtiles: torch.Tensor, four_bit: bool, rest: AmxLinear) -> None:
+
+class _BlocksInFront(nn.Module, Generic[Rest]):
+    """A module that reads a checkpoint's blocks of codes for some calls and hands the others to ``rest``,
+    the same weight unquantized: the bias and which calls run on cbserve's kernels are ``rest``'s."""
+
+    def __init__(self, rest: Rest) -> None:
         super().__init__()
         self.out_features, self.in_features = rest.out_features, rest.in_features
-        self.qgemm = qgemm
-        self.qtiles = qtiles  # uint8 [ceil(out / 64) * 4, in / 32, tile bytes]
-        self.four_bit = four_bit
-        self.rest = rest
+        self.rest: Rest = rest
 
     @property
     def bias(self) -> torch.Tensor | None:
         return self.rest.bias
 
     def takes(self, num_rows: int) -> bool:
-        """Whether a call of ``num_rows`` rows runs on tiles (quantized or not)."""
+        """Whether a call of ``num_rows`` rows runs on cbserve's kernels (blocks, panels or tiles)."""
         return self.rest.takes(num_rows)
+
+
+class QuantPanelLinear(_BlocksInFront[SmallGemmLinear]):
+    """``x W^T + b`` for a ``W`` that the checkpoint stored in blocks of codes (``BlockCodes``; their
+    ``dequantize()`` is the loaded ``W`` bit for bit): calls of at most ``small_gemm.QUANTIZED_MAX_ROWS``
+    rows read the blocks (``qpanels``, from ``SmallGemm.pack_blocks``), the same bits from a third to a
+    quarter of the bytes; other calls go to ``rest``, the float32 panels of the same ``W``."""
+
+    def __init__(self, qpanels: torch.Tensor, rest: SmallGemmLinear) -> None:
+        super().__init__(rest)
+        self.qpanels = qpanels  # uint8 [ceil(out / 16), in / 32, block bytes]
+        self.small = rest.small
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if small_gemm.fits_quantized(x):
+            return self.small.linear(x, self.qpanels, self.out_features, self.bias)  # [rows, out_features]
+        return self.rest(x)
+
+
+class QuantAmxLinear(_BlocksInFront[AmxLinear]):
+    """``x W^T + b`` in bfloat16 for a ``W`` that the checkpoint stored in blocks of codes, each rounding to
+    the loaded bfloat16 weight (engine/executor/fast_paths.py checks): calls of at most
+    ``amx_qgemm.MAX_ROWS`` rows read the blocks (``qtiles``, from ``amx_qgemm.pack``), expanded into the tiles
+    as they are multiplied -- the bits of ``rest``'s tiles from a third of the bytes; other calls go to
+    ``rest``."""
+
+    def __init__(self, qgemm: AmxQGemm, qtiles: torch.Tensor, four_bit: bool, rest: AmxLinear) -> None:
+        super().__init__(rest)
+        self.qgemm = qgemm
+        self.qtiles = qtiles  # uint8 [ceil(out / 64) * 4, in / 32, tile bytes]
+        self.four_bit = four_bit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() <= amx_qgemm.MAX_ROWS * self.in_features:

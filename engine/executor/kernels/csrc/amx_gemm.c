@@ -177,14 +177,15 @@ static int64_t rows16_item_outputs(int64_t N, int64_t threads) {
     return (N + GROUP_N - 1) / GROUP_N % threads ? PAIR_N : GROUP_N;
 }
 
-/* The A tile of M <= 16 rows of x (row stride ldx): x itself when they fill the tile, else a zero-padded copy
- * in `scratch` (16 x K, 64-byte aligned), made once per thread and call (once per item, a 49,152-output head
- * copied 14 MB a call). Returns the rows' address; *lda their byte stride. */
-static const uint16_t *rows16_tile(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, uint16_t *scratch,
-                                   int64_t *lda) {
+/* The A tiles of M <= `rows` rows of x (row stride ldx; `rows` 16, or 32 in amx_qgemm.c): x itself when they
+ * fill the tiles, else a zero-padded copy in `scratch` (rows x K, 64-byte aligned), made once per thread and
+ * call (once per item, a 49,152-output head copied 14 MB a call). Returns the rows' address; *lda their byte
+ * stride. */
+static const uint16_t *rows_tiles(const uint16_t *x, int64_t ldx, int64_t M, int64_t rows, int64_t K,
+                                  uint16_t *scratch, int64_t *lda) {
     *lda = ldx * 2;
-    if (M == TILE_ROWS) return x;
-    for (int64_t m = 0; m < TILE_ROWS; m++) {
+    if (M == rows) return x;
+    for (int64_t m = 0; m < rows; m++) {
         if (m < M)
             memcpy(scratch + m * K, x + m * ldx, (size_t)K * 2);
         else
@@ -195,7 +196,7 @@ static const uint16_t *rows16_tile(const uint16_t *x, int64_t ldx, int64_t M, in
 }
 
 /* outputs [i * width, i * width + width) (width: rows16_item_outputs) of the M <= 16 rows of the A tile `a`
- * (rows16_tile, byte stride lda) */
+ * (rows_tiles, byte stride lda) */
 static void rows16_times_item(uint16_t *out, int64_t ldo, const uint16_t *a, int64_t lda, const uint16_t *packed,
                               const uint16_t *bias, int64_t M, int64_t N, int64_t K, int64_t i, int64_t width) {
     const int64_t kblocks = K / TILE_K, n0 = i * width;
@@ -349,7 +350,7 @@ static int amx_gemm_share(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t
         const int64_t width = rows16_item_outputs(N, threads);
         const int64_t items = (N + GROUP_N - 1) / GROUP_N * GROUP_N / width;
         int64_t lda = 0;
-        const uint16_t *a = scratch || M == TILE_ROWS ? rows16_tile(x, ldx, M, K, scratch, &lda) : NULL;
+        const uint16_t *a = scratch || M == TILE_ROWS ? rows_tiles(x, ldx, M, TILE_ROWS, K, scratch, &lda) : NULL;
 #pragma omp for schedule(static) nowait
         for (int64_t i = 0; i < items; i++) {
             if (a)

@@ -167,23 +167,6 @@ static inline __attribute__((always_inline)) void qtiles_times(float *c, const u
     }
 }
 
-/* The A tiles of M <= 32 rows of x: x itself where the rows fill them (16 or 32), else a zero-padded copy
- * in `scratch` (amx_scratch_bytes(M, K) holds 32 x K). Returns the rows' address; *lda their byte stride. */
-static const uint16_t *qrows_tiles(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, uint16_t *scratch,
-                                   int64_t *lda) {
-    const int64_t rows = M <= TILE_ROWS ? TILE_ROWS : QROWS;
-    *lda = ldx * 2;
-    if (M == rows) return x;
-    for (int64_t m = 0; m < rows; m++) {
-        if (m < M)
-            memcpy(scratch + m * K, x + m * ldx, (size_t)K * 2);
-        else
-            memset(scratch + m * K, 0, (size_t)K * 2);
-    }
-    *lda = K * 2;
-    return scratch;
-}
-
 /* outputs [i * width, i * width + width) of the M <= 32 rows of the A tiles `a` */
 static void qrows_times_item(uint16_t *out, int64_t ldo, const uint16_t *a, int64_t lda, const uint8_t *q,
                              int offsets, const uint16_t *bias, int64_t M, int64_t N, int64_t K, int64_t i,
@@ -213,7 +196,7 @@ static int amx_qgemm_share(uint16_t *out, int64_t ldo, const uint16_t *x, int64_
     const int64_t items = (N + GROUP_N - 1) / GROUP_N * GROUP_N / width;
     const int64_t rows = M <= TILE_ROWS ? TILE_ROWS : QROWS;
     int64_t lda = 0;
-    const uint16_t *a = scratch || M == rows ? qrows_tiles(x, ldx, M, K, scratch, &lda) : NULL;
+    const uint16_t *a = scratch || M == rows ? rows_tiles(x, ldx, M, rows, K, scratch, &lda) : NULL;
     int failed = 0;
 #pragma omp for schedule(static) nowait
     for (int64_t i = 0; i < items; i++) {
