@@ -17,10 +17,10 @@
  * rows around a row (tests/kernels/test_amx_qgemm.py).
  *
  *   packed: [N_pad / 16][K / 32][tile]       (N padded with zero codes and scales to a multiple of 64)
- *     4-bit tile (offsets):  16 rows of k-pairs x 16 bytes (byte n: code(n, 2p) | code(n, 2p + 1) << 4),
- *                            then 16 float16 d and 16 float16 m (one per output)             320 bytes
- *     8-bit tile:            16 rows x 32 int8 codes (code(n, 2p) for n < 16, then code(n, 2p + 1)),
- *                            then 16 float16 d                                                544 bytes
+ *     a tile row p (k-pair p) as the B tile holds it: 32 codes c(n, 2p), c(n, 2p + 1) for n = 0..15
+ *     4-bit tile (offsets):  16 rows x 16 bytes (byte j: row code j in the low nibble, code 16 + j in the
+ *                            high), then 16 float16 d and 16 float16 m (one per output)      320 bytes
+ *     8-bit tile:            16 rows x 32 bytes (code + 128), then 16 float16 d            544 bytes
  *   up to 16 rows:  items of 64 outputs (or 32: amx_gemm.c's rows16_item_outputs), one A tile, 4 B tiles
  *   17-32 rows:     items of 32 outputs, two A tiles, 2 B tiles
  *
