@@ -55,19 +55,30 @@ def _sums_exact(scales: torch.Tensor, offsets: torch.Tensor) -> bool:
     return all(torch.equal((m - d * 2**s).float().double(), m - d * 2**s) for s in (7, 11))
 
 
+def _stored(codes: BlockCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """``codes`` as the tiles store them -- the codes (4-bit: 0..15; 8-bit: code + 128), float16 scales and
+    (4-bit) float16 offsets -- or None where the kernel cannot give their weights bit for bit: scales or
+    offsets not float16 values, a 4-bit block's C not a float32, offsets beside codes past 4 bits."""
+    scales = _half_exact(codes.scales)
+    if scales is None or codes.shape[-1] % TILE_K:
+        return None
+    four = _as_four_bit(codes)
+    if four is None:  # 8-bit codes, which the tiles keep without offsets
+        return None if codes.offsets is not None else (codes.codes.to(torch.int16) + 128, scales, None)
+    offsets = _half_exact(four[1])
+    if offsets is None or not _sums_exact(codes.scales, four[1]):
+        return None
+    return four[0], scales, offsets
+
+
 def pack(codes: BlockCodes) -> tuple[torch.Tensor, bool] | None:
     """``codes`` of an ``[N, K]`` weight -> (packed tiles, whether 4-bit), or None where the kernel cannot
-    give its weights bit for bit (scales or offsets not float16 values, a 4-bit block's C not a float32,
-    offsets beside codes past 4 bits)."""
+    give its weights bit for bit (``_stored``)."""
+    stored = _stored(codes)
+    if stored is None:
+        return None
+    raw, scales, offsets = stored
     n, k = codes.shape
-    four = _as_four_bit(codes)
-    scales = _half_exact(codes.scales)
-    offsets = None if four is None else _half_exact(four[1])
-    if four is None and codes.offsets is not None:  # offsets with codes past 4 bits: no such tiles
-        return None
-    exact = four is None or (offsets is not None and _sums_exact(codes.scales, four[1]))
-    if k % TILE_K or scales is None or not exact:
-        return None
     n_pad = -(-n // GROUP_N) * GROUP_N
     kb = k // TILE_K
 
@@ -79,18 +90,17 @@ def pack(codes: BlockCodes) -> tuple[torch.Tensor, bool] | None:
         return tiles(s.view(n, kb, 1)).reshape(n_pad // TILE_N, kb, TILE_N).contiguous().view(torch.uint8)
 
     # a tile row's 32 codes in the order VCVTNE2PS2BF16 writes them: per output of the 16, its k-pair
-    raw = four[0] if four is not None else codes.codes.to(torch.int16) + 128
     pairs = tiles(raw.to(torch.uint8).view(n, kb, TILE_K // 2, 2))  # [tiles, kb, 16 outputs, pair, 2]
     rows = pairs.permute(0, 1, 3, 2, 4)  # [tiles, kb, pair, 16 outputs, 2]
     rows = rows.reshape(n_pad // TILE_N, kb, TILE_K // 2, 2 * TILE_N)  # [tiles, kb, pair, 32 codes]
-    if four is not None and offsets is not None:  # the row's first 16 codes in low nibbles, the last 16 high
+    if offsets is not None:  # 4-bit: the row's first 16 codes in low nibbles, the last 16 high
         code_bytes = rows[..., :TILE_N] | (rows[..., TILE_N:] << 4)
         parts = [code_bytes.reshape(n_pad // TILE_N, kb, -1), scale_bytes(scales), scale_bytes(offsets)]
     else:
         parts = [rows.reshape(n_pad // TILE_N, kb, -1), scale_bytes(scales)]
     packed = torch.cat(parts, dim=-1).contiguous()
-    assert packed.shape[-1] == tile_bytes(four is not None)
-    return packed, four is not None
+    assert packed.shape[-1] == tile_bytes(offsets is not None)
+    return packed, offsets is not None
 
 
 class AmxQGemm:

@@ -34,7 +34,9 @@
 #define Q8_TILE_BYTES (TILE_K * TILE_N + 2 * TILE_N)     /* 512 bytes of codes, 16 d */
 
 int cbserve_amx_qgemm_rows(void) { return QROWS; }
-int cbserve_amx_qgemm_tile_bytes(int offsets) { return offsets ? Q4_TILE_BYTES : Q8_TILE_BYTES; }
+/* bytes of one quantized tile: 4-bit codes with offsets, or 8-bit */
+static inline int64_t qtile_bytes(int offsets) { return offsets ? Q4_TILE_BYTES : Q8_TILE_BYTES; }
+int cbserve_amx_qgemm_tile_bytes(int offsets) { return (int)qtile_bytes(offsets); }
 
 #if HAVE_AMX && defined(__AVX512BF16__)
 #define HAVE_AMX_Q 1
@@ -112,7 +114,7 @@ static inline void expand(uint16_t *dst, const uint8_t *src, int offsets) {
 static inline __attribute__((always_inline)) void qtiles_times(float *c, const uint16_t *a, int64_t lda,
                                                               const uint8_t *q, int64_t kblocks, int offsets,
                                                               uint16_t *bufs, const int atiles, const int ntiles) {
-    const int64_t qbytes = offsets ? Q4_TILE_BYTES : Q8_TILE_BYTES, q_stride = kblocks * qbytes;
+    const int64_t qbytes = qtile_bytes(offsets), q_stride = kblocks * qbytes;
     const uint16_t *a1 = a + TILE_ROWS * (lda / 2);
     _tile_zero(0);
     _tile_zero(1);
@@ -175,7 +177,7 @@ static void qrows_times_item(uint16_t *out, int64_t ldo, const uint16_t *a, int6
     if (n0 >= N) return; /* the zero outputs past N of the last group */
     float c[QROWS * GROUP_N] __attribute__((aligned(64)));
     uint16_t bufs[2 * 4 * B_TILE] __attribute__((aligned(64)));
-    const uint8_t *qn = q + n0 / TILE_N * kblocks * (offsets ? Q4_TILE_BYTES : Q8_TILE_BYTES);
+    const uint8_t *qn = q + n0 / TILE_N * kblocks * qtile_bytes(offsets);
     if (M > TILE_ROWS)
         qtiles_times(c, a, lda, qn, kblocks, offsets, bufs, 2, 2);
     else if (width == GROUP_N)
