@@ -23,10 +23,16 @@
  * Why this blocking for many rows (python -m bench.cpu_matmul --dtype bfloat16, docs/BENCHMARKS.md): a tile
  * register is not renamed, so a tile load that misses L1 stalls the products that wait for it. A pair's B
  * tiles for one chunk of k (at most K_CHUNK x 2 KB) stay in L1 while the MACRO_ROWS rows pass, whose A tiles
- * come from L2 and stay there while every pair of outputs passes over them. The rows are read in place
- * where they fill whole blocks and lie on cache lines, else packed (a tile row across two cache lines loads
- * at half the speed); the threads split the outputs while each has few rows, so each reads only its part
- * of W. A finished block's sums are rounded out a few rows at a time between the next block's products.
+ * come from L2 and stay there while every pair of outputs passes over them: they are loaded with the
+ * streaming hint (TILELOADDT1), so that they do not push the B tiles out of L1. Meanwhile the blocks ask the
+ * next chunk's B tiles into L2 a few lines after each k-block, or its first block would wait for memory at
+ * every tile. The rows are read in place where they fill whole blocks and lie on cache lines, else packed
+ * (a tile row across two cache lines loads at half the speed); the threads split the outputs while each has
+ * few rows, so each reads only its part of W. A finished block's sums are rounded out a few rows at a time
+ * between the next block's products; where the call's output is large (STREAM_BYTES) and each block's row
+ * is one whole cache line, with non-temporal stores: an ordinary store of a line that is in no cache waits
+ * for the line to be read first, and the store buffer, full of them, stalls the tile loads (1.4x the time
+ * at 2,048 rows, one thread). (python -m bench.cpu_matmul --dtype bfloat16; docs/BENCHMARKS.md.)
  *
  * Rows that do not fill a block are zero rows of the packed copy (of a scratch tile up to 16 rows): a tile
  * load always reads whole rows. K must be a multiple of 32 (amx_gemm.py keeps other weights on oneDNN).
@@ -58,8 +64,9 @@
 #define BIG_ROWS 32              /* rows per block of the 2 x 2 kernel */
 #define PAIR_N 32                /* outputs per block of the 2 x 2 kernel: two B tiles */
 #define MACRO_ROWS 256           /* rows a pair's B tiles pass over (their A tiles: 288 KB at K = 576) */
-#define K_CHUNK 9                /* k-blocks per chunk at most: a pair's B tiles of a chunk (18 KB) stay in L1 */
+#define K_CHUNK 18               /* k-blocks per chunk at most: a pair's B tiles of a chunk (36 KB) stay in L1 */
 #define SPLIT_ROWS 16            /* blocks of 32 rows a thread from which the threads split the rows */
+#define STREAM_BYTES (1 << 20)   /* outputs of at least this many bytes a call go to memory past the caches */
 
 int cbserve_amx_gemm_group_n(void) { return GROUP_N; }
 int cbserve_amx_gemm_tile_k(void) { return TILE_K; }
@@ -84,6 +91,23 @@ static void store_rows(uint16_t *out, int64_t ldo, const float *c, int64_t ldc, 
             const __m512 sum = _mm512_add_ps(_mm512_maskz_loadu_ps(keep[v], c + m * ldc + 16 * v), b[v]);
             _mm256_mask_storeu_epi16(out + m * ldo + n0 + 16 * v, keep[v], to_bf16_x16(sum));
         }
+}
+
+/* store_rows for n = PAIR_N outputs whose rows each fill one cache line (out + n0 and ldo * 2 on 64 bytes):
+ * each row one non-temporal store of the whole line, which no read for ownership waits for */
+static void stream_rows(uint16_t *out, int64_t ldo, const float *c, int64_t ldc, const uint16_t *bias, int64_t n0,
+                        int64_t M) {
+    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+    if (bias) {
+        b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + n0))), 16));
+        b1 = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + n0 + 16))), 16));
+    }
+    for (int64_t m = 0; m < M; m++) {
+        const __m256i lo = to_bf16_x16(_mm512_add_ps(_mm512_loadu_ps(c + m * ldc), b0));
+        const __m256i hi = to_bf16_x16(_mm512_add_ps(_mm512_loadu_ps(c + m * ldc + 16), b1));
+        _mm512_stream_si512((__m512i *)(out + m * ldo + n0), _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+    }
 }
 #else
 /* float32 -> bfloat16, rounding to nearest even (as torch's conversion; inputs are finite here) */
@@ -234,16 +258,39 @@ typedef struct {
     int64_t step, stride;
 } a_tiles;
 
-/* A block of 32 rows x 32 outputs whose float32 sums wait in `c` to be rounded into `out` (rows 0: none) */
+/* A block of 32 rows x 32 outputs whose float32 sums wait in `c` to be rounded into `out` (rows 0: none);
+ * `stream`: its rows are whole cache lines that go to memory past the caches (stream_rows) */
 typedef struct {
     uint16_t *out;
     const float *c;
     int64_t n0, n, rows;
+    int stream;
 } finished_block;
 
 /* out[0:rows, n0:n0 + n] = round(c + bias) of a finished block, rows [r0, r1) of it */
 static void round_out(const finished_block *f, int64_t r0, int64_t r1, int64_t ldo, const uint16_t *bias) {
+#if VECTOR_ROUNDING
+    if (f->stream) {
+        stream_rows(f->out + r0 * ldo, ldo, f->c + r0 * PAIR_N, PAIR_N, bias, f->n0, r1 - r0);
+        return;
+    }
+#endif
     store_rows(f->out + r0 * ldo, ldo, f->c + r0 * PAIR_N, PAIR_N, bias, f->n0, f->n, r1 - r0);
+}
+
+/* The B tiles that a block asks into L2 for the chunk after its own (whose first block would otherwise wait
+ * for memory at every tile; the blocks of a chunk share the asking): lines [first, last) of those at b0 and
+ * at b1, `per_kb` after each k-block's products. */
+typedef struct {
+    const char *b0, *b1;
+    int64_t first, last, per_kb;
+} next_chunk;
+
+static inline void ask_next(const next_chunk *nx, int64_t step) {
+    for (int64_t l = nx->first + step * nx->per_kb, end = l + nx->per_kb; l < end && l < nx->last; l++) {
+        _mm_prefetch(nx->b0 + 64 * l, _MM_HINT_T1);
+        _mm_prefetch(nx->b1 + 64 * l, _MM_HINT_T1);
+    }
 }
 
 /* C (32 rows x 32 outputs, float32, row stride 32) over k-blocks [kb0, kb1) of the A tiles `a` and the B
@@ -251,7 +298,7 @@ static void round_out(const finished_block *f, int64_t r0, int64_t r1, int64_t l
  * (another c) is rounded out, a few rows after each k-block's products: its vector work runs while the tile
  * unit multiplies (NOTE: after this block's tile stores, it would wait for every product of the block). */
 static void block_2x2(float *c, const a_tiles *a, const uint16_t *b0, const uint16_t *b1, int64_t kb0, int64_t kb1,
-                      const finished_block *done, int64_t ldo, const uint16_t *bias) {
+                      const finished_block *done, const next_chunk *nx, int64_t ldo, const uint16_t *bias) {
     const int64_t rows_per_kb = (done->rows + (kb1 - kb0) - 1) / (kb1 - kb0);
     int64_t rounded = 0;
     if (kb0 == 0) {
@@ -266,14 +313,15 @@ static void block_2x2(float *c, const a_tiles *a, const uint16_t *b0, const uint
         _tile_loadd(3, c + 16 * PAIR_N + 16, PAIR_N * 4);
     }
     for (int64_t kb = kb0; kb < kb1; kb++) {
-        _tile_loadd(4, a->a0 + kb * a->step, a->stride);
+        _tile_stream_loadd(4, a->a0 + kb * a->step, a->stride);
         _tile_loadd(6, b0 + kb * B_TILE, 64);
         _tile_loadd(7, b1 + kb * B_TILE, 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(5, a->a1 + kb * a->step, a->stride);
+        _tile_stream_loadd(5, a->a1 + kb * a->step, a->stride);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
+        ask_next(nx, kb - kb0);
         if (rounded < done->rows) {
             const int64_t next = done->rows - rounded < rows_per_kb ? done->rows : rounded + rows_per_kb;
             round_out(done, rounded, next, ldo, bias);
@@ -290,16 +338,36 @@ static void block_2x2(float *c, const a_tiles *a, const uint16_t *b0, const uint
  * pairs_scratch_bytes(m1 - m0, K)): MACRO_ROWS rows at a time (whole blocks read in place where the rows lie
  * on cache lines, else packed; a last block of fewer rows packed with zero rows), then per pair, per chunk of
  * k, every block of 32 rows; a block's sums are rounded out while the next block computes */
+/* The B tiles of the chunk after k-blocks [kc, kc + chunk) of pair p of [p0, p1): the next chunk of p, else
+ * the first of p + 1, else (`again`: more rows follow) of p0; as block rb of `blocks` asks for them */
+static next_chunk chunk_after(const uint16_t *packed, int64_t p, int64_t p0, int64_t p1, int again, int64_t kc,
+                              int64_t chunk, int64_t kblocks, int64_t rb, int64_t blocks) {
+    next_chunk nx = {NULL, NULL, 0, 0, 1};
+    int64_t q = p, ka = kc + chunk;
+    if (ka >= kblocks) q = p + 1, ka = 0;
+    if (q >= p1 && again) q = p0;
+    if (q >= p1) return nx;
+    const int64_t kz = kblocks - ka < chunk ? kblocks : ka + chunk, lines = (kz - ka) * B_TILE * 2 / 64;
+    const int64_t share = (lines + blocks - 1) / blocks, ours = kc + chunk < kblocks ? chunk : kblocks - kc;
+    const uint16_t *b0 = packed + (2 * q * kblocks + ka) * B_TILE;
+    nx.b0 = (const char *)b0;
+    nx.b1 = (const char *)(b0 + kblocks * B_TILE);
+    nx.first = rb * share;
+    nx.last = nx.first + share < lines ? nx.first + share : lines;
+    nx.per_kb = (share + ours - 1) / ours;
+    return nx;
+}
+
 static void rows_times_pairs(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx, const uint16_t *packed,
                              const uint16_t *bias, int64_t m0, int64_t m1, int64_t p0, int64_t p1, int64_t N,
-                             int64_t K, void *scratch) {
+                             int64_t K, void *scratch, int stream) {
     const int64_t kblocks = K / TILE_K, c_block = BIG_ROWS * PAIR_N;
     const int64_t chunks = (kblocks + K_CHUNK - 1) / K_CHUNK, chunk = (kblocks + chunks - 1) / chunks;
     const int64_t most = m1 - m0 < MACRO_ROWS ? (m1 - m0 + BIG_ROWS - 1) / BIG_ROWS * BIG_ROWS : MACRO_ROWS;
     const int in_place = (ldx * 2) % 64 == 0 && (uintptr_t)x % 64 == 0;
     uint16_t *ap = scratch;
     float *c = (float *)(ap + most * K);
-    finished_block done = {out, c, 0, 0, 0};
+    finished_block done = {out, c, 0, 0, 0, 0};
     for (int64_t mb = m0; mb < m1; mb += MACRO_ROWS) {
         const int64_t rows = m1 - mb < MACRO_ROWS ? m1 - mb : MACRO_ROWS, blocks = (rows + BIG_ROWS - 1) / BIG_ROWS;
         const int64_t whole = rows / BIG_ROWS; /* blocks read in place (in_place), before a packed last one */
@@ -323,11 +391,12 @@ static void rows_times_pairs(uint16_t *out, int64_t ldo, const uint16_t *x, int6
                         round_out(&done, 0, done.rows, ldo, bias);
                         done.rows = 0;
                     }
-                    block_2x2(cb, &a, b0, b1, kc, ke, &done, ldo, bias);
+                    const next_chunk nx = chunk_after(packed, p, p0, p1, mb + MACRO_ROWS < m1, kc, chunk, kblocks, rb, blocks);
+                    block_2x2(cb, &a, b0, b1, kc, ke, &done, &nx, ldo, bias);
                     done.rows = 0;
                     if (ke == kblocks) {
                         const int64_t r0 = rb * BIG_ROWS, left = rows - r0 < BIG_ROWS ? rows - r0 : BIG_ROWS;
-                        done = (finished_block){out + (mb + r0) * ldo, cb, p * PAIR_N, n, left};
+                        done = (finished_block){out + (mb + r0) * ldo, cb, p * PAIR_N, n, left, stream && n == PAIR_N};
                     }
                 }
             }
@@ -335,6 +404,9 @@ static void rows_times_pairs(uint16_t *out, int64_t ldo, const uint16_t *x, int6
         round_out(&done, 0, done.rows, ldo, bias); /* before the next macro block's rows overwrite c */
         done.rows = 0;
     }
+#if VECTOR_ROUNDING
+    if (stream) _mm_sfence(); /* the streamed rows in memory before anyone reads them */
+#endif
 }
 
 /* This thread's share of out [M, N] = x [M, K] W^T (+ bias), called by every thread of an OpenMP region that
@@ -371,7 +443,9 @@ static int amx_gemm_share(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t
     }
     if (m0 >= m1 || p0 >= p1) return 0;
     if (scratch == NULL) return -1;
-    rows_times_pairs(out, ldo, x, ldx, packed, bias, m0, m1, p0, p1, N, K, scratch);
+    /* a large output goes to memory past the caches, where whole cache lines (no read for ownership) */
+    const int stream = M * N * 2 >= STREAM_BYTES && (ldo * 2) % 64 == 0 && (uintptr_t)out % 64 == 0;
+    rows_times_pairs(out, ldo, x, ldx, packed, bias, m0, m1, p0, p1, N, K, scratch, stream);
     return 0;
 }
 
