@@ -6,10 +6,9 @@ as gpt-fast's ``replace_linear_int4`` does: the model's code stays the architect
             float32, the small kernel built:  SmallGemmLinear (+ PackedLinear for more than MAX_ROWS rows,
                                               unless the kernel takes every batch), wrapped in a
                                               QuantPanelLinear where the checkpoint's blocks give W exactly
-            bfloat16, AMX:                    AmxLinear (every K a multiple of 32; else PackedLinear),
-                                              + PackedLinear for more than amx_gemm.MAX_ROWS rows
-                                              unless batch_invariant, wrapped in a QuantAmxLinear
-                                              where the checkpoint's blocks round to W exactly
+            bfloat16, AMX:                    AmxLinear for every call (every K a multiple of 32; else
+                                              PackedLinear), wrapped in a QuantAmxLinear where the
+                                              checkpoint's blocks round to W exactly
             otherwise, where oneDNN packs:    PackedLinear
         RMSNorm -> FusedRMSNorm, RotaryEmbedding -> FusedRotaryEmbedding, SiluAndMul -> FusedSiLUMul,
         GeluTanhAndMul -> FusedGeluTanhMul
@@ -73,9 +72,8 @@ def apply_cpu_fast_paths(
     dense projections are freed; the embedding stays dense). ``blocks``: the checkpoint's block-quantized
     tensors by Hugging Face name (the GGUF loader's), kept as quantized panels where they give the loaded
     weight bit for bit. ``batch_invariant``: matmuls of every size on cbserve's kernels, never on oneDNN
-    (whose kernel, and rounding, depend on the call's row count): float32 on the small kernel, bfloat16 on
-    the AMX kernel where the CPU has AMX-BF16 (slower than oneDNN from about 1,400 rows: docs/BENCHMARKS.md;
-    without the flag it takes calls of up to ``amx_gemm.MAX_ROWS`` rows, prefill chunks included)."""
+    (whose kernel, and rounding, depend on the call's row count): float32 on the small kernel (bfloat16 on
+    a CPU with AMX-BF16 takes the AMX kernel for every call with or without the flag)."""
     small, invariant = swap_linears(model, blocks or {}, batch_invariant)
     ops = swap_fused_ops(model)
     return CpuFastPaths(not any(isinstance(m, Linear) for m in model.modules()), small, ops, invariant)
@@ -89,8 +87,8 @@ def swap_linears(
     if not prepacked.can_prepack(model.device, model.dtype):
         return None, False
     amx = _amx(model)
-    if amx is not None:  # bfloat16 with AMX: the tiles for decode-sized calls (every call if batch_invariant)
-        return None, swap_amx_linears(model, amx, blocks, batch_invariant)
+    if amx is not None:  # bfloat16 with AMX: the tiles for every call
+        return None, swap_amx_linears(model, amx, blocks)
     small: SmallGemm | None = None
     if small_gemm.supports(model.device, model.dtype):
         try:
@@ -117,12 +115,10 @@ def swap_linears(
     return small, not onednn
 
 
-def swap_amx_linears(
-    model: NativeModel, amx: AmxGemm, blocks: Mapping[str, BlockCodes], batch_invariant: bool
-) -> bool:
-    """bfloat16 with AMX: every ``Linear`` on the tiles (where every K is a multiple of 32; else all on
-    oneDNN), behind the checkpoint's blocks where they round to the weight; returns whether every row takes
-    one kernel whatever its batch."""
+def swap_amx_linears(model: NativeModel, amx: AmxGemm, blocks: Mapping[str, BlockCodes]) -> bool:
+    """bfloat16 with AMX: every ``Linear`` on the tiles for calls of every size (where every K is a
+    multiple of 32; else all on oneDNN), behind the checkpoint's blocks where they round to the weight;
+    returns whether every row takes one kernel whatever its batch."""
     fits = all(amx_gemm.fits(m.in_features) for m in model.modules() if isinstance(m, Linear))
     places = [(parent, name) for parent, name, m in _children(model) if isinstance(m, Linear)]
     qgemm = _amx_quantized() if fits and blocks else None
@@ -132,9 +128,8 @@ def swap_amx_linears(
     for (parent, name), c in zip(places, codes, strict=True):
         m = getattr(parent, name)
         w = m.weight.detach()
-        large = None if fits and batch_invariant else PackedLinear(w, m.bias)
-        setattr(parent, name, _amx_linear(amx, qgemm, w, m.bias, large, c) if fits else large)
-    return fits and batch_invariant
+        setattr(parent, name, _amx_linear(amx, qgemm, w, m.bias, c) if fits else PackedLinear(w, m.bias))
+    return fits
 
 
 def _amx(model: NativeModel) -> AmxGemm | None:
@@ -162,12 +157,11 @@ def _amx_linear(
     qgemm: AmxQGemm | None,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    large: PackedLinear | None,
     codes: BlockCodes | None,
 ) -> nn.Module:
     """A bfloat16 ``Linear``'s replacement: its AMX tiles, behind the checkpoint's blocks where the kernel
     gives their weights exactly (``amx_qgemm.pack``)."""
-    tiles = AmxLinear(amx, weight, bias, large)
+    tiles = AmxLinear(amx, weight, bias)
     if qgemm is None or codes is None:
         return tiles
     packed = amx_qgemm.pack(codes)

@@ -95,10 +95,11 @@ def test_a_bfloat16_model_gets_onednn_or_the_amx_kernel_and_the_fused_ops(batch_
     except KernelUnavailable:
         amx = False
     assert _types(model, Linear) == ({AmxLinear} if amx else {PackedLinear} if onednn else {Linear})
-    assert paths.batch_invariant == (amx and batch_invariant)
-    if amx:  # decode-sized calls on the tiles; larger ones on oneDNN unless batch-invariant
+    assert paths.batch_invariant == amx  # the tiles take every call, with or without the flag
+    if amx:
         head = cast(AmxLinear, model.lm_head)
-        assert head.takes(amx_gemm.MAX_ROWS) and head.takes(4096) == batch_invariant
+        assert head.takes(1) and head.takes(8192)
+        assert not any(isinstance(m, PackedLinear) for m in model.modules())  # no oneDNN copy of a weight
     if paths.fused_ops is not None:
         assert _types(model, RMSNorm) == {FusedRMSNorm} and isinstance(model.rotary, FusedRotaryEmbedding)
 

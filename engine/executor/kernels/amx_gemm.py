@@ -1,16 +1,14 @@
 """bfloat16 matmuls on Intel AMX tiles in C (``csrc/amx_gemm.c``) over weights packed once into the tiles'
 layout: ``[N_pad / 16, K / 32, 16, 16, 2]`` (k-pairs of 16 outputs per 1 KB tile; N padded to 64).
 
-Why: decode-sized calls, prefill chunks of up to ``MAX_ROWS`` rows, and a row's result independent of its
-batch (docs/GENERATION.md, "Batch invariance"). Up to ``MAX_ROWS`` rows the kernel is faster than oneDNN's
-(``python -m bench.cpu_matmul --dtype bfloat16``, docs/BENCHMARKS.md), and the bfloat16 decode stack runs
-whole decode steps over its tiles (engine/executor/decode_stack.py). oneDNN picks its bfloat16 kernel and
-blocking by the call's row count, so a decode row computed alone and the same row beside a prefill chunk are
-rounded differently (up to 0.1 in a logprob on Sapphire Rapids); here every output is one chain of tile
-products over ``k`` in order, whatever the rows around it. So on CPUs with AMX-BF16 (every ``K`` a multiple
-of 32) every bfloat16 ``Linear`` holds its tiles (engine/executor/fast_paths.py): calls of up to
-``MAX_ROWS`` rows run on them and larger ones on oneDNN, which is faster from about 1,400 rows on; with
-``batch_invariant`` the tiles take every call.
+Why: speed, and a row's result independent of its batch (docs/GENERATION.md, "Batch invariance"). The kernel
+is faster than oneDNN's up to ~1,300 rows and as fast from there on (``python -m bench.cpu_matmul --dtype
+bfloat16``, docs/BENCHMARKS.md), and the bfloat16 decode stack runs whole decode steps over its tiles
+(engine/executor/decode_stack.py). oneDNN picks its bfloat16 kernel and blocking by the call's row count, so
+a decode row computed alone and the same row beside a prefill chunk would be rounded differently (up to 0.1
+in a logprob on Sapphire Rapids); here every output is one chain of tile products over ``k`` in order,
+whatever the rows around it. So on CPUs with AMX-BF16 (every ``K`` a multiple of 32) every bfloat16
+``Linear`` holds its tiles alone (engine/executor/fast_paths.py), and they take calls of every size.
 """
 
 from __future__ import annotations
@@ -26,11 +24,6 @@ SOURCE = Path(__file__).with_name("csrc") / "amx_gemm.c"
 TILE_N = 16
 TILE_K = 32
 GROUP_N = 64
-# calls of at most this many rows use the kernel where oneDNN holds the weights too: faster than oneDNN up to
-# here, slower from about 1,400 rows, where oneDNN changes its blocking (python -m bench.cpu_matmul --dtype
-# bfloat16, 2 Sapphire Rapids cores, GFLOPS kernel / oneDNN: 256 rows 2357 / 2233, 512 2401 / 2146, 1024
-# 2556 / 2158, 1280 2532 / 2320, 1408 2629 / 2908, 2048 2218 / 2852; docs/BENCHMARKS.md)
-MAX_ROWS = 1280
 
 
 def supports(device: torch.device, dtype: torch.dtype) -> bool:

@@ -20,7 +20,7 @@ from typing import Generic, TypeVar
 import torch
 from torch import nn
 
-from engine.executor.kernels import amx_gemm, amx_qgemm, prepacked, small_gemm
+from engine.executor.kernels import amx_qgemm, prepacked, small_gemm
 from engine.executor.kernels.amx_gemm import AmxGemm
 from engine.executor.kernels.amx_qgemm import AmxQGemm
 from engine.executor.kernels.cpu_ops import CpuOps
@@ -74,27 +74,22 @@ class SmallGemmLinear(nn.Module):
 
 
 class AmxLinear(nn.Module):
-    """``x W^T + b`` in bfloat16 with ``W`` in the AMX kernel's tiles (``AmxGemm.pack``). With ``large`` (the
-    weights also in oneDNN's layout), calls of more than ``amx_gemm.MAX_ROWS`` rows go there; without, the
-    tiles take every call, and a row's bits never depend on its batch."""
+    """``x W^T + b`` in bfloat16 with ``W`` in the AMX kernel's tiles (``AmxGemm.pack``), for calls of every
+    size (as fast as oneDNN's from ~1,300 rows, faster below: docs/BENCHMARKS.md), so a row's bits never
+    depend on its batch."""
 
-    def __init__(
-        self, amx: AmxGemm, weight: torch.Tensor, bias: torch.Tensor | None, large: PackedLinear | None = None
-    ) -> None:
+    def __init__(self, amx: AmxGemm, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.amx = amx
         self.tiles = amx.pack(weight)  # [ceil(out / 64) * 4, in / 32, 16, 16, 2]
         self.bias = bias
-        self.large = large
 
     def takes(self, num_rows: int) -> bool:
-        """Whether a call of ``num_rows`` rows runs on the tiles."""
-        return self.large is None or num_rows <= amx_gemm.MAX_ROWS
+        """Whether a call of ``num_rows`` rows runs on the tiles: every call does."""
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.large is not None and x.numel() > amx_gemm.MAX_ROWS * self.in_features:
-            return self.large(x)
         return self.amx.linear(x, self.tiles, self.out_features, self.bias)  # [..., out_features]
 
 
