@@ -35,9 +35,12 @@
  * instead of 4. Expanding costs a few instructions per 8 weights, so it pays only where reading the weights
  * is the limit: few rows (small_gemm.py's QUANTIZED_MAX_ROWS).
  */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "kept_buffer.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -168,10 +171,194 @@ static void rows_times_panel(float *out, int64_t ldo, const float *x, int64_t ld
                           n, K);
 }
 
+#if defined(__AVX512F__)
+/* ---- many rows on AVX-512: 16 outputs a vector, two panels x WIDE_ROWS rows of chains in registers ----
+ *
+ * for each macro block of WIDE_MACRO rows:  x's whole blocks packed k-major ([block][k][WIDE_ROWS])
+ *     for each pair of panels (the threads' own):  for each block of WIDE_ROWS rows:
+ *         acc[m][j] += xp[k][m] * W[p + j][k][:]     for k in order (K_BLOCK at a time), m < WIDE_ROWS, j < 2
+ *
+ * The same chains as above, one vector of 16 outputs instead of two of 8: the same bits. Per k, two panel
+ * loads and WIDE_ROWS broadcasts feed 2 * WIDE_ROWS FMAs (BLIS's blocking for AVX-512). Packed k-major, a
+ * block's values of x at one k lie at fixed offsets from one pointer, each FMA broadcasting its own from
+ * memory. The macro block's rows pass over each pair of panels while it stays in L1 or L2, a panel read
+ * once per macro block; a last panel alone takes one vector a row, rows past the last whole block the
+ * 8-float blocks. Twice the outputs per instruction of those: at prefill sizes about as fast as oneDNN's
+ * float32 kernels on an AVX-512 CPU (python -m bench.cpu_matmul). */
+#define WIDE_ROWS 12   /* rows a block: WIDE_ROWS x WIDE_PANELS accumulators, 26 of the 32 registers with */
+#define WIDE_PANELS 2  /* the panels' vectors (8 x 3, 6 x 4 and 14 x 2 measured alike) */
+#define WIDE_MACRO 240 /* rows of a macro block: 20 blocks, 553 KB of packed x at K = 576 */
+#define WIDE_FROM 64   /* calls of more rows take this path (small_gemm.py's MAX_ROWS) */
+#define WIDE_PANEL_BYTES (1 << 20) /* the panels of a group of blocks' panels, held in L2 */
+
+typedef float v16f __attribute__((vector_size(16 * sizeof(float))));
+
+INLINE v16f wide_load(const float *p) {
+    v16f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* r[i][j] <-> r[j][i] for a 16 x 16 block of floats (unpacks within 128-bit lanes, then lanes moved) */
+INLINE void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+        const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
+        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+/* rows [0, blocks * WIDE_ROWS) of x packed k-major per block: xp[(b * K + k) * WIDE_ROWS + m]; 16 k at a time
+ * a 16 x 16 transpose (four zero rows), the rest one value at a time */
+static void pack_wide(float *restrict xp, const float *x, int64_t ldx, int64_t blocks, int64_t K) {
+    const __mmask16 rows = (__mmask16)((1u << WIDE_ROWS) - 1);
+    for (int64_t b = 0; b < blocks; b++) {
+        const float *rows_x = x + b * WIDE_ROWS * ldx;
+        float *dst = xp + b * K * WIDE_ROWS;
+        int64_t k = 0;
+        for (; k + 16 <= K; k += 16) {
+            __m512 r[16];
+            for (int m = 0; m < 16; m++) r[m] = m < WIDE_ROWS ? _mm512_loadu_ps(rows_x + m * ldx + k) : _mm512_setzero_ps();
+            transpose16(r);
+            for (int j = 0; j < 16; j++) _mm512_mask_storeu_ps(dst + (k + j) * WIDE_ROWS, rows, r[j]);
+        }
+        for (; k < K; k++)
+            for (int m = 0; m < WIDE_ROWS; m++) dst[k * WIDE_ROWS + m] = rows_x[m * ldx + k];
+    }
+}
+
+/* one block's packed rows (xp: its k = 0) times np <= WIDE_PANELS panels (a literal) at p0, `stride` floats
+ * apart, over k in [k0, k1): fresh chains into acc[m * WIDE_PANELS + j] */
+INLINE void wide_rows_times_chunk(v16f *acc, const float *xp, const float *p0, int64_t stride, int64_t k0,
+                                  int64_t k1, const int np) {
+    v16f a[WIDE_ROWS * WIDE_PANELS];
+#pragma GCC unroll 32
+    for (int i = 0; i < WIDE_ROWS * WIDE_PANELS; i++) a[i] = (v16f){0};
+    for (int64_t k = k0; k < k1; k++) {
+        v16f w[WIDE_PANELS];
+#pragma GCC unroll 4
+        for (int j = 0; j < np; j++) {
+            w[j] = wide_load(p0 + j * stride + k * PANEL);
+            __asm__("" : "+v"(w[j])); /* in a register: one load for every row's FMA */
+        }
+        const float *xk = xp + k * WIDE_ROWS;
+#pragma GCC unroll 16
+        for (int m = 0; m < WIDE_ROWS; m++) {
+            const v16f xb = (v16f){0} + xk[m];
+#pragma GCC unroll 4
+            for (int j = 0; j < np; j++) a[m * WIDE_PANELS + j] = xb * w[j] + a[m * WIDE_PANELS + j];
+        }
+    }
+#pragma GCC unroll 32
+    for (int i = 0; i < WIDE_ROWS * WIDE_PANELS; i++) acc[i] = a[i];
+}
+
+/* out[m, 0:16 np] = bias + sum over k of x[m, k] * (np panels)[k, :] for one packed block of WIDE_ROWS rows;
+ * n: the outputs of the last of the np panels */
+INLINE void wide_block_times_panels(float *out, int64_t ldo, const float *xp, const float *p0, int64_t stride,
+                                    const float *bias, int64_t K, int n, const int np) {
+    v16f acc[WIDE_ROWS * WIDE_PANELS], sum[WIDE_ROWS * WIDE_PANELS];
+    for (int64_t kb = 0; kb < K; kb += K_BLOCK) {
+        wide_rows_times_chunk(acc, xp, p0, stride, kb, K - kb < K_BLOCK ? K : kb + K_BLOCK, np);
+        for (int i = 0; i < WIDE_ROWS * WIDE_PANELS; i++) sum[i] = kb == 0 ? acc[i] : sum[i] + acc[i];
+    }
+    for (int j = 0; j < np; j++) {
+        const __mmask16 keep = j + 1 < np ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
+        const v16f b = bias ? (v16f)_mm512_maskz_loadu_ps(keep, bias + j * PANEL) : (v16f){0};
+        for (int m = 0; m < WIDE_ROWS; m++) {
+            const v16f o = bias ? sum[m * WIDE_PANELS + j] + b : sum[m * WIDE_PANELS + j];
+            _mm512_mask_storeu_ps(out + m * ldo + j * PANEL, keep, (__m512)o);
+        }
+    }
+}
+
+/* rows [m0, m1) times every panel: per group of WIDE_PANELS panels at a time that fit in L2 together
+ * (WIDE_PANEL_BYTES), per block of WIDE_ROWS rows (packed in xp: it stays in L1 while the group's panels
+ * pass), per WIDE_PANELS panels; rows past the last whole block in 8-float blocks from x */
+static void wide_rows_times_panels(float *out, int64_t ldo, const float *x, int64_t ldx, const float *xp,
+                                   const float *packed, const float *bias, int64_t m0, int64_t m1, int64_t N,
+                                   int64_t K) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, blocks = (m1 - m0) / WIDE_ROWS, m = m0 + blocks * WIDE_ROWS;
+    const int64_t stride = K * PANEL, tuples = (panels + WIDE_PANELS - 1) / WIDE_PANELS;
+    int64_t group = WIDE_PANEL_BYTES / (WIDE_PANELS * stride * (int64_t)sizeof(float));
+    if (group < 1) group = 1;
+    for (int64_t g0 = 0; g0 < tuples; g0 += group) {
+        const int64_t g1 = tuples - g0 < group ? tuples : g0 + group;
+        for (int64_t i = 0; i < blocks; i++)
+            for (int64_t q = g0; q < g1; q++) {
+                const int64_t p = WIDE_PANELS * q, np = panels - p < WIDE_PANELS ? panels - p : WIDE_PANELS;
+                const int n = (int)(N - (p + np - 1) * PANEL < PANEL ? N - (p + np - 1) * PANEL : PANEL);
+                const float *p0 = packed + p * stride, *b = bias ? bias + p * PANEL : NULL, *xi = xp + i * K * WIDE_ROWS;
+                float *o = out + (m0 + i * WIDE_ROWS) * ldo + p * PANEL;
+                switch (np) {
+                    case WIDE_PANELS: wide_block_times_panels(o, ldo, xi, p0, stride, b, K, n, WIDE_PANELS); break;
+#if WIDE_PANELS > 2
+                    case 2: wide_block_times_panels(o, ldo, xi, p0, stride, b, K, n, 2); break;
+#endif
+#if WIDE_PANELS > 3
+                    case 3: wide_block_times_panels(o, ldo, xi, p0, stride, b, K, n, 3); break;
+#endif
+                    default: wide_block_times_panels(o, ldo, xi, p0, stride, b, K, n, 1); break;
+                }
+            }
+    }
+    for (int64_t p = 0; p < panels && m < m1; p++) {
+        const int n = (int)(N - p * PANEL < PANEL ? N - p * PANEL : PANEL);
+        rows_times_panel_data(out + m * ldo + p * PANEL, ldo, x + m * ldx, ldx, packed + p * stride,
+                              bias ? bias + p * PANEL : NULL, m1 - m, n, K);
+    }
+}
+
+static __thread kept_buffer wide_scratch; /* a thread's packed macro block, kept from call to call */
+
+/* cbserve_small_gemm for more than WIDE_FROM rows; returns -1 where a thread's scratch cannot be allocated
+ * (its rows are then not written). The threads split the rows (whole blocks each, but the last): each packs
+ * only its own and reads every panel, with no thread waiting for another. */
+static int wide_gemm(float *out, int64_t ldo, const float *x, int64_t ldx, const float *packed, const float *bias,
+                     int64_t M, int64_t N, int64_t K) {
+    const int64_t blocks = (M + WIDE_ROWS - 1) / WIDE_ROWS;
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t r0 = blocks * t / threads * WIDE_ROWS, r1 = blocks * (t + 1) / threads * WIDE_ROWS;
+        float *xp = r0 < M ? kept_alloc(&wide_scratch, sizeof(float) * (size_t)(WIDE_MACRO * K)) : NULL;
+        failed = r0 < M && xp == NULL;
+        for (int64_t m0 = r0; m0 < M && m0 < r1 && xp != NULL; m0 += WIDE_MACRO) {
+            const int64_t m1 = m0 + WIDE_MACRO < (r1 < M ? r1 : M) ? m0 + WIDE_MACRO : (r1 < M ? r1 : M);
+            pack_wide(xp, x + m0 * ldx, ldx, (m1 - m0) / WIDE_ROWS, K);
+            wide_rows_times_panels(out, ldo, x, ldx, xp, packed, bias, m0, m1, N, K);
+        }
+    }
+    return failed ? -1 : 0;
+}
+#endif
+
 /* out [M, N] (row stride ldo) = x [M, K] (row stride ldx) times packed W^T, plus bias [N] if not NULL */
 void cbserve_small_gemm(float *out, int64_t ldo, const float *x, int64_t ldx, const float *packed,
                         const float *bias, int64_t M, int64_t N, int64_t K) {
     const int64_t panels = (N + PANEL - 1) / PANEL;
+#if defined(__AVX512F__)
+    if (M > WIDE_FROM && wide_gemm(out, ldo, x, ldx, packed, bias, M, N, K) == 0) return;
+#endif
 #pragma omp parallel for schedule(static) if (panels > 1 && M * N * K >= (1 << 18))
     for (int64_t p = 0; p < panels; p++) rows_times_panel(out, ldo, x, ldx, packed, bias, M, N, K, p);
 }
