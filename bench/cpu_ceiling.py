@@ -20,7 +20,7 @@ tokens, so the run takes at least ``output tokens / C`` forwards, and each reads
 layers' projections and the output head, in the dtype's bytes: a server holding its weights so). The
 bandwidth is measured as the best rate of streaming a buffer of that many bytes (from whichever level of
 the memory holds it: a large L3 may) through vector adds on ``--threads`` threads (bench/csrc/mem_read.c). KV-cache reads are left out, so the bound stays a bound.
-For a GGUF whose matrices are stored in blocks, a second bound counts the blocks' bytes instead: cbserve's
+With ``--dtype bfloat16``, for a GGUF whose matrices are stored in blocks, a second bound counts the blocks' bytes instead: cbserve's
 bfloat16 decode steps read those (engine/executor/kernels/amx_qgemm.py), so the first is no bound for them.
 
 With ``--times N`` each run also says what N times its own throughput would need, as a share of the
@@ -296,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         f"(best of {args.rounds})"
     )
     machine = Machine(peak, bandwidth)
-    stored = stored_weight_bytes(args.model)
+    # NOTE: only bfloat16 steps read these bytes (float32 steps of up to six rows read their own int8 panels)
+    stored = stored_weight_bytes(args.model) if args.dtype == "bfloat16" else None
     if not args.runs:
         n = args.num_prompts
         work = run_work(config, [args.random_input_len] * n, [args.random_output_len] * n)
