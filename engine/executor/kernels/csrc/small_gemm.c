@@ -174,22 +174,24 @@ static void rows_times_panel(float *out, int64_t ldo, const float *x, int64_t ld
 #if defined(__AVX512F__)
 /* ---- many rows on AVX-512: 16 outputs a vector, two panels x WIDE_ROWS rows of chains in registers ----
  *
- * for each macro block of WIDE_MACRO rows:  x's whole blocks packed k-major ([block][k][WIDE_ROWS])
- *     for each pair of panels (the threads' own):  for each block of WIDE_ROWS rows:
+ * the threads split the rows; each, for each macro block of WIDE_MACRO of its rows:
+ *     x's whole blocks of WIDE_ROWS rows packed k-major ([block][k][WIDE_ROWS])
+ *     for each group of panels that fits in L2:  for each block:  for each pair of panels p, p + 1:
  *         acc[m][j] += xp[k][m] * W[p + j][k][:]     for k in order (K_BLOCK at a time), m < WIDE_ROWS, j < 2
  *
  * The same chains as above, one vector of 16 outputs instead of two of 8: the same bits. Per k, two panel
  * loads and WIDE_ROWS broadcasts feed 2 * WIDE_ROWS FMAs (BLIS's blocking for AVX-512). Packed k-major, a
- * block's values of x at one k lie at fixed offsets from one pointer, each FMA broadcasting its own from
- * memory. The macro block's rows pass over each pair of panels while it stays in L1 or L2, a panel read
- * once per macro block; a last panel alone takes one vector a row, rows past the last whole block the
- * 8-float blocks. Twice the outputs per instruction of those: at prefill sizes about as fast as oneDNN's
- * float32 kernels on an AVX-512 CPU (python -m bench.cpu_matmul). */
+ * block's values of x at one k lie at fixed offsets from one pointer (unpacked, the rows' pointers would
+ * not fit the general registers). A block's packed rows stay in L1 while its group's panels pass, from L2;
+ * a group's panels are read from memory once per macro block. A last panel alone takes one vector a row,
+ * rows past the last whole block the 8-float blocks. Twice the outputs per instruction of those: at
+ * prefill sizes within 5-10% of oneDNN's float32 kernels on Sapphire Rapids (python -m bench.cpu_matmul;
+ * they were about half), the threads never waiting for each other. */
 #define WIDE_ROWS 12   /* rows a block: WIDE_ROWS x WIDE_PANELS accumulators, 26 of the 32 registers with */
 #define WIDE_PANELS 2  /* the panels' vectors (8 x 3, 6 x 4 and 14 x 2 measured alike) */
 #define WIDE_MACRO 240 /* rows of a macro block: 20 blocks, 553 KB of packed x at K = 576 */
 #define WIDE_FROM 64   /* calls of more rows take this path (small_gemm.py's MAX_ROWS) */
-#define WIDE_PANEL_BYTES (1 << 20) /* the panels of a group of blocks' panels, held in L2 */
+#define WIDE_PANEL_BYTES (1 << 20) /* the panels of a group, held in L2 */
 
 typedef float v16f __attribute__((vector_size(16 * sizeof(float))));
 
