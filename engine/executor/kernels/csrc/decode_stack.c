@@ -73,7 +73,8 @@ typedef struct {
 } cbserve_model;
 
 /* y[:, 0:N] = x W^T (+ b) for M rows: the output panels shared out among the threads of the region; from
- * the quantized panels where there are some and M <= ROWS (small_gemm.py's QUANTIZED_MAX_ROWS) */
+ * the quantized panels where there are some and M <= ROWS (small_gemm.py's QUANTIZED_MAX_ROWS); with
+ * AVX-512 and at least WIDE_ROWS rows on small_gemm.c's 16-float path */
 static void gemm_shared(float *out, int64_t ldo, const float *x, int64_t ldx, const float *packed,
                         const uint8_t *qpacked, int64_t offsets, const float *bias, int64_t M, int64_t N,
                         int64_t K) {
@@ -83,6 +84,12 @@ static void gemm_shared(float *out, int64_t ldo, const float *x, int64_t ldx, co
         for (int64_t p = 0; p < panels; p++)
             rows_times_qpanel(out, ldo, x, ldx, qpacked, (int)offsets, bias, M, N, K, p, NULL);
     } else {
+#if defined(__AVX512F__)
+        if (M >= WIDE_ROWS) { /* 16-float vectors (small_gemm.c): the same bits */
+            wide_shared(out, ldo, x, ldx, packed, bias, M, N, K);
+            return;
+        }
+#endif
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++) rows_times_panel(out, ldo, x, ldx, packed, bias, M, N, K, p);
     }

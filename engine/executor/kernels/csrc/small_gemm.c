@@ -191,6 +191,7 @@ static void rows_times_panel(float *out, int64_t ldo, const float *x, int64_t ld
 #define WIDE_PANELS 2  /* the panels' vectors (8 x 3, 6 x 4 and 14 x 2 measured alike) */
 #define WIDE_MACRO 240 /* rows of a macro block: 20 blocks, 553 KB of packed x at K = 576 */
 #define WIDE_FROM 64   /* calls of more rows take this path (small_gemm.py's MAX_ROWS) */
+#define WIDE_AHEAD 32  /* k steps (a panel's lines) asked for ahead: a decode step's panels come from memory */
 #define WIDE_PANEL_BYTES (1 << 20) /* the panels of a group, held in L2 */
 
 typedef float v16f __attribute__((vector_size(16 * sizeof(float))));
@@ -228,29 +229,30 @@ INLINE void transpose16(__m512 r[16]) {
     }
 }
 
-/* rows [0, blocks * WIDE_ROWS) of x packed k-major per block: xp[(b * K + k) * WIDE_ROWS + m]; 16 k at a time
- * a 16 x 16 transpose (four zero rows), the rest one value at a time */
-static void pack_wide(float *restrict xp, const float *x, int64_t ldx, int64_t blocks, int64_t K) {
-    const __mmask16 rows = (__mmask16)((1u << WIDE_ROWS) - 1);
-    for (int64_t b = 0; b < blocks; b++) {
+/* `rows` rows of x packed k-major in blocks of WIDE_ROWS: xp[(b * K + k) * WIDE_ROWS + m] (a last block of
+ * fewer rows padded with zeros); 16 k at a time a 16 x 16 transpose, the rest one value at a time */
+static void pack_wide(float *restrict xp, const float *x, int64_t ldx, int64_t rows, int64_t K) {
+    const __mmask16 lanes = (__mmask16)((1u << WIDE_ROWS) - 1);
+    for (int64_t b = 0; b * WIDE_ROWS < rows; b++) {
         const float *rows_x = x + b * WIDE_ROWS * ldx;
+        const int64_t here = rows - b * WIDE_ROWS < WIDE_ROWS ? rows - b * WIDE_ROWS : WIDE_ROWS;
         float *dst = xp + b * K * WIDE_ROWS;
         int64_t k = 0;
         for (; k + 16 <= K; k += 16) {
             __m512 r[16];
-            for (int m = 0; m < 16; m++) r[m] = m < WIDE_ROWS ? _mm512_loadu_ps(rows_x + m * ldx + k) : _mm512_setzero_ps();
+            for (int m = 0; m < 16; m++) r[m] = m < here ? _mm512_loadu_ps(rows_x + m * ldx + k) : _mm512_setzero_ps();
             transpose16(r);
-            for (int j = 0; j < 16; j++) _mm512_mask_storeu_ps(dst + (k + j) * WIDE_ROWS, rows, r[j]);
+            for (int j = 0; j < 16; j++) _mm512_mask_storeu_ps(dst + (k + j) * WIDE_ROWS, lanes, r[j]);
         }
         for (; k < K; k++)
-            for (int m = 0; m < WIDE_ROWS; m++) dst[k * WIDE_ROWS + m] = rows_x[m * ldx + k];
+            for (int m = 0; m < WIDE_ROWS; m++) dst[k * WIDE_ROWS + m] = m < here ? rows_x[m * ldx + k] : 0.0f;
     }
 }
 
-/* one block's packed rows (xp: its k = 0) times np <= WIDE_PANELS panels (a literal) at p0, `stride` floats
- * apart, over k in [k0, k1): fresh chains into acc[m * WIDE_PANELS + j] */
+/* R <= WIDE_ROWS rows of a packed block (xp: its k = 0) times np <= WIDE_PANELS panels at p0, `stride` floats
+ * apart, over k in [k0, k1) (R and np literals): fresh chains into acc[m * WIDE_PANELS + j] */
 INLINE void wide_rows_times_chunk(v16f *acc, const float *xp, const float *p0, int64_t stride, int64_t k0,
-                                  int64_t k1, const int np) {
+                                  int64_t k1, const int np, const int R) {
     v16f a[WIDE_ROWS * WIDE_PANELS];
 #pragma GCC unroll 32
     for (int i = 0; i < WIDE_ROWS * WIDE_PANELS; i++) a[i] = (v16f){0};
@@ -258,12 +260,13 @@ INLINE void wide_rows_times_chunk(v16f *acc, const float *xp, const float *p0, i
         v16f w[WIDE_PANELS];
 #pragma GCC unroll 4
         for (int j = 0; j < np; j++) {
+            __builtin_prefetch(p0 + j * stride + (k + WIDE_AHEAD) * PANEL, 0, 3);
             w[j] = wide_load(p0 + j * stride + k * PANEL);
             __asm__("" : "+v"(w[j])); /* in a register: one load for every row's FMA */
         }
         const float *xk = xp + k * WIDE_ROWS;
 #pragma GCC unroll 16
-        for (int m = 0; m < WIDE_ROWS; m++) {
+        for (int m = 0; m < R; m++) {
             const v16f xb = (v16f){0} + xk[m];
 #pragma GCC unroll 4
             for (int j = 0; j < np; j++) a[m * WIDE_PANELS + j] = xb * w[j] + a[m * WIDE_PANELS + j];
@@ -273,59 +276,64 @@ INLINE void wide_rows_times_chunk(v16f *acc, const float *xp, const float *p0, i
     for (int i = 0; i < WIDE_ROWS * WIDE_PANELS; i++) acc[i] = a[i];
 }
 
-/* out[m, 0:16 np] = bias + sum over k of x[m, k] * (np panels)[k, :] for one packed block of WIDE_ROWS rows;
- * n: the outputs of the last of the np panels */
+/* out[m, 0:16 np] = bias + sum over k of x[m, k] * (np panels)[k, :] for R rows of one packed block; n: the
+ * outputs of the last of the np panels */
 INLINE void wide_block_times_panels(float *out, int64_t ldo, const float *xp, const float *p0, int64_t stride,
-                                    const float *bias, int64_t K, int n, const int np) {
+                                    const float *bias, int64_t K, int n, const int np, const int R) {
     v16f acc[WIDE_ROWS * WIDE_PANELS], sum[WIDE_ROWS * WIDE_PANELS];
     for (int64_t kb = 0; kb < K; kb += K_BLOCK) {
-        wide_rows_times_chunk(acc, xp, p0, stride, kb, K - kb < K_BLOCK ? K : kb + K_BLOCK, np);
+        wide_rows_times_chunk(acc, xp, p0, stride, kb, K - kb < K_BLOCK ? K : kb + K_BLOCK, np, R);
         for (int i = 0; i < WIDE_ROWS * WIDE_PANELS; i++) sum[i] = kb == 0 ? acc[i] : sum[i] + acc[i];
     }
     for (int j = 0; j < np; j++) {
         const __mmask16 keep = j + 1 < np ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
         const v16f b = bias ? (v16f)_mm512_maskz_loadu_ps(keep, bias + j * PANEL) : (v16f){0};
-        for (int m = 0; m < WIDE_ROWS; m++) {
+        for (int m = 0; m < R; m++) {
             const v16f o = bias ? sum[m * WIDE_PANELS + j] + b : sum[m * WIDE_PANELS + j];
             _mm512_mask_storeu_ps(out + m * ldo + j * PANEL, keep, (__m512)o);
         }
     }
 }
 
-/* rows [m0, m1) times every panel: per group of WIDE_PANELS panels at a time that fit in L2 together
- * (WIDE_PANEL_BYTES), per block of WIDE_ROWS rows (packed in xp: it stays in L1 while the group's panels
- * pass), per WIDE_PANELS panels; rows past the last whole block in 8-float blocks from x */
-static void wide_rows_times_panels(float *out, int64_t ldo, const float *x, int64_t ldx, const float *xp,
-                                   const float *packed, const float *bias, int64_t m0, int64_t m1, int64_t N,
-                                   int64_t K) {
-    const int64_t panels = (N + PANEL - 1) / PANEL, blocks = (m1 - m0) / WIDE_ROWS, m = m0 + blocks * WIDE_ROWS;
-    const int64_t stride = K * PANEL, tuples = (panels + WIDE_PANELS - 1) / WIDE_PANELS;
-    int64_t group = WIDE_PANEL_BYTES / (WIDE_PANELS * stride * (int64_t)sizeof(float));
+/* R <= WIDE_ROWS rows of one packed block (xi) times the two panels from panel p (one at the end): out's rows
+ * of the block, its columns from 16 p. R and the panels' count become literals: every loop unrolls. */
+#define WIDE_CASE(r)                                                           \
+    case r:                                                                    \
+        if (np == 2)                                                           \
+            wide_block_times_panels(o, ldo, xi, p0, K * PANEL, b, K, n, 2, r); \
+        else                                                                   \
+            wide_block_times_panels(o, ldo, xi, p0, K * PANEL, b, K, n, 1, r); \
+        break;
+
+static void wide_block_times_tuple(float *out, int64_t ldo, const float *xi, const float *packed, const float *bias,
+                                   int64_t N, int64_t K, int64_t p, int64_t R) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, np = panels - p < WIDE_PANELS ? panels - p : WIDE_PANELS;
+    const int n = (int)(N - (p + np - 1) * PANEL < PANEL ? N - (p + np - 1) * PANEL : PANEL);
+    const float *p0 = packed + p * K * PANEL, *b = bias ? bias + p * PANEL : NULL;
+    float *o = out + p * PANEL;
+    switch (R) {
+        WIDE_CASE(1) WIDE_CASE(2) WIDE_CASE(3) WIDE_CASE(4) WIDE_CASE(5) WIDE_CASE(6)
+        WIDE_CASE(7) WIDE_CASE(8) WIDE_CASE(9) WIDE_CASE(10) WIDE_CASE(11) WIDE_CASE(12)
+        default: break;
+    }
+}
+
+/* rows [m0, m1) (packed in xp) times every panel: per group of panel pairs that fit in L2 together
+ * (WIDE_PANEL_BYTES), per block of WIDE_ROWS rows (or fewer, the last: it stays in L1 while the group's
+ * panels pass), per pair */
+static void wide_rows_times_panels(float *out, int64_t ldo, const float *xp, const float *packed, const float *bias,
+                                   int64_t m0, int64_t m1, int64_t N, int64_t K) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, tuples = (panels + WIDE_PANELS - 1) / WIDE_PANELS;
+    int64_t group = WIDE_PANEL_BYTES / (WIDE_PANELS * K * PANEL * (int64_t)sizeof(float));
     if (group < 1) group = 1;
     for (int64_t g0 = 0; g0 < tuples; g0 += group) {
         const int64_t g1 = tuples - g0 < group ? tuples : g0 + group;
-        for (int64_t i = 0; i < blocks; i++)
-            for (int64_t q = g0; q < g1; q++) {
-                const int64_t p = WIDE_PANELS * q, np = panels - p < WIDE_PANELS ? panels - p : WIDE_PANELS;
-                const int n = (int)(N - (p + np - 1) * PANEL < PANEL ? N - (p + np - 1) * PANEL : PANEL);
-                const float *p0 = packed + p * stride, *b = bias ? bias + p * PANEL : NULL, *xi = xp + i * K * WIDE_ROWS;
-                float *o = out + (m0 + i * WIDE_ROWS) * ldo + p * PANEL;
-                switch (np) {
-                    case WIDE_PANELS: wide_block_times_panels(o, ldo, xi, p0, stride, b, K, n, WIDE_PANELS); break;
-#if WIDE_PANELS > 2
-                    case 2: wide_block_times_panels(o, ldo, xi, p0, stride, b, K, n, 2); break;
-#endif
-#if WIDE_PANELS > 3
-                    case 3: wide_block_times_panels(o, ldo, xi, p0, stride, b, K, n, 3); break;
-#endif
-                    default: wide_block_times_panels(o, ldo, xi, p0, stride, b, K, n, 1); break;
-                }
-            }
-    }
-    for (int64_t p = 0; p < panels && m < m1; p++) {
-        const int n = (int)(N - p * PANEL < PANEL ? N - p * PANEL : PANEL);
-        rows_times_panel_data(out + m * ldo + p * PANEL, ldo, x + m * ldx, ldx, packed + p * stride,
-                              bias ? bias + p * PANEL : NULL, m1 - m, n, K);
+        for (int64_t i = 0; m0 + i * WIDE_ROWS < m1; i++) {
+            const int64_t r = m1 - m0 - i * WIDE_ROWS < WIDE_ROWS ? m1 - m0 - i * WIDE_ROWS : WIDE_ROWS;
+            for (int64_t q = g0; q < g1; q++)
+                wide_block_times_tuple(out + (m0 + i * WIDE_ROWS) * ldo, ldo, xp + i * K * WIDE_ROWS, packed, bias,
+                                       N, K, WIDE_PANELS * q, r);
+        }
     }
 }
 
@@ -346,11 +354,33 @@ static int wide_gemm(float *out, int64_t ldo, const float *x, int64_t ldx, const
         failed = r0 < M && xp == NULL;
         for (int64_t m0 = r0; m0 < M && m0 < r1 && xp != NULL; m0 += WIDE_MACRO) {
             const int64_t m1 = m0 + WIDE_MACRO < (r1 < M ? r1 : M) ? m0 + WIDE_MACRO : (r1 < M ? r1 : M);
-            pack_wide(xp, x + m0 * ldx, ldx, (m1 - m0) / WIDE_ROWS, K);
-            wide_rows_times_panels(out, ldo, x, ldx, xp, packed, bias, m0, m1, N, K);
+            pack_wide(xp, x + m0 * ldx, ldx, m1 - m0, K);
+            wide_rows_times_panels(out, ldo, xp, packed, bias, m0, m1, N, K);
         }
     }
     return failed ? -1 : 0;
+}
+
+/* For a region's threads (the decode stack's), a call of M rows: each packs the rows for itself, then the
+ * threads share out the pairs of panels, each taking all the rows of its own (a pair's panels come from
+ * memory once, asked for ahead, and stay in L2 for the blocks after the first). Ends with the worksharing
+ * loop's barrier. The same bits as rows_times_panel. */
+static void wide_shared(float *out, int64_t ldo, const float *x, int64_t ldx, const float *packed, const float *bias,
+                        int64_t M, int64_t N, int64_t K) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, tuples = (panels + WIDE_PANELS - 1) / WIDE_PANELS;
+    const int64_t blocks = (M + WIDE_ROWS - 1) / WIDE_ROWS;
+    float *xp = kept_alloc(&wide_scratch, sizeof(float) * (size_t)(blocks * WIDE_ROWS * K));
+    if (xp != NULL) pack_wide(xp, x, ldx, M, K);
+#pragma omp for schedule(static)
+    for (int64_t q = 0; q < tuples; q++) {
+        for (int64_t j = WIDE_PANELS * q; xp == NULL && j < WIDE_PANELS * (q + 1) && j < panels; j++)
+            rows_times_panel(out, ldo, x, ldx, packed, bias, M, N, K, j); /* no scratch on this thread */
+        for (int64_t i = 0; xp != NULL && i < blocks; i++) {
+            const int64_t r = M - i * WIDE_ROWS < WIDE_ROWS ? M - i * WIDE_ROWS : WIDE_ROWS;
+            wide_block_times_tuple(out + i * WIDE_ROWS * ldo, ldo, xp + i * K * WIDE_ROWS, packed, bias, N, K,
+                                   WIDE_PANELS * q, r);
+        }
+    }
 }
 #endif
 
