@@ -390,6 +390,11 @@ void cbserve_small_gemm(float *out, int64_t ldo, const float *x, int64_t ldx, co
     const int64_t panels = (N + PANEL - 1) / PANEL;
 #if defined(__AVX512F__)
     if (M > WIDE_FROM && wide_gemm(out, ldo, x, ldx, packed, bias, M, N, K) == 0) return;
+    if (M >= WIDE_ROWS) { /* decode-sized: the threads share out the panels, as in the decode stack */
+#pragma omp parallel if (panels > 1 && M * N * K >= (1 << 18))
+        wide_shared(out, ldo, x, ldx, packed, bias, M, N, K);
+        return;
+    }
 #endif
 #pragma omp parallel for schedule(static) if (panels > 1 && M * N * K >= (1 << 18))
     for (int64_t p = 0; p < panels; p++) rows_times_panel(out, ldo, x, ldx, packed, bias, M, N, K, p);
