@@ -183,8 +183,8 @@ static void rows_times_panel(float *out, int64_t ldo, const float *x, int64_t ld
  * loads and WIDE_ROWS broadcasts feed 2 * WIDE_ROWS FMAs (BLIS's blocking for AVX-512). Packed k-major, a
  * block's values of x at one k lie at fixed offsets from one pointer (unpacked, the rows' pointers would
  * not fit the general registers). A block's packed rows stay in L1 while its group's panels pass, from L2;
- * a group's panels are read from memory once per macro block. A last panel alone takes one vector a row,
- * rows past the last whole block the 8-float blocks. Twice the outputs per instruction of those: at
+ * a group's panels are read from memory once per macro block. A last panel alone takes one vector a row, a
+ * last block of fewer rows as many accumulators as it has rows. Twice the outputs per instruction of those: at
  * prefill sizes within 5-10% of oneDNN's float32 kernels on Sapphire Rapids (python -m bench.cpu_matmul;
  * they were about half), the threads never waiting for each other. */
 #define WIDE_ROWS 12   /* rows a block: WIDE_ROWS x WIDE_PANELS accumulators, 26 of the 32 registers with */
@@ -318,16 +318,15 @@ static void wide_block_times_tuple(float *out, int64_t ldo, const float *xi, con
     }
 }
 
-/* rows [m0, m1) (packed in xp) times every panel: per group of panel pairs that fit in L2 together
+/* rows [m0, m1) (packed in xp) times the panel pairs [q0, q1): per group of pairs that fit in L2 together
  * (WIDE_PANEL_BYTES), per block of WIDE_ROWS rows (or fewer, the last: it stays in L1 while the group's
  * panels pass), per pair */
 static void wide_rows_times_panels(float *out, int64_t ldo, const float *xp, const float *packed, const float *bias,
-                                   int64_t m0, int64_t m1, int64_t N, int64_t K) {
-    const int64_t panels = (N + PANEL - 1) / PANEL, tuples = (panels + WIDE_PANELS - 1) / WIDE_PANELS;
+                                   int64_t m0, int64_t m1, int64_t N, int64_t K, int64_t q0, int64_t q1) {
     int64_t group = WIDE_PANEL_BYTES / (WIDE_PANELS * K * PANEL * (int64_t)sizeof(float));
     if (group < 1) group = 1;
-    for (int64_t g0 = 0; g0 < tuples; g0 += group) {
-        const int64_t g1 = tuples - g0 < group ? tuples : g0 + group;
+    for (int64_t g0 = q0; g0 < q1; g0 += group) {
+        const int64_t g1 = q1 - g0 < group ? q1 : g0 + group;
         for (int64_t i = 0; m0 + i * WIDE_ROWS < m1; i++) {
             const int64_t r = m1 - m0 - i * WIDE_ROWS < WIDE_ROWS ? m1 - m0 - i * WIDE_ROWS : WIDE_ROWS;
             for (int64_t q = g0; q < g1; q++)
@@ -344,6 +343,7 @@ static __thread kept_buffer wide_scratch; /* a thread's packed macro block, kept
  * only its own and reads every panel, with no thread waiting for another. */
 static int wide_gemm(float *out, int64_t ldo, const float *x, int64_t ldx, const float *packed, const float *bias,
                      int64_t M, int64_t N, int64_t K) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, tuples = (panels + WIDE_PANELS - 1) / WIDE_PANELS;
     const int64_t blocks = (M + WIDE_ROWS - 1) / WIDE_ROWS;
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
@@ -355,7 +355,7 @@ static int wide_gemm(float *out, int64_t ldo, const float *x, int64_t ldx, const
         for (int64_t m0 = r0; m0 < M && m0 < r1 && xp != NULL; m0 += WIDE_MACRO) {
             const int64_t m1 = m0 + WIDE_MACRO < (r1 < M ? r1 : M) ? m0 + WIDE_MACRO : (r1 < M ? r1 : M);
             pack_wide(xp, x + m0 * ldx, ldx, m1 - m0, K);
-            wide_rows_times_panels(out, ldo, xp, packed, bias, m0, m1, N, K);
+            wide_rows_times_panels(out, ldo, xp, packed, bias, m0, m1, N, K, 0, tuples);
         }
     }
     return failed ? -1 : 0;
@@ -375,11 +375,7 @@ static void wide_shared(float *out, int64_t ldo, const float *x, int64_t ldx, co
     for (int64_t q = 0; q < tuples; q++) {
         for (int64_t j = WIDE_PANELS * q; xp == NULL && j < WIDE_PANELS * (q + 1) && j < panels; j++)
             rows_times_panel(out, ldo, x, ldx, packed, bias, M, N, K, j); /* no scratch on this thread */
-        for (int64_t i = 0; xp != NULL && i < blocks; i++) {
-            const int64_t r = M - i * WIDE_ROWS < WIDE_ROWS ? M - i * WIDE_ROWS : WIDE_ROWS;
-            wide_block_times_tuple(out + i * WIDE_ROWS * ldo, ldo, xp + i * K * WIDE_ROWS, packed, bias, N, K,
-                                   WIDE_PANELS * q, r);
-        }
+        if (xp != NULL) wide_rows_times_panels(out, ldo, xp, packed, bias, 0, M, N, K, q, q + 1);
     }
 }
 #endif
