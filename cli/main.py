@@ -149,7 +149,7 @@ def _add_model_flags(serve: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=False,
         help="insist that a request's tokens and logprobs do not depend on what shares its batch (float32 "
-        "matmuls of every size on cbserve's kernel; bfloat16 needs AMX; on CUDA, Triton kernels); refuses to "
+        "matmuls of every size on cbserve's kernel; bfloat16 without AMX in float32 there; on CUDA, Triton kernels); refuses to "
         "start where it cannot",
     )
     a(

@@ -9,6 +9,7 @@ as gpt-fast's ``replace_linear_int4`` does: the model's code stays the architect
             bfloat16, AMX:                    AmxLinear for every call (every K a multiple of 32; else
                                               PackedLinear), wrapped in a QuantAmxLinear where the
                                               checkpoint's blocks round to W exactly
+            bfloat16, no AMX, batch_invariant: WidenedLinear (float32 on the small kernel's panels)
             otherwise, where oneDNN packs:    PackedLinear
         RMSNorm -> FusedRMSNorm, RotaryEmbedding -> FusedRotaryEmbedding, SiluAndMul -> FusedSiLUMul,
         GeluTanhAndMul -> FusedGeluTanhMul
@@ -45,6 +46,7 @@ from engine.executor.kernels.modules import (
     QuantAmxLinear,
     QuantPanelLinear,
     SmallGemmLinear,
+    WidenedLinear,
 )
 from engine.executor.kernels.small_gemm import SmallGemm
 from engine.executor.models.layers import GeluTanhAndMul, Linear, RMSNorm, RotaryEmbedding, SiluAndMul
@@ -73,7 +75,8 @@ def apply_cpu_fast_paths(
     tensors by Hugging Face name (the GGUF loader's), kept as quantized panels where they give the loaded
     weight bit for bit. ``batch_invariant``: matmuls of every size on cbserve's kernels, never on oneDNN
     (whose kernel, and rounding, depend on the call's row count): float32 on the small kernel (bfloat16 on
-    a CPU with AMX-BF16 takes the AMX kernel for every call with or without the flag)."""
+    a CPU with AMX-BF16 takes the AMX kernel for every call with or without the flag; without AMX, with the
+    flag, float32 chains on the small kernel over the bfloat16 weights)."""
     small, invariant = swap_linears(model, blocks or {}, batch_invariant)
     ops = swap_fused_ops(model)
     return CpuFastPaths(not any(isinstance(m, Linear) for m in model.modules()), small, ops, invariant)
@@ -84,11 +87,14 @@ def swap_linears(
 ) -> tuple[SmallGemm | None, bool]:
     """Every ``Linear`` replaced where oneDNN can prepack this dtype (else none is); returns the small
     kernel where it serves them, and whether every row takes one kernel whatever its batch."""
+    amx = _amx(model) if prepacked.can_prepack(model.device, model.dtype) else None
+    bf16_invariant = batch_invariant and model.dtype == torch.bfloat16 and model.device.type == "cpu"
+    if amx is not None and (_tiles_fit(model) or not bf16_invariant):  # bfloat16 on AMX tiles, every call
+        return None, swap_amx_linears(model, amx, blocks)
+    if bf16_invariant:  # no AMX (or a K the tiles do not take)
+        return swap_widened_linears(model)
     if not prepacked.can_prepack(model.device, model.dtype):
         return None, False
-    amx = _amx(model)
-    if amx is not None:  # bfloat16 with AMX: the tiles for every call
-        return None, swap_amx_linears(model, amx, blocks)
     small: SmallGemm | None = None
     if small_gemm.supports(model.device, model.dtype):
         try:
@@ -119,7 +125,7 @@ def swap_amx_linears(model: NativeModel, amx: AmxGemm, blocks: Mapping[str, Bloc
     """bfloat16 with AMX: every ``Linear`` on the tiles for calls of every size (where every K is a
     multiple of 32; else all on oneDNN), behind the checkpoint's blocks where they round to the weight;
     returns whether every row takes one kernel whatever its batch."""
-    fits = all(amx_gemm.fits(m.in_features) for m in model.modules() if isinstance(m, Linear))
+    fits = _tiles_fit(model)
     places = [(parent, name) for parent, name, m in _children(model) if isinstance(m, Linear)]
     qgemm = _amx_quantized() if fits and blocks else None
     linears = [getattr(parent, name) for parent, name in places]
@@ -130,6 +136,30 @@ def swap_amx_linears(model: NativeModel, amx: AmxGemm, blocks: Mapping[str, Bloc
         w = m.weight.detach()
         setattr(parent, name, _amx_linear(amx, qgemm, w, m.bias, c) if fits else PackedLinear(w, m.bias))
     return fits
+
+
+def _tiles_fit(model: NativeModel) -> bool:
+    """Whether every ``Linear`` of ``model`` packs into AMX tiles (every K a multiple of 32)."""
+    return all(amx_gemm.fits(m.in_features) for m in model.modules() if isinstance(m, Linear))
+
+
+def swap_widened_linears(model: NativeModel) -> tuple[SmallGemm | None, bool]:
+    """bfloat16 without AMX, batch-invariant: every ``Linear`` in float32 on the small kernel's panels of
+    its bfloat16 weight, the outputs rounded to bfloat16 (``WidenedLinear``); returns the kernel and True, or
+    (None, False) with nothing swapped where it cannot be built."""
+    try:
+        small = small_gemm.load()
+    except KernelUnavailable as e:
+        logger.warning("no batch-invariant bfloat16 matmuls here (%s)", e)
+        return None, False
+    places = [(parent, name) for parent, name, m in _children(model) if isinstance(m, Linear)]
+    linears = [getattr(parent, name) for parent, name in places]
+    panels, _ = _arena(linears, [None] * len(linears))
+    del linears  # NOTE: each bfloat16 weight is freed as soon as its module is swapped
+    for (parent, name), out in zip(places, panels, strict=True):
+        m = getattr(parent, name)
+        setattr(parent, name, WidenedLinear(small, m.weight.detach(), m.bias, out))
+    return small, True
 
 
 def _amx(model: NativeModel) -> AmxGemm | None:

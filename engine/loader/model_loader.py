@@ -119,7 +119,8 @@ def load_model(
     native model (engine/executor/fast_paths.py): matmuls over prepacked weights, the fused element-wise
     ops; in float32 (and bfloat16 on AMX) the engine then runs decode steps' layers in one C call (engine/executor/decode_stack.py).
     ``batch_invariant``: insist on kernels whose result for a row does not depend on its batch (the native
-    model's CPU kernels: float32 anywhere, bfloat16 with AMX-BF16; on CUDA its Triton kernels), ``ValueError``
+    model's CPU kernels: float32 anywhere, bfloat16 on AMX-BF16 tiles or else in float32 on the small
+    kernel over its weights; on CUDA its Triton kernels), ``ValueError``
     where they cannot run.
     ``tensor_parallel_size`` > 1: the native model in that many shards, one process per rank, this one
     rank 0 (engine/loader/shards.py), each rank's matmuls and element-wise ops on the CPU fast paths too
@@ -204,8 +205,8 @@ def _load_native(
         invariant = True
     if batch_invariant and not invariant:
         raise ValueError(
-            f"batch_invariant: no batch-invariant matmul kernel for {dtype} on this CPU (float32 always has "
-            "one; bfloat16 needs AMX-BF16 and in_features multiples of 32)"
+            f"batch_invariant: no batch-invariant matmul kernel for {dtype} on this CPU (cbserve's small "
+            "matmul kernel could not be built here: the log says why)"
         )
     net.eval()
     return LoadedModel(

@@ -3,7 +3,8 @@ the default model, two prompts' logprobs (a short greedy one, a long seeded one)
 side by side beside long prefill chunks, inside a decode batch of 16 rows, and when the long one is split
 into chunks by an earlier long prompt (docs/GENERATION.md, "Batch invariance"): float32 on every CPU with
 ``batch_invariant=True`` (the small kernel for every call); bfloat16 where the CPU has AMX-BF16 by default
-(the AMX kernel takes every call).
+(the AMX kernel takes every call), and with ``batch_invariant=True`` on the path of CPUs without it (float32
+chains on the small kernel over the bfloat16 weights; on an AMX CPU its tiles are hidden from the loader).
 
 The prompts are sized against the engine's step budget: float32's steps hold ``STEP_TOKENS`` tokens, so a
 step still mixes prefill chunks of hundreds of rows with decode rows and a prompt is still split by one
@@ -21,7 +22,9 @@ from default_engine import engine_on
 
 from engine.cpu.native_build import KernelUnavailable
 from engine.engine import Engine
+from engine.executor import fast_paths
 from engine.executor.kernels import amx_gemm
+from engine.executor.kernels.modules import WidenedLinear
 from engine.outputs import GenerationOutput
 
 pytestmark = pytest.mark.slow
@@ -41,6 +44,14 @@ def _engine(dtype: str, request: pytest.FixtureRequest) -> tuple[Engine, int]:
         return engine_on(
             request.getfixturevalue("invariant_model"), max_batch_tokens=STEP_TOKENS
         ), STEP_TOKENS
+    if dtype == "bfloat16-widened":  # what a CPU without AMX-BF16 runs with batch_invariant
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(fast_paths, "_amx", lambda model: None)
+            engine = Engine.from_pretrained(
+                "default", device="cpu", dtype="bfloat16", batch_invariant=True, max_batch_tokens=STEP_TOKENS
+            )
+        assert isinstance(engine.model.lm_head, WidenedLinear)
+        return engine, STEP_TOKENS
     try:
         amx_gemm.load()
     except KernelUnavailable as e:
@@ -82,7 +93,7 @@ def _outputs(
     return results
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bfloat16-widened"])
 def test_logprobs_are_the_same_bits_whatever_shares_the_steps(
     dtype: str, request: pytest.FixtureRequest
 ) -> None:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.cpu.native_build import KernelUnavailable
+from engine.executor import fast_paths
 from engine.executor.fast_paths import apply_cpu_fast_paths
 from engine.executor.inputs import BatchInputs
 from engine.executor.kernels import amx_gemm, prepacked, small_gemm
@@ -24,6 +25,7 @@ from engine.executor.kernels.modules import (
     FusedSiLUMul,
     PackedLinear,
     SmallGemmLinear,
+    WidenedLinear,
 )
 from engine.executor.kernels.small_gemm import SmallGemm
 from engine.executor.kv_cache import KVCache
@@ -87,21 +89,44 @@ def test_a_float32_model_gets_the_kernels_modules(kernel: SmallGemm, batch_invar
 def test_a_bfloat16_model_gets_onednn_or_the_amx_kernel_and_the_fused_ops(batch_invariant: bool) -> None:
     model, _ = _pair(torch.bfloat16)
     paths = apply_cpu_fast_paths(model, batch_invariant=batch_invariant)
-    assert paths.small_gemm is None  # the small kernel is float32 only
     onednn = prepacked.can_prepack(CPU, torch.bfloat16)
-    assert paths.prepacked == onednn
     try:
         amx = onednn and bool(amx_gemm.load())
     except KernelUnavailable:
         amx = False
-    assert _types(model, Linear) == ({AmxLinear} if amx else {PackedLinear} if onednn else {Linear})
-    assert paths.batch_invariant == amx  # the tiles take every call, with or without the flag
+    widened = batch_invariant and not amx and paths.small_gemm is not None  # no AMX: float32 chains
+    assert paths.small_gemm is None or widened  # else the small kernel is float32 only
+    assert paths.prepacked == (onednn or widened)
+    expected = AmxLinear if amx else WidenedLinear if widened else PackedLinear if onednn else Linear
+    assert _types(model, Linear) == {expected}
+    assert paths.batch_invariant == (amx or widened)  # the tiles take every call, with or without the flag
     if amx:
         head = cast(AmxLinear, model.lm_head)
         assert head.takes(1) and head.takes(8192)
         assert not any(isinstance(m, PackedLinear) for m in model.modules())  # no oneDNN copy of a weight
     if paths.fused_ops is not None:
         assert _types(model, RMSNorm) == {FusedRMSNorm} and isinstance(model.rotary, FusedRotaryEmbedding)
+
+
+def test_bfloat16_without_amx_is_batch_invariant_on_float32_chains(
+    kernel: SmallGemm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a CPU without AMX-BF16 runs with ``batch_invariant`` (its tiles hidden here where it has them):
+    each projection in float32 over the bfloat16 weights, rounded once -- a float64 reference's output
+    rounded to bfloat16 within one bfloat16 step -- and a row's bits the same alone and among 300 rows."""
+    monkeypatch.setattr(fast_paths, "_amx", lambda model: None)
+    model, plain = _pair(torch.bfloat16)
+    paths = apply_cpu_fast_paths(model, batch_invariant=True)
+    assert paths.batch_invariant and _types(model, Linear) == {WidenedLinear}
+    layer, plain_layer = model.model.layers[0].mlp.gate_up_proj, plain.model.layers[0].mlp.gate_up_proj
+    x = torch.randn(300, TINY.hidden_size, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    out = layer(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (300, 2 * TINY.intermediate_size)
+    reference = (x.double() @ plain_layer.weight.double().T).to(torch.bfloat16)
+    step = reference.float().abs() * 2.0**-7 + 1e-30  # one bfloat16 step at the reference's magnitude
+    assert bool(((out.float() - reference.float()).abs() <= step).all())
+    for row in (0, 151, 299):
+        assert torch.equal(layer(x[row : row + 1]), out[row : row + 1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

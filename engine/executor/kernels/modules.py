@@ -4,6 +4,7 @@
 
     PackedLinear          oneDNN over a weight reordered once into its blocked layout (prepacked.py)
     SmallGemmLinear       the float32 small-batch kernel's panels (small_gemm.py), oneDNN for larger calls
+    WidenedLinear         bfloat16 rows in float32 on those panels, rounded once (batch invariance without AMX)
     QuantPanelLinear      a quantized checkpoint's blocks, expanded in registers, for calls of a few rows
     AmxLinear             bfloat16 on AMX tiles (amx_gemm.py), oneDNN for larger calls unless it takes them all
     QuantAmxLinear        a quantized checkpoint's blocks expanded into AMX tiles, for calls of up to 32 rows
@@ -71,6 +72,29 @@ class SmallGemmLinear(nn.Module):
         if small_gemm.fits(x):
             return self.small.linear(x, self.panels, self.out_features, self.bias)  # [rows, out_features]
         return self.large(x)
+
+
+class WidenedLinear(nn.Module):
+    """bfloat16 ``x W^T + b`` computed in float32 on the small kernel's panels of the bfloat16 weight (widened
+    exactly: a bfloat16 value is a float32 one), each output rounded to bfloat16 once. On CPUs without
+    AMX-BF16 it gives a bfloat16 model matmuls whose rows' bits do not depend on their batch (the kernel
+    takes every call, one float32 chain per output over ``k`` in order): ``batch_invariant``'s, where
+    oneDNN's bfloat16 kernels (or none, on an AVX2-only CPU) would round by the call's row count."""
+
+    def __init__(
+        self,
+        small: SmallGemm,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        out: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        wide_bias = None if bias is None else bias.detach().float().contiguous()
+        self.wide = SmallGemmLinear(small, weight.detach().float(), wide_bias, None, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wide(x.float()).to(x.dtype)  # [..., out_features]
 
 
 class AmxLinear(nn.Module):
