@@ -1,6 +1,7 @@
 """The CPU's C kernels of another commit against this checkout's, interleaved in one process, so that a noisy
-machine's slow minutes hit both sides alike: the fused ops (csrc/cpu_ops.c) and, in bfloat16 on a CPU with
-AMX, the matmul (csrc/amx_gemm.c).
+machine's slow minutes hit both sides alike: the fused ops (csrc/cpu_ops.c), decode attention
+(engine/executor/attention/csrc/paged_decode.c) and, in bfloat16 on a CPU with AMX, the matmul
+(csrc/amx_gemm.c).
 
     python -m bench.kernel_ab --before f4cf4a7 [--rows 16 2048] [--rounds 15] [--dtype bfloat16]
 
@@ -8,8 +9,9 @@ The before side's kernel sources come from ``git archive`` of ``--before`` (run 
 as the engine builds its own (engine/cpu/native_build.py). Per row count: SiLU-and-multiply over
 SmolLM2-135M's gate and up halves, RMSNorm with the residual add, the rotary embedding of the queries, and
 the four projections of ``--layers`` layers with weights of their own (so that, as in a forward, each call
-reads its weights from memory, not from a cache the previous call warmed). Prints each side's best and
-median over the rounds, and whether both sides give the same bits.
+reads its weights from memory, not from a cache the previous call warmed), and the decode attention of
+``--layers`` layers' caches (each row ``--context`` tokens, its pages scattered over the cache). Prints each
+side's best and median over the rounds, and whether both sides give the same bits.
 """
 
 from __future__ import annotations
@@ -27,18 +29,24 @@ from pathlib import Path
 import torch
 
 from engine.cpu.native_build import BuildOnce, KernelUnavailable
+from engine.executor.attention import cpu_kernel
+from engine.executor.attention.cpu_kernel import PagedDecodeKernel
 from engine.executor.kernels import amx_gemm, cpu_ops
 from engine.executor.kernels.amx_gemm import AmxGemm
 from engine.executor.kernels.cpu_ops import CpuOps
 
 KERNELS = "engine/executor/kernels/csrc"
+ATTENTION = "engine/executor/attention/csrc"
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # the projections' (out, in): SmolLM2-135M's
 HIDDEN, INTER, HEADS, HEAD_DIM = 576, 1536, 9, 64
+KV_HEADS, BLOCK_SIZE = 3, 16
+MAX_DECODE_ROWS = 64  # the attention case runs for decode-sized row counts only
 
 
 def checkout_kernels(rev: str, into: Path) -> Path:
-    """The kernel sources of ``rev`` under ``into``; returns their folder."""
-    tar = subprocess.run(["git", "archive", rev, KERNELS], capture_output=True, check=True).stdout
+    """The kernel sources of ``rev`` (the matmuls' and fused ops', and attention's) under ``into``; returns
+    the folder of the first (attention's is ``into / ATTENTION``)."""
+    tar = subprocess.run(["git", "archive", rev, KERNELS, ATTENTION], capture_output=True, check=True).stdout
     with tarfile.open(fileobj=BytesIO(tar)) as archive:
         archive.extractall(into, filter="data")
     return into / KERNELS
@@ -92,6 +100,34 @@ def matmul_case(gemm: AmxGemm, rows: int, layers: int) -> Callable[[], torch.Ten
     return run
 
 
+def attention_case(
+    kernel: PagedDecodeKernel, rows: int, layers: int, context: int, dtype: torch.dtype
+) -> Callable[[], torch.Tensor]:
+    """Decode attention of ``rows`` rows of ``context`` tokens over ``layers`` layers' caches, each row's pages
+    scattered (seeded: the same for both sides)."""
+    gen = torch.Generator().manual_seed(rows)
+    pages = -(-context // BLOCK_SIZE)
+    blocks = rows * pages + 1
+    tables = (torch.randperm(blocks - 1, generator=gen)[: rows * pages] + 1).view(rows, pages).contiguous()
+    caches = [
+        (
+            torch.randn(blocks, KV_HEADS, HEAD_DIM, BLOCK_SIZE, generator=gen).to(dtype),
+            torch.randn(blocks, KV_HEADS, BLOCK_SIZE, HEAD_DIM, generator=gen).to(dtype),
+        )
+        for _ in range(layers)
+    ]
+    q = torch.randn(rows, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    lens = torch.full((rows,), context, dtype=torch.int64)
+
+    def run() -> torch.Tensor:
+        last = torch.empty(0)
+        for k, v in caches:
+            last = kernel(q, k, v, tables, lens, HEAD_DIM**-0.5, None)
+        return last
+
+    return run
+
+
 def compare(cases: dict[str, dict[str, Callable[[], torch.Tensor]]], rounds: int) -> None:
     """Time every case on both sides, alternating which goes first; print a line per case."""
     sides = list(cases)
@@ -115,11 +151,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--layers", type=int, default=30, help="layers of weights the matmul case reads")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument(
+        "--context", type=int, default=160, help="tokens of each row the attention case reads"
+    )
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory() as tmp:
         before = checkout_kernels(args.before, Path(tmp))
         ops = {"before": BuildOnce(before / "cpu_ops.c", CpuOps)(), "after": cpu_ops.load()}
+        attention = {
+            "before": BuildOnce(Path(tmp) / ATTENTION / cpu_kernel.SOURCE.name, PagedDecodeKernel)(),
+            "after": cpu_kernel.load(),
+        }
         gemms: dict[str, AmxGemm] = {}
         if dtype == torch.bfloat16:
             try:
@@ -129,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         for rows in args.rows:
             print(f"rows {rows}, {args.dtype}, before {args.before}:")
             cases = {side: op_cases(o, rows, dtype) for side, o in ops.items()}
+            for side, kernel in attention.items() if rows <= MAX_DECODE_ROWS else ():
+                name = f"{args.layers} layers' decode attention"
+                cases[side][name] = attention_case(kernel, rows, args.layers, args.context, dtype)
             for side, gemm in gemms.items():
                 cases[side][f"{args.layers} layers' matmuls"] = matmul_case(gemm, rows, args.layers)
             compare(cases, args.rounds)

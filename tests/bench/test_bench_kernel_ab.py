@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.kernel_ab import KERNELS, checkout_kernels, main
+from bench.kernel_ab import ATTENTION, KERNELS, checkout_kernels, main
 from engine.cpu.native_build import KernelUnavailable
 from engine.executor.kernels import cpu_ops
 
@@ -28,6 +28,7 @@ def test_checks_out_the_kernel_sources_of_a_commit(tmp_path: Path, monkeypatch: 
     folder = checkout_kernels(_head(), tmp_path)
     assert folder == tmp_path / KERNELS
     assert {"cpu_ops.c", "amx_gemm.c", "exp16.h"} <= {p.name for p in folder.iterdir()}
+    assert {"cpu_attention.c", "paged_decode.c"} <= {p.name for p in (tmp_path / ATTENTION).iterdir()}
 
 
 @pytest.mark.slow  # builds the kernels of both sides
@@ -45,5 +46,6 @@ def test_a_commit_against_itself_gives_the_same_bits(
     argv = ["--before", _head(), "--rows", "3", "40", "--rounds", "1", "--layers", "1", "--dtype", dtype]
     assert main(argv) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "ms median" in ln]
-    assert len(lines) >= 6  # three ops at each row count, and the matmuls where the CPU has AMX
+    # three ops and decode attention at each row count, and the matmuls where the CPU has AMX
+    assert len(lines) >= 8 and sum("decode attention" in ln for ln in lines) == 2
     assert all(ln.endswith("same bits") for ln in lines), lines

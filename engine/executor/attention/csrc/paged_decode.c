@@ -111,6 +111,27 @@ static inline vf loadv(const void *cache, int64_t index, int bf16) {
     return f;
 }
 
+#if VL == 16
+/* bfloat16 caches on AVX-512: a 64-byte line of 32 elements as two float32 vectors, each element moved into
+ * the high half of a float by a shift or kept there by a mask -- two instructions a line where loadv's
+ * widening takes four (a shuffle and a shift for each 16): the even elements 0, 2, .., 30 and the odd ones
+ * 1, 3, .., 31 of the line. The score and value passes take their lines so where the shapes allow
+ * (`paired`), running every sum in loadv's order on the same values: the same bits. */
+#define PAIRED_MAX_HEAD_DIM 128
+static inline void load_pairs(const void *cache, int64_t index, vf *even, vf *odd) {
+    const __m512i v = _mm512_loadu_si512((const uint16_t *)cache + index);
+    *even = (vf)_mm512_slli_epi32(v, 16);
+    *odd = (vf)_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u));
+}
+
+/* lanes 0-7 of a and of b interleaved (a0 b0 a1 b1 ..), or with `high` lanes 8-15 */
+static inline vf interleave(vf a, vf b, int high) {
+    const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i idx = high ? _mm512_add_epi32(lo, _mm512_set1_epi32(8)) : lo;
+    return (vf)_mm512_permutex2var_ps((__m512)a, idx, (__m512)b);
+}
+#endif
+
 /* Ask for the `elements` from `index` on (one K or V page of one head) ahead of their use: a sequence's pages
  * lie anywhere in the cache, so the hardware prefetcher cannot guess the next one. Into L1, or with `l2`
  * (a literal at each call) into L2 only: a page the item reads later (its V pages, asked for during the K
@@ -178,6 +199,38 @@ static inline __attribute__((always_inline)) void values_row(
     int64_t head_offset, const float *scores, int64_t padded, const float *inv_sum, int64_t d_lo, int64_t d_hi) {
     const int64_t page = head_dim * block_size, whole = value_slice(1, group, head_dim);
     const int64_t slice = whole * VL <= d_hi - d_lo ? whole : (d_hi - d_lo) / VL; /* each lane's sums the same */
+#if VL == 16
+    if (bf16 && slice % 2 == 0 && (d_hi - d_lo) % (slice * VL) == 0) { /* the lines' even and odd lanes */
+        for (int64_t d0 = d_lo; d0 < d_hi; d0 += slice * VL) {
+            vf even[MAX_GROUP][MAX_HEAD_DIM / 32], odd[MAX_GROUP][MAX_HEAD_DIM / 32];
+            for (int64_t g = 0; g < group; g++)
+                for (int64_t c = 0; c < slice / 2; c++) even[g][c] = odd[g][c] = (vf){0};
+            for (int64_t b = b_first; b < b_end; b++) {
+                const int64_t v = table[b] * block_stride + head_offset + d0; /* [block_size, head_dim] */
+                if (d0 == d_lo && b + 1 < b_end)
+                    prefetch_page(v_cache, table[b + 1] * block_stride + head_offset, bf16, page, 0);
+                const int64_t j0 = (b - b_first) * block_size;
+                const int64_t t0 = lo > j0 ? lo - j0 : 0, t1 = hi - j0 < block_size ? hi - j0 : block_size;
+                for (int64_t t = t0; t < t1; t++)
+                    for (int64_t c = 0; c < slice / 2; c++) {
+                        vf e, o;
+                        load_pairs(v_cache, v + t * head_dim + c * 32, &e, &o);
+                        for (int64_t g = 0; g < group; g++) {
+                            even[g][c] += scores[g * padded + j0 + t] * e;
+                            odd[g][c] += scores[g * padded + j0 + t] * o;
+                        }
+                    }
+            }
+            for (int64_t g = 0; g < group; g++)
+                for (int64_t c = 0; c < slice / 2; c++)
+                    for (int high = 0; high < 2; high++) {
+                        vf out_v = interleave(even[g][c], odd[g][c], high) * inv_sum[g];
+                        memcpy(out + g * head_dim + d0 + c * 32 + high * 16, &out_v, sizeof out_v);
+                    }
+        }
+        return;
+    }
+#endif
     for (int64_t d0 = d_lo; d0 < d_hi; d0 += slice * VL) {
         vf acc[MAX_GROUP][MAX_HEAD_DIM / VL];
         for (int64_t g = 0; g < group; g++)
@@ -257,6 +310,18 @@ static inline __attribute__((always_inline)) void score_pages(
     int64_t b_first, int64_t b_lo, int64_t b_hi, const int64_t rows, const int64_t group, const int64_t head_dim,
     int64_t block_size, int64_t block_stride, int64_t head_offset, float scale, int64_t padded) {
     const int64_t page = head_dim * block_size, b_end = b_hi;
+#if VL == 16
+    /* bfloat16 pages of 16 keys: rows d and d + 1 of a page are one line (load_pairs), whose even lanes are
+     * keys 0, 2, .., 14 of both rows, times q[d] (lanes 0-7) and q[d + 1] (8-15): each key's two chains
+     * (even and odd d) in one vector's two halves */
+    const int paired = bf16 && block_size == VL && head_dim <= PAIRED_MAX_HEAD_DIM;
+    vf q_pairs[paired ? rows * group * head_dim / 2 : 1]; /* [head][d / 2]: q[d] x 8, q[d + 1] x 8 */
+    for (int64_t h = 0; paired && h < rows * group; h++)
+        for (int64_t d = 0; d < head_dim; d += 2)
+            q_pairs[h * head_dim / 2 + d / 2] = (vf)_mm512_shuffle_f32x4(
+                _mm512_set1_ps(q[h / group][h % group * head_dim + d]),
+                _mm512_set1_ps(q[h / group][h % group * head_dim + d + 1]), 0x44);
+#endif
     for (int64_t b = b_lo; b < b_end && b < b_lo + L2_PAGES; b++)
         prefetch_page(k_cache, table[b] * block_stride + head_offset, bf16, page, b >= b_lo + PREFETCH_PAGES);
     for (int64_t b = b_lo; b < b_end; b++) {
@@ -266,6 +331,28 @@ static inline __attribute__((always_inline)) void score_pages(
         if (b + PREFETCH_PAGES < b_end)
             prefetch_page(k_cache, table[b + PREFETCH_PAGES] * block_stride + head_offset, bf16, page, 0);
         prefetch_page(v_cache, table[b] * block_stride + head_offset, bf16, page, 1);
+#if VL == 16
+        if (paired) {
+            vf even[MAX_GROUP], odd[MAX_GROUP]; /* keys 0, 2, .., 14 and 1, 3, .., 15: the even d's chains in
+                                                   lanes 0-7, the odd d's in 8-15 */
+            for (int64_t h = 0; h < rows * group; h++) even[h] = odd[h] = (vf){0};
+            for (int64_t d = 0; d < head_dim; d += 2) {
+                vf e, o;
+                load_pairs(k_cache, k + d * block_size, &e, &o);
+                for (int64_t h = 0; h < rows * group; h++) {
+                    even[h] += q_pairs[h * head_dim / 2 + d / 2] * e;
+                    odd[h] += q_pairs[h * head_dim / 2 + d / 2] * o;
+                }
+            }
+            for (int64_t h = 0; h < rows * group; h++) { /* each key's even chain + its odd chain, in key order */
+                const vf e = even[h] + (vf)_mm512_shuffle_f32x4((__m512)even[h], (__m512)even[h], 0x4E);
+                const vf o = odd[h] + (vf)_mm512_shuffle_f32x4((__m512)odd[h], (__m512)odd[h], 0x4E);
+                vf sc = interleave(e, o, 0) * scale;
+                memcpy(scores + h * padded + (b - b_first) * block_size, &sc, sizeof sc);
+            }
+            continue;
+        }
+#endif
         for (int64_t t = 0; t < block_size; t += VL) {
             vf even[MAX_GROUP], odd[MAX_GROUP]; /* [rows * group]: row r's head g at r * group + g */
             for (int64_t h = 0; h < rows * group; h++) even[h] = odd[h] = (vf){0};
