@@ -1,7 +1,7 @@
 """The CPU's C kernels of another commit against this checkout's, interleaved in one process, so that a noisy
 machine's slow minutes hit both sides alike: the fused ops (csrc/cpu_ops.c), decode attention
-(engine/executor/attention/csrc/paged_decode.c) and, in bfloat16 on a CPU with AMX, the matmul
-(csrc/amx_gemm.c).
+(engine/executor/attention/csrc/paged_decode.c) and, in bfloat16 on a CPU with AMX, the matmuls (csrc/amx_gemm.c,
+and csrc/amx_qgemm.c over 4-bit blocks for decode-sized calls).
 
     python -m bench.kernel_ab --before f4cf4a7 [--rows 16 2048] [--rounds 15] [--dtype bfloat16]
 
@@ -9,7 +9,8 @@ The before side's kernel sources come from ``git archive`` of ``--before`` (run 
 as the engine builds its own (engine/cpu/native_build.py). Per row count: SiLU-and-multiply over
 SmolLM2-135M's gate and up halves, RMSNorm with the residual add, the rotary embedding of the queries, and
 the four projections of ``--layers`` layers with weights of their own (so that, as in a forward, each call
-reads its weights from memory, not from a cache the previous call warmed), and the decode attention of
+reads its weights from memory, not from a cache the previous call warmed) -- over bfloat16 tiles and, for
+up to 32 rows, over Q4_1 blocks expanded into the tiles as a decode step reads them --, and the decode attention of
 ``--layers`` layers' caches (each row ``--context`` tokens, its pages scattered over the cache). Prints each
 side's best and median over the rounds, and whether both sides give the same bits.
 """
@@ -31,8 +32,10 @@ import torch
 from engine.cpu.native_build import BuildOnce, KernelUnavailable
 from engine.executor.attention import cpu_kernel
 from engine.executor.attention.cpu_kernel import PagedDecodeKernel
-from engine.executor.kernels import amx_gemm, cpu_ops
+from engine.executor.kernels import amx_gemm, amx_qgemm, cpu_ops
 from engine.executor.kernels.amx_gemm import AmxGemm
+from engine.executor.kernels.amx_qgemm import AmxQGemm
+from engine.executor.kernels.block_codes import BlockCodes
 from engine.executor.kernels.cpu_ops import CpuOps
 
 KERNELS = "engine/executor/kernels/csrc"
@@ -96,6 +99,39 @@ def matmul_case(gemm: AmxGemm, rows: int, layers: int) -> Callable[[], torch.Ten
             for n, k, packed in layer:
                 last = gemm.linear(inputs[k], packed, n, None)
         return last  # the bits compared: the last projection's
+
+    return run
+
+
+def q4_codes(n: int, k: int, gen: torch.Generator) -> BlockCodes:
+    """A random ``[n, k]`` Q4_1 weight whose blocks the AMX kernel takes bit for bit (``amx_qgemm.pack``):
+    scales and offsets on float16 steps that keep ``offset - scale * 128`` exact."""
+    blocks = (n, k // 32)
+    scales = torch.randint(1, 64, blocks, generator=gen).float() * 2.0**-12
+    offsets = -torch.randint(0, 64, blocks, generator=gen).float() * 2.0**-9
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int8)
+    return BlockCodes(codes, scales, offsets)
+
+
+def qmatmul_case(qgemm: AmxQGemm, rows: int, layers: int) -> Callable[[], torch.Tensor]:
+    """The four projections of ``layers`` layers on ``rows`` rows over Q4_1 blocks, each layer its own."""
+    gen = torch.Generator().manual_seed(rows)
+    weights = []
+    for _ in range(layers):
+        layer = []
+        for n, k in SHAPES:
+            packed = amx_qgemm.pack(q4_codes(n, k, gen))
+            assert packed is not None and packed[1], "the AMX kernel takes these blocks"
+            layer.append((n, packed[0]))
+        weights.append(layer)
+    inputs = {k: torch.randn(rows, k, generator=gen).bfloat16() for _, k in SHAPES}
+
+    def run() -> torch.Tensor:
+        last = torch.empty(0)
+        for layer in weights:
+            for (n, packed), (_, k) in zip(layer, SHAPES, strict=True):
+                last = qgemm.linear(inputs[k], packed, True, n, None)
+        return last
 
     return run
 
@@ -164,11 +200,13 @@ def main(argv: list[str] | None = None) -> int:
             "after": cpu_kernel.load(),
         }
         gemms: dict[str, AmxGemm] = {}
+        qgemms: dict[str, AmxQGemm] = {}
         if dtype == torch.bfloat16:
             try:
                 gemms = {"before": BuildOnce(before / "amx_gemm.c", AmxGemm)(), "after": amx_gemm.load()}
+                qgemms = {"before": BuildOnce(before / "amx_qgemm.c", AmxQGemm)(), "after": amx_qgemm.load()}
             except KernelUnavailable as e:
-                print(f"no AMX matmul here ({e}): the fused ops only")
+                print(f"no AMX matmul here ({e}): the fused ops and attention only")
         for rows in args.rows:
             print(f"rows {rows}, {args.dtype}, before {args.before}:")
             cases = {side: op_cases(o, rows, dtype) for side, o in ops.items()}
@@ -177,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
                 cases[side][name] = attention_case(kernel, rows, args.layers, args.context, dtype)
             for side, gemm in gemms.items():
                 cases[side][f"{args.layers} layers' matmuls"] = matmul_case(gemm, rows, args.layers)
+            for side, qgemm in qgemms.items() if rows <= amx_qgemm.MAX_ROWS else ():
+                cases[side][f"{args.layers} layers' Q4_1 matmuls"] = qmatmul_case(qgemm, rows, args.layers)
             compare(cases, args.rounds)
     return 0
 
