@@ -129,6 +129,18 @@ def test_bfloat16_without_amx_is_batch_invariant_on_float32_chains(
         assert torch.equal(layer(x[row : row + 1]), out[row : row + 1])
 
 
+def test_bfloat16_weights_the_tiles_cannot_pack_take_the_float32_chains_when_invariant(
+    kernel: SmallGemm,
+) -> None:
+    """A K that is not a multiple of 32 (the down projection of 168 inputs): no AMX tiles for the model, so
+    with ``batch_invariant`` every projection takes the float32 chains, on every CPU."""
+    model = build_model(dataclasses.replace(TINY, intermediate_size=168), torch.bfloat16, CPU)
+    paths = apply_cpu_fast_paths(model, batch_invariant=True)
+    assert paths.batch_invariant
+    projections = {type(m) for m in model.modules() if isinstance(m, WidenedLinear | Linear | AmxLinear)}
+    assert projections == {WidenedLinear}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_swapped_model_gives_the_plain_models_logits(dtype: torch.dtype) -> None:
     """Prefill (more rows than the small kernel takes) and a decode step, SDPA attention: the same logits
