@@ -111,12 +111,13 @@ static inline vf loadv(const void *cache, int64_t index, int bf16) {
     return f;
 }
 
-#if VL == 16
 /* bfloat16 caches on AVX-512: a 64-byte line of 32 elements as two float32 vectors, each element moved into
  * the high half of a float by a shift or kept there by a mask -- two instructions a line where loadv's
  * widening takes four (a shuffle and a shift for each 16): the even elements 0, 2, .., 30 and the odd ones
- * 1, 3, .., 31 of the line. The score and value passes take their lines so where the shapes allow
- * (`paired`), running every sum in loadv's order on the same values: the same bits. */
+ * 1, 3, .., 31 of the line. The score and value passes take their lines so where the shapes allow, running
+ * every sum in loadv's order on the same values: the same bits. */
+#if VL == 16
+#define PAIRED_LINES 1
 #define PAIRED_MAX_HEAD_DIM 128
 static inline void load_pairs(const void *cache, int64_t index, vf *even, vf *odd) {
     const __m512i v = _mm512_loadu_si512((const uint16_t *)cache + index);
@@ -130,7 +131,23 @@ static inline vf interleave(vf a, vf b, int high) {
     const __m512i idx = high ? _mm512_add_epi32(lo, _mm512_set1_epi32(8)) : lo;
     return (vf)_mm512_permutex2var_ps((__m512)a, idx, (__m512)b);
 }
+#else
+#define PAIRED_LINES 0
+static inline vf interleave(vf a, vf b, int high) { return (void)b, (void)high, a; } /* never called */
 #endif
+
+/* `count` vectors from `index` (a literal: 1, loadv's; 2 where PAIRED_LINES, a line's even and odd lanes) */
+static inline __attribute__((always_inline)) void load_values(vf *row, const void *cache, int64_t index, int bf16,
+                                                              int64_t count) {
+#if PAIRED_LINES
+    if (count == 2) {
+        load_pairs(cache, index, &row[0], &row[1]);
+        return;
+    }
+#endif
+    (void)count;
+    row[0] = loadv(cache, index, bf16);
+}
 
 /* Ask for the `elements` from `index` on (one K or V page of one head) ahead of their use: a sequence's pages
  * lie anywhere in the cache, so the hardware prefetcher cannot guess the next one. Into L1, or with `l2`
@@ -189,48 +206,15 @@ NOIPA float softmax_row(float *s, int64_t lo, int64_t hi, float softcap) {
     return 1.0f / sum;
 }
 
-/* o[g][d_lo:d_hi] = sum_j p[g, j] V[j][d_lo:d_hi] for one row's `group` query heads over its keys [lo, hi)
- * (scores[g * padded + j] = p[g, j] * sum), in slices of `slice` vectors of head_dim (all of the range unless
- * PV_REGS says otherwise; see VL). Each lane sums over the keys in order, whatever the range and the slice.
- * Inlined, as `attend`. */
-static inline __attribute__((always_inline)) void values_row(
+/* values_row's sums over vectors of `slice` from d_lo on, read `step` vectors at a time (a literal: 1, loadv's
+ * vectors; 2, bfloat16 lines of 32 dimensions, accumulator c + 1 the odd lanes of the line whose even lanes
+ * are accumulator c) */
+static inline __attribute__((always_inline)) void values_row_by(
     float *out, const void *v_cache, int bf16, const int64_t *table, int64_t b_first, int64_t b_end, int64_t lo,
     int64_t hi, const int64_t group, const int64_t head_dim, int64_t block_size, int64_t block_stride,
-    int64_t head_offset, const float *scores, int64_t padded, const float *inv_sum, int64_t d_lo, int64_t d_hi) {
-    const int64_t page = head_dim * block_size, whole = value_slice(1, group, head_dim);
-    const int64_t slice = whole * VL <= d_hi - d_lo ? whole : (d_hi - d_lo) / VL; /* each lane's sums the same */
-#if VL == 16
-    if (bf16 && slice % 2 == 0 && (d_hi - d_lo) % (slice * VL) == 0) { /* the lines' even and odd lanes */
-        for (int64_t d0 = d_lo; d0 < d_hi; d0 += slice * VL) {
-            vf even[MAX_GROUP][MAX_HEAD_DIM / 32], odd[MAX_GROUP][MAX_HEAD_DIM / 32];
-            for (int64_t g = 0; g < group; g++)
-                for (int64_t c = 0; c < slice / 2; c++) even[g][c] = odd[g][c] = (vf){0};
-            for (int64_t b = b_first; b < b_end; b++) {
-                const int64_t v = table[b] * block_stride + head_offset + d0; /* [block_size, head_dim] */
-                if (d0 == d_lo && b + 1 < b_end)
-                    prefetch_page(v_cache, table[b + 1] * block_stride + head_offset, bf16, page, 0);
-                const int64_t j0 = (b - b_first) * block_size;
-                const int64_t t0 = lo > j0 ? lo - j0 : 0, t1 = hi - j0 < block_size ? hi - j0 : block_size;
-                for (int64_t t = t0; t < t1; t++)
-                    for (int64_t c = 0; c < slice / 2; c++) {
-                        vf e, o;
-                        load_pairs(v_cache, v + t * head_dim + c * 32, &e, &o);
-                        for (int64_t g = 0; g < group; g++) {
-                            even[g][c] += scores[g * padded + j0 + t] * e;
-                            odd[g][c] += scores[g * padded + j0 + t] * o;
-                        }
-                    }
-            }
-            for (int64_t g = 0; g < group; g++)
-                for (int64_t c = 0; c < slice / 2; c++)
-                    for (int high = 0; high < 2; high++) {
-                        vf out_v = interleave(even[g][c], odd[g][c], high) * inv_sum[g];
-                        memcpy(out + g * head_dim + d0 + c * 32 + high * 16, &out_v, sizeof out_v);
-                    }
-        }
-        return;
-    }
-#endif
+    int64_t head_offset, const float *scores, int64_t padded, const float *inv_sum, int64_t d_lo, int64_t d_hi,
+    int64_t slice, const int64_t step) {
+    const int64_t page = head_dim * block_size;
     for (int64_t d0 = d_lo; d0 < d_hi; d0 += slice * VL) {
         vf acc[MAX_GROUP][MAX_HEAD_DIM / VL];
         for (int64_t g = 0; g < group; g++)
@@ -242,17 +226,38 @@ static inline __attribute__((always_inline)) void values_row(
             const int64_t j0 = (b - b_first) * block_size;
             const int64_t t0 = lo > j0 ? lo - j0 : 0, t1 = hi - j0 < block_size ? hi - j0 : block_size;
             for (int64_t t = t0; t < t1; t++)
-                for (int64_t c = 0; c < slice; c++) {
-                    const vf row = loadv(v_cache, v + t * head_dim + c * VL, bf16);
-                    for (int64_t g = 0; g < group; g++) acc[g][c] += scores[g * padded + j0 + t] * row;
+                for (int64_t c = 0; c < slice; c += step) {
+                    vf row[2];
+                    load_values(row, v_cache, v + t * head_dim + c * VL, bf16, step);
+                    for (int64_t g = 0; g < group; g++)
+                        for (int64_t i = 0; i < step; i++) acc[g][c + i] += scores[g * padded + j0 + t] * row[i];
                 }
         }
         for (int64_t g = 0; g < group; g++)
-            for (int64_t c = 0; c < slice; c++) {
-                vf o = acc[g][c] * inv_sum[g];
-                memcpy(out + g * head_dim + d0 + c * VL, &o, sizeof o);
-            }
+            for (int64_t c = 0; c < slice; c += step)
+                for (int64_t i = 0; i < step; i++) {
+                    vf o = (step == 2 ? interleave(acc[g][c], acc[g][c + 1], (int)i) : acc[g][c]) * inv_sum[g];
+                    memcpy(out + g * head_dim + d0 + (c + i) * VL, &o, sizeof o);
+                }
     }
+}
+
+/* o[g][d_lo:d_hi] = sum_j p[g, j] V[j][d_lo:d_hi] for one row's `group` query heads over its keys [lo, hi)
+ * (scores[g * padded + j] = p[g, j] * sum), in slices of `slice` vectors of head_dim (all of the range unless
+ * PV_REGS says otherwise; see VL). Each lane sums over the keys in order, whatever the range and the slice.
+ * Inlined, as `attend`. */
+static inline __attribute__((always_inline)) void values_row(
+    float *out, const void *v_cache, int bf16, const int64_t *table, int64_t b_first, int64_t b_end, int64_t lo,
+    int64_t hi, const int64_t group, const int64_t head_dim, int64_t block_size, int64_t block_stride,
+    int64_t head_offset, const float *scores, int64_t padded, const float *inv_sum, int64_t d_lo, int64_t d_hi) {
+    const int64_t whole = value_slice(1, group, head_dim);
+    const int64_t slice = whole * VL <= d_hi - d_lo ? whole : (d_hi - d_lo) / VL; /* each lane's sums the same */
+    if (PAIRED_LINES && bf16 && slice % 2 == 0 && (d_hi - d_lo) % (slice * VL) == 0)
+        values_row_by(out, v_cache, bf16, table, b_first, b_end, lo, hi, group, head_dim, block_size, block_stride,
+                      head_offset, scores, padded, inv_sum, d_lo, d_hi, slice, 2);
+    else
+        values_row_by(out, v_cache, bf16, table, b_first, b_end, lo, hi, group, head_dim, block_size, block_stride,
+                      head_offset, scores, padded, inv_sum, d_lo, d_hi, slice, 1);
 }
 
 /* values_row for the `rows` rows of a tile of a verify run, row r's keys [lo[r], hi[r]) (ascending in r): each
