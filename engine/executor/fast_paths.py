@@ -85,8 +85,9 @@ def apply_cpu_fast_paths(
 def swap_linears(
     model: NativeModel, blocks: Mapping[str, BlockCodes], batch_invariant: bool = False
 ) -> tuple[SmallGemm | None, bool]:
-    """Every ``Linear`` replaced where oneDNN can prepack this dtype (else none is); returns the small
-    kernel where it serves them, and whether every row takes one kernel whatever its batch."""
+    """Every ``Linear`` replaced where oneDNN can prepack this dtype, or where a bfloat16 model must be
+    batch-invariant (else none is); returns the small kernel where it serves them, and whether every row
+    takes one kernel whatever its batch."""
     amx = _amx(model) if prepacked.can_prepack(model.device, model.dtype) else None
     bf16_invariant = batch_invariant and model.dtype == torch.bfloat16 and model.device.type == "cpu"
     if amx is not None and (_tiles_fit(model) or not bf16_invariant):  # bfloat16 on AMX tiles, every call
