@@ -11,13 +11,15 @@ SmolLM2-135M's gate and up halves, RMSNorm with the residual add, the rotary emb
 the four projections of ``--layers`` layers with weights of their own (so that, as in a forward, each call
 reads its weights from memory, not from a cache the previous call warmed) -- over bfloat16 tiles and, for
 up to 32 rows, over Q4_1 blocks expanded into the tiles as a decode step reads them --, and the decode attention of
-``--layers`` layers' caches (each row ``--context`` tokens, its pages scattered over the cache). Prints each
+``--layers`` layers' caches (each row ``--context`` tokens, its pages scattered over the cache) for up to 64
+rows, the prefill attention of prompts of ``--prompt-len`` tokens (``rows`` tokens in all) for more. Prints each
 side's best and median over the rounds, and whether both sides give the same bits.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import subprocess
 import tarfile
@@ -164,6 +166,37 @@ def attention_case(
     return run
 
 
+def prefill_attention_case(
+    kernel: PagedDecodeKernel, rows: int, layers: int, prompt_len: int, dtype: torch.dtype
+) -> Callable[[], torch.Tensor]:
+    """Prefill attention of ``rows`` new tokens, prompts of ``prompt_len`` (the last one shorter where it does
+    not divide), over ``layers`` layers' caches, each prompt's pages scattered (seeded: the same for both
+    sides); bfloat16 queries take the AMX tiles where the CPU has them."""
+    gen = torch.Generator().manual_seed(rows)
+    lens = [prompt_len] * (rows // prompt_len) + ([rows % prompt_len] if rows % prompt_len else [])
+    pages = -(-prompt_len // BLOCK_SIZE)
+    blocks = len(lens) * pages + 1
+    tables = (torch.randperm(blocks - 1, generator=gen)[: len(lens) * pages] + 1).view(len(lens), pages)
+    caches = [
+        (
+            torch.randn(blocks, KV_HEADS, HEAD_DIM, BLOCK_SIZE, generator=gen).to(dtype),
+            torch.randn(blocks, KV_HEADS, BLOCK_SIZE, HEAD_DIM, generator=gen).to(dtype),
+        )
+        for _ in range(layers)
+    ]
+    q = torch.randn(rows, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    starts = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64)
+    seq_lens = torch.tensor(lens, dtype=torch.int64)
+
+    def run() -> torch.Tensor:
+        last = torch.empty(0)
+        for k, v in caches:
+            last = kernel.prefill(q, k, v, tables.contiguous(), starts, seq_lens, HEAD_DIM**-0.5, None)
+        return last
+
+    return run
+
+
 def compare(cases: dict[str, dict[str, Callable[[], torch.Tensor]]], rounds: int) -> None:
     """Time every case on both sides, alternating which goes first; print a line per case."""
     sides = list(cases)
@@ -190,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--context", type=int, default=160, help="tokens of each row the attention case reads"
     )
+    parser.add_argument(
+        "--prompt-len", type=int, default=128, help="tokens a prompt of the prefill attention case"
+    )
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory() as tmp:
@@ -213,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
             for side, kernel in attention.items() if rows <= MAX_DECODE_ROWS else ():
                 name = f"{args.layers} layers' decode attention"
                 cases[side][name] = attention_case(kernel, rows, args.layers, args.context, dtype)
+            for side, kernel in attention.items() if rows > MAX_DECODE_ROWS else ():
+                name = f"{args.layers} layers' prefill attention"
+                cases[side][name] = prefill_attention_case(kernel, rows, args.layers, args.prompt_len, dtype)
             for side, gemm in gemms.items():
                 cases[side][f"{args.layers} layers' matmuls"] = matmul_case(gemm, rows, args.layers)
             for side, qgemm in qgemms.items() if rows <= amx_qgemm.MAX_ROWS else ():

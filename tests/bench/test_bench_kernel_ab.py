@@ -43,9 +43,12 @@ def test_a_commit_against_itself_gives_the_same_bits(
     except KernelUnavailable as e:
         pytest.skip(f"the fused ops cannot be built here: {e}")
     monkeypatch.chdir(ROOT)
-    argv = ["--before", _head(), "--rows", "3", "40", "--rounds", "1", "--layers", "1", "--dtype", dtype]
+    argv = ["--before", _head(), "--rows", "3", "40", "70", "--rounds", "1", "--layers", "1", "--dtype", dtype,
+            "--prompt-len", "32"]  # fmt: skip
     assert main(argv) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "ms median" in ln]
-    # three ops and decode attention at each row count, and the matmuls where the CPU has AMX
-    assert len(lines) >= 8 and sum("decode attention" in ln for ln in lines) == 2
+    # three ops at each row count, decode attention at 3 and 40, prefill attention of 32 + 32 + 6 tokens at 70,
+    # and the matmuls where the CPU has AMX
+    assert len(lines) >= 12 and sum("decode attention" in ln for ln in lines) == 2
+    assert sum("prefill attention" in ln for ln in lines) == 1
     assert all(ln.endswith("same bits") for ln in lines), lines

@@ -5,7 +5,8 @@
  *   S = Q K^T:  A = the item's query rows in bfloat16 (16 rows x 32 dimensions a tile),
  *               B = 16 keys of a K page, re-laid out in pairs of dimensions ("VNNI"), 32 dimensions a tile
  *   P = exp(scale * S - max) per row over its own keys (as paged_prefill.c: soft cap, window, causal
- *       mask), rounded to bfloat16; the row's output divided by the sum of its rounded weights
+ *       mask), rounded to bfloat16; the row's output divided by the sum of its weights (before rounding,
+ *       as flash attention sums them); 16 rows at a time, their maxes and sums reduced together
  *   O = P V:    A = 16 rows x 32 keys of P, B = 32 keys of V in pairs of keys, 16 dimensions a tile;
  *               four accumulator tiles (64 dimensions) per pass over the keys
  *
@@ -22,7 +23,6 @@
  * to AMX_MAX_HEAD_DIM, and q, the output and the cache are bfloat16 (cbserve_paged_prefill_attention). */
 #include "../../kernels/csrc/amx_tiles.h"
 #include "../../kernels/csrc/bf16_round.h"
-#include "../../kernels/csrc/exp16.h"
 
 #define AMX_MAX_HEAD_DIM 256
 /* queries per work item on the tiles: each item re-lays out its keys and values for the tiles, so an item of
@@ -150,52 +150,123 @@ static inline void weigh_values_amx(float *c, const uint16_t *p, int64_t ld, con
     }
 }
 
-/* P row = exp(scale * S row - max) over the row's keys [lo, hi) (columns from the item's first key), in
- * bfloat16, 0 elsewhere; returns 1 / the sum of those bfloat16 weights, by which the row's output is scaled
- * (so its weights sum to 1 as rounded). The scores soft-capped first where the model caps them. One pass
- * for the max, one for exp, rounding and the sum, 16 keys at a time; each key's lane is fixed by its
- * absolute position (columns start at a multiple of 32), so the row's sums do not depend on its tile. */
-static inline float softmax_to_bf16(uint16_t *p, float *s, int64_t ld, int64_t lo, int64_t hi, float scale,
-                                    float softcap) {
+/* 2^t on 16 lanes (the softmax's exponents, base 2, t <= 0): t = n + f with |f| <= 1/2, 2^f by Cephes'
+ * polynomial of exp2f (about 1 ulp), 2^n put in by VSCALEFPS (below float32's range: 0). Fewer steps than
+ * exp16 (no range reduction in two parts, no exponent-bit arithmetic, no clamps): the softmax is most of an
+ * item's vector work. */
+static inline __m512 exp2_16(__m512 t) {
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.535336188319500e-4f), f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    return _mm512_scalef_ps(_mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f)), n);
+}
+
+/* softmax weights -> bfloat16, nearest even: one VCVTNEPS2BF16 where the CPU has AVX512-BF16 (every one with
+ * AMX-BF16 so far); it flushes float32 denormals, which only a weight ~1e-38 of the row max's could be */
+static inline __m256i round_weights(__m512 w) {
+#if defined(__AVX512BF16__)
+    return (__m256i)_mm512_cvtneps_pbh(w);
+#else
+    return to_bf16_x16(w);
+#endif
+}
+
+/* out lane i = the sum (max: `max` 1) of v[i]'s 16 lanes, for 16 vectors at once: each level pairs the halves
+ * of 512, 256, 128 and 64 bits of two vectors (15 shuffle pairs in all, where one vector's own reduction
+ * takes 4 dependent steps), the same tree for every lane of the result */
+static inline __m512 lanes_reduce16(__m512 v[16], const int max) {
+#define OP(x, y) (max ? _mm512_max_ps(x, y) : _mm512_add_ps(x, y))
+    for (int i = 0; i < 8; i++) /* quarters 0-1 of v[i]: v[2i]'s halves summed; 2-3: v[2i + 1]'s */
+        v[i] = OP(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                  _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 4; i++) /* quarter q of v[i]: v[4i + q]'s quarters summed */
+        v[i] = OP(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                  _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int i = 0; i < 2; i++) /* in quarter q of v[i]: v[8i + q]'s pairs, then v[8i + 4 + q]'s */
+        v[i] = OP(_mm512_shuffle_ps(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                  _mm512_shuffle_ps(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 r = OP(_mm512_shuffle_ps(v[0], v[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                        _mm512_shuffle_ps(v[0], v[1], _MM_SHUFFLE(3, 1, 3, 1))); /* lane 4q + k: v[4k + q] */
+#undef OP
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+
+/* The lanes of keys j .. j + 15 of a row's [lo, hi), for j from a = lo / 16 * 16 to b = ceil(hi / 16) * 16:
+ * only the first and the last vector hold keys outside */
+#define SEEN(j, a, b, head, tail) (__mmask16)(((j) == (a) ? (head) : 0xFFFF) & ((j) + 16 == (b) ? (tail) : 0xFFFF))
+
+/* A row's scores over its keys [lo, hi) (columns from the item's first key), soft-capped in place first where
+ * the model caps them (and then already scaled): 16 lanes whose max is the row's max (two chains of 16 lanes;
+ * one waits on max's latency) */
+static inline __m512 row_max(float *s, int64_t lo, int64_t hi, float scale, float softcap) {
     if (softcap > 0.0f) {
         for (int64_t j = lo; j < hi; j++) s[j] *= scale;
         soft_cap(s, lo, hi, softcap);
-        scale = 1.0f;
     }
-    const int64_t a = lo / 16 * 16, b = (hi + 15) / 16 * 16; /* b <= ld: ld is a multiple of 32 */
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i first = _mm512_set1_epi32((int32_t)lo), end = _mm512_set1_epi32((int32_t)hi);
-#define SEEN(j) /* the lanes of keys j .. j + 15 in [lo, hi) */                                       \
-    (_mm512_cmpge_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32((int32_t)(j))), first) &        \
-     _mm512_cmplt_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32((int32_t)(j))), end))
-    /* the max, in two chains of 16 lanes (one chain waits on max's latency); other lanes may hold anything */
+    const int64_t a = lo / 16 * 16, b = (hi + 15) / 16 * 16;
+    const __mmask16 head = (__mmask16)(0xFFFFu << (lo - a)), tail = (__mmask16)(0xFFFFu >> (b - hi));
     __m512 m0 = _mm512_set1_ps(s[lo]), m1 = m0;
     int64_t j = a;
     for (; j + 16 < b; j += 32) {
-        m0 = _mm512_mask_max_ps(m0, SEEN(j), m0, _mm512_loadu_ps(s + j));
-        m1 = _mm512_mask_max_ps(m1, SEEN(j + 16), m1, _mm512_loadu_ps(s + j + 16));
+        m0 = _mm512_mask_max_ps(m0, SEEN(j, a, b, head, tail), m0, _mm512_loadu_ps(s + j));
+        m1 = _mm512_mask_max_ps(m1, SEEN(j + 16, a, b, head, tail), m1, _mm512_loadu_ps(s + j + 16));
     }
-    if (j < b) m0 = _mm512_mask_max_ps(m0, SEEN(j), m0, _mm512_loadu_ps(s + j));
-    const float max = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
+    if (j < b) m0 = _mm512_mask_max_ps(m0, SEEN(j, a, b, head, tail), m0, _mm512_loadu_ps(s + j));
+    return _mm512_max_ps(m0, m1);
+}
+
+/* P row = 2^(S row scale log2(e) - max scale log2(e)) over the row's keys [lo, hi), rounded to bfloat16
+ * (nearest even), 0 elsewhere in its `ld` columns: 16 lanes whose sum is the sum of those weights (before
+ * rounding, as flash attention sums them). Each key's lane is fixed by its absolute position (columns start at
+ * a multiple of 32), so the row's sums do not depend on its tile. */
+static inline __m512 row_weights(uint16_t *p, const float *s, int64_t ld, int64_t lo, int64_t hi, float max,
+                                 float scale) {
+    const int64_t a = lo / 16 * 16, b = (hi + 15) / 16 * 16; /* b <= ld: ld is a multiple of 32 */
+    const __mmask16 head = (__mmask16)(0xFFFFu << (lo - a)), tail = (__mmask16)(0xFFFFu >> (b - hi));
     memset(p, 0, (size_t)a * 2);
     memset(p + b, 0, (size_t)(ld - b) * 2);
-    /* p = exp(scale * (s - max)) rounded to bfloat16 (nearest even), 0 outside [lo, hi); the sum of p */
-    const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF);
+    const float to_base2 = scale * 1.4426950408889634f;
+    const __m512 c = _mm512_set1_ps(to_base2), shift = _mm512_set1_ps(-max * to_base2);
     __m512 sum = _mm512_setzero_ps();
-    for (j = a; j < b; j += 16) {
-        exp16_f x;
-        memcpy(&x, s + j, sizeof x);
-        const exp16_f e = exp16((x - max) * scale);
-        __m512i bits;
-        memcpy(&bits, &e, sizeof bits);
-        bits = _mm512_maskz_mov_epi32(SEEN(j), bits);
-        bits = _mm512_add_epi32(bits, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(bits, 16), one)));
-        bits = _mm512_srli_epi32(bits, 16);
-        _mm256_storeu_si256((__m256i *)(p + j), _mm512_cvtepi32_epi16(bits));
-        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)));
+    for (int64_t j = a; j < b; j += 16) {
+        const __m512 e = _mm512_maskz_mov_ps(SEEN(j, a, b, head, tail),
+                                             exp2_16(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), c, shift)));
+        _mm256_storeu_si256((__m256i *)(p + j), round_weights(e));
+        sum = _mm512_add_ps(sum, e);
     }
+    return sum;
+}
 #undef SEEN
-    return 1.0f / _mm512_reduce_add_ps(sum); /* the max's own weight is 1: the sum >= 1 */
+
+/* P for the item's rows r0 .. r0 + 15 (those from `rows` on: zero), and each row's 1 / the sum of its
+ * weights in inv[r0 ..], by which its output is scaled (the max's own weight is ~1, so the sum is >= ~1). A row sees keys up to its position, from the window's start. */
+static inline void softmax_rows16(uint16_t *p, float *s, int64_t ld, float *inv, int64_t r0, int64_t rows,
+                                  int64_t group, int64_t first_pos, int64_t k0, int64_t window, float scale,
+                                  float softcap) {
+    __m512 part[16];
+    int64_t lo[16], hi[16];
+    for (int m = 0; m < 16; m++) {
+        const int64_t r = r0 + m, pos = first_pos + r / group;
+        lo[m] = (window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0) - k0;
+        hi[m] = pos + 1 - k0;
+        part[m] = r < rows ? row_max(s + r * ld, lo[m], hi[m], scale, softcap) : _mm512_setzero_ps();
+    }
+    float max[16];
+    _mm512_storeu_ps(max, lanes_reduce16(part, 1));
+    const float weight_scale = softcap > 0.0f ? 1.0f : scale; /* soft-capped scores are already scaled */
+    for (int m = 0; m < 16; m++) {
+        const int64_t r = r0 + m;
+        if (r < rows) {
+            part[m] = row_weights(p + r * ld, s + r * ld, ld, lo[m], hi[m], max[m], weight_scale);
+        } else {
+            memset(p + r * ld, 0, (size_t)ld * 2);
+            part[m] = _mm512_set1_ps(1.0f);
+        }
+    }
+    _mm512_storeu_ps(inv + r0, _mm512_div_ps(_mm512_set1_ps(1.0f), lanes_reduce16(part, 0)));
 }
 
 /* One work item, as attend_tile in paged_prefill.c (same arguments; the caches bfloat16) */
@@ -223,15 +294,8 @@ static void attend_tile_amx(uint16_t *out, const uint16_t *q, int64_t q_stride, 
         score_unit(sc.s + (u * 16 - k0), ld, sc.q, padded, sc.kt, head_dim);
     }
     float inv[AMX_TILE * MAX_GROUP]; /* each row's 1 / sum of its weights */
-    for (int64_t r = 0; r < padded; r++) { /* P */
-        if (r >= rows) {
-            memset(sc.p + r * ld, 0, (size_t)ld * 2);
-            continue;
-        }
-        const int64_t pos = first_pos + r / group;
-        const int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-        inv[r] = softmax_to_bf16(sc.p + r * ld, sc.s + r * ld, ld, lo - k0, pos + 1 - k0, scale, softcap);
-    }
+    for (int64_t r0 = 0; r0 < padded; r0 += 16) /* P */
+        softmax_rows16(sc.p, sc.s, ld, inv, r0, rows, group, first_pos, k0, window, scale, softcap);
     const int64_t chunks = ld / 32, c_lo = (key_lo - k0) / 32;
     for (int64_t ch = c_lo; ch < chunks; ch++)
         relayout_values(sc.vt + ch * (head_dim / 16) * 512, v_cache, table, k0 + ch * 32, key_lo, key_hi,
