@@ -14,6 +14,7 @@ as gpt-fast's ``replace_linear_int4`` does: the model's code stays the architect
         RMSNorm -> FusedRMSNorm, RotaryEmbedding -> FusedRotaryEmbedding, SiluAndMul -> FusedSiLUMul,
         GeluTanhAndMul -> FusedGeluTanhMul
             (float32 or bfloat16 on the CPU, where the ops could be built)
+        GatedMLP (SiLU, its gate and up weight on AMX tiles) -> AmxSwiGLUMLP
 
 Nothing is swapped where the CPU, the dtype or the torch build does not allow it, and a kernel that cannot
 be built is logged and skipped: the PyTorch modules run instead. Why each is faster: the modules' files and
@@ -38,6 +39,7 @@ from engine.executor.kernels.block_codes import BlockCodes
 from engine.executor.kernels.cpu_ops import CpuOps
 from engine.executor.kernels.modules import (
     AmxLinear,
+    AmxSwiGLUMLP,
     FusedGeluTanhMul,
     FusedRMSNorm,
     FusedRotaryEmbedding,
@@ -49,7 +51,14 @@ from engine.executor.kernels.modules import (
     WidenedLinear,
 )
 from engine.executor.kernels.small_gemm import SmallGemm
-from engine.executor.models.layers import GeluTanhAndMul, Linear, RMSNorm, RotaryEmbedding, SiluAndMul
+from engine.executor.models.layers import (
+    GatedMLP,
+    GeluTanhAndMul,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMul,
+)
 from engine.executor.models.registry import NativeModel
 
 logger = logging.getLogger(__name__)
@@ -79,6 +88,7 @@ def apply_cpu_fast_paths(
     flag, float32 chains on the small kernel over the bfloat16 weights)."""
     small, invariant = swap_linears(model, blocks or {}, batch_invariant)
     ops = swap_fused_ops(model)
+    swap_swiglu_mlps(model)
     return CpuFastPaths(not any(isinstance(m, Linear) for m in model.modules()), small, ops, invariant)
 
 
@@ -276,6 +286,26 @@ def swap_fused_ops(model: NativeModel) -> CpuOps | None:
         if fused is not None:
             setattr(parent, name, fused)
     return ops
+
+
+def swap_swiglu_mlps(model: NativeModel) -> int:
+    """Every SiLU-gated MLP whose gate and up weight is on AMX tiles (alone or behind the checkpoint's blocks)
+    without a bias, and whose gate is the fused op, takes the tiles' SwiGLU call for prefill-sized calls
+    (``AmxSwiGLUMLP``: the same bits); returns how many."""
+    swapped = 0
+    for parent, name, module in _children(model):
+        if type(module) is not GatedMLP or type(module.act_fn) is not FusedSiLUMul:
+            continue
+        proj = module.gate_up_proj
+        tiles = proj.rest if isinstance(proj, QuantAmxLinear) else proj
+        if (
+            isinstance(tiles, AmxLinear)
+            and tiles.bias is None
+            and module.intermediate_size % amx_gemm.TILE_N == 0
+        ):
+            setattr(parent, name, AmxSwiGLUMLP(module, tiles))
+            swapped += 1
+    return swapped
 
 
 def _fused(module: nn.Module, ops: CpuOps) -> nn.Module | None:

@@ -2,7 +2,7 @@
 float32-accumulation rounding of a float64 reference plus the one rounding of the output to bfloat16, at the
 model's shapes, from one row to prefill sizes and at tails of rows and outputs; a row's bits do not depend on
 the rows beside it, on how the call's rows are laid out (read in place or packed), nor on the threads;
-argument checks. Its use by the model: tests/model/test_fast_paths.py and tests/engine/test_batch_invariance.py."""
+argument checks; SwiGLU's projection and gate in one call, the bits of the two. Its use by the model: tests/model/test_fast_paths.py and tests/engine/test_batch_invariance.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.cpu.native_build import KernelUnavailable
-from engine.executor.kernels import amx_gemm
+from engine.executor.kernels import amx_gemm, cpu_ops
 from engine.executor.kernels.amx_gemm import AmxGemm
 
 FLOAT32_ROUNDOFF = 2.0**-24
@@ -145,3 +145,32 @@ def test_refuses_what_it_cannot_compute(kernel: AmxGemm) -> None:
         kernel.linear(torch.zeros(2, 96, dtype=torch.bfloat16), packed, 16, None)
     with pytest.raises(ValueError, match="bfloat16 CPU rows"):
         kernel.linear(torch.zeros(2, 64), packed, 16, None)
+
+
+# (inter, k): the default model's MLP, an inter whose gate and up halves leave padded tile columns (48: the
+# weight's 96 rows pad to 128), and a third k
+@pytest.mark.parametrize(("inter", "k"), [(1536, 576), (48, 64), (64, 96)])
+@pytest.mark.parametrize("m", [1, 16, 33, 300, 1024, 1100])
+def test_swiglu_gives_the_bits_of_the_matmul_then_the_fused_gate(
+    kernel: AmxGemm, inter: int, k: int, m: int
+) -> None:
+    """One call for SwiGLU's projection and gate: the bits of ``linear`` then ``CpuOps.silu_and_mul``,
+    whichever way the threads split the call (outputs below 1,024 rows, rows from there)."""
+    try:
+        ops = cpu_ops.load()
+    except KernelUnavailable as e:
+        pytest.skip(f"the fused ops cannot be built here: {e}")
+    gen = torch.Generator().manual_seed(inter + m)
+    w = (torch.randn(2 * inter, k, generator=gen) * 0.1).bfloat16()
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    packed = kernel.pack(w)
+    separate = ops.silu_and_mul(kernel.linear(x, packed, 2 * inter, None))
+    assert torch.equal(kernel.swiglu(x, packed, inter).view(torch.int16), separate.view(torch.int16))
+
+
+def test_swiglu_refuses_what_it_cannot_compute(kernel: AmxGemm) -> None:
+    packed = kernel.pack(torch.zeros(48, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        kernel.swiglu(torch.zeros(2, 64, dtype=torch.bfloat16), packed, 24)
+    with pytest.raises(ValueError, match="does not fit"):
+        kernel.swiglu(torch.zeros(2, 64, dtype=torch.bfloat16), packed, 48)

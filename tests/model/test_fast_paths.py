@@ -1,7 +1,8 @@
 """The CPU fast paths as module swaps (engine/executor/fast_paths.py, engine/executor/kernels/modules.py):
 which module takes each Linear, norm, rotary and activation per dtype and CPU; that each kernel module
 routes its calls as documented (the small kernel for few rows, oneDNN for more, or the kernel for all where
-it takes every batch); and that a swapped model's logits are the plain model's up to float rounding."""
+it takes every batch; the MLP's projection and gate in one AMX call, with the same bits); and that a swapped
+model's logits are the plain model's up to float rounding."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from engine.executor.inputs import BatchInputs
 from engine.executor.kernels import amx_gemm, prepacked, small_gemm
 from engine.executor.kernels.modules import (
     AmxLinear,
+    AmxSwiGLUMLP,
     FusedRMSNorm,
     FusedRotaryEmbedding,
     FusedSiLUMul,
@@ -30,7 +32,7 @@ from engine.executor.kernels.modules import (
 from engine.executor.kernels.small_gemm import SmallGemm
 from engine.executor.kv_cache import KVCache
 from engine.executor.models import LlamaForCausalLM, build_model
-from engine.executor.models.layers import Linear, RMSNorm, SiluAndMul
+from engine.executor.models.layers import GatedMLP, Linear, RMSNorm, SiluAndMul
 from engine.loader.dummy import get_preset
 
 CPU = torch.device("cpu")
@@ -106,6 +108,8 @@ def test_a_bfloat16_model_gets_onednn_or_the_amx_kernel_and_the_fused_ops(batch_
         assert not any(isinstance(m, PackedLinear) for m in model.modules())  # no oneDNN copy of a weight
     if paths.fused_ops is not None:
         assert _types(model, RMSNorm) == {FusedRMSNorm} and isinstance(model.rotary, FusedRotaryEmbedding)
+    # the MLP's projection and gate in one AMX call where both are swapped in
+    assert _types(model, GatedMLP) == {AmxSwiGLUMLP if amx and paths.fused_ops is not None else GatedMLP}
 
 
 def test_bfloat16_without_amx_is_batch_invariant_on_float32_chains(
@@ -154,6 +158,20 @@ def test_the_swapped_model_gives_the_plain_models_logits(dtype: torch.dtype) -> 
     decode = BatchInputs.build([[12], [13]], [70, 3], tables, [True, True], 16)
     for batch in (prefill, decode):
         torch.testing.assert_close(model(batch, caches[0]), plain(batch, caches[1]), **tol)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("rows", [1, 32, 33, 300])
+def test_the_amx_swiglu_mlp_gives_the_bits_of_its_modules(rows: int) -> None:
+    """``AmxSwiGLUMLP``: its one call for more than 32 rows, and its modules for fewer, give the bits of the
+    swapped modules run one after another (``GatedMLP.forward``)."""
+    model, _ = _pair(torch.bfloat16)
+    apply_cpu_fast_paths(model)
+    mlp = model.model.layers[0].mlp
+    if not isinstance(mlp, AmxSwiGLUMLP):
+        pytest.skip("no AMX tiles or fused ops here")
+    x = torch.randn(rows, TINY.hidden_size, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(mlp(x).view(torch.int16), GatedMLP.forward(mlp, x).view(torch.int16))
 
 
 def _loaded_weights() -> tuple[torch.Tensor, torch.Tensor]:

@@ -51,6 +51,9 @@ class AmxGemm:
         self._gemm = lib.cbserve_amx_gemm
         self._gemm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64]
         self._gemm.restype = ctypes.c_int
+        self._swiglu = lib.cbserve_amx_gemm_swiglu
+        self._swiglu.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64]
+        self._swiglu.restype = ctypes.c_int
 
     @staticmethod
     def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -98,6 +101,28 @@ class AmxGemm:
         ):
             raise MemoryError("AMX matmul: out of memory for a scratch block")
         return out.view(*x.shape[:-1], out_features)
+
+    def swiglu(self, x: torch.Tensor, packed: torch.Tensor, inter: int) -> torch.Tensor:
+        """SwiGLU's projection and gate in one call: ``silu(g) * u`` for ``[g | u] = x W^T``, ``packed`` a gated
+        MLP's fused ``[2 * inter, K]`` gate and up weight (no bias; ``inter`` a multiple of 16): the bits of
+        ``linear`` then ``CpuOps.silu_and_mul``, ``[..., inter]``, without writing ``[g | u]`` out."""
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        m, k = rows.shape
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+            raise ValueError(f"expected bfloat16 CPU rows, got {x.dtype} on {x.device}")
+        if packed.shape[1:] != (k // TILE_K, TILE_K // 2, TILE_N, 2) or packed.shape[0] * TILE_N < 2 * inter:
+            raise ValueError(f"packed weight {tuple(packed.shape)} does not fit x {tuple(x.shape)}")
+        out = torch.empty(m, inter, dtype=torch.bfloat16)
+        rc = self._swiglu(
+            out.data_ptr(), inter, rows.data_ptr(), rows.stride(0), packed.data_ptr(), m, inter, k
+        )
+        if rc == -2:
+            raise ValueError(f"SwiGLU over the tiles needs inter a multiple of {TILE_N}, got {inter}")
+        if rc:
+            raise MemoryError("AMX matmul: out of memory for a scratch block")
+        return out.view(*x.shape[:-1], inter)
 
 
 # Built once per process; raises ``KernelUnavailable`` with the reason when it cannot be.

@@ -11,6 +11,7 @@
     FusedRMSNorm          RMSNorm with its residual add in one C call (cpu_ops.py)
     FusedRotaryEmbedding  q and k rotated in place in one C call
     FusedSiLUMul          SwiGLU's ``silu(gate) * up`` in one C call
+    AmxSwiGLUMLP          SwiGLU's gate and up projections and its gate in one AMX call, for calls of more rows
     FusedGeluTanhMul      Gemma's ``gelu_tanh(gate) * up`` in one C call
 """
 
@@ -26,7 +27,7 @@ from engine.executor.kernels.amx_gemm import AmxGemm
 from engine.executor.kernels.amx_qgemm import AmxQGemm
 from engine.executor.kernels.cpu_ops import CpuOps
 from engine.executor.kernels.small_gemm import SmallGemm
-from engine.executor.models.layers import RMSNorm, RotaryEmbedding, RotaryInputs
+from engine.executor.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, RotaryInputs
 
 
 class PackedLinear(nn.Module):
@@ -241,3 +242,23 @@ class FusedGeluTanhMul(nn.Module):
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.ops.gelu_tanh_and_mul(gate_up)  # [rows, inter]
+
+
+class AmxSwiGLUMLP(GatedMLP):
+    """``GatedMLP`` (SiLU) whose gate and up weight is on AMX tiles: calls of more than ``amx_qgemm.MAX_ROWS``
+    rows (prefill chunks; decode steps run in the decode stack) take the projection and the gate in one call
+    (``AmxGemm.swiglu``: the bits of ``gate_up_proj`` then ``act_fn``, without writing the ``[rows, 2 * inter]``
+    projection out and reading it back); others run the modules as ``GatedMLP`` does. The submodules are the
+    swapped ones, unchanged."""
+
+    def __init__(self, mlp: GatedMLP, tiles: AmxLinear) -> None:
+        nn.Module.__init__(self)
+        self.intermediate_size = mlp.intermediate_size
+        self.gate_up_proj, self.act_fn, self.down_proj = mlp.gate_up_proj, mlp.act_fn, mlp.down_proj
+        self._tiles = [tiles]  # NOTE: in a list, not a second registration of gate_up_proj's module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() <= amx_qgemm.MAX_ROWS * x.shape[-1]:
+            return super().forward(x)
+        tiles = self._tiles[0]
+        return self.down_proj(tiles.amx.swiglu(x, tiles.tiles, self.intermediate_size))  # [..., hidden]

@@ -13,6 +13,8 @@
  *                   each takes MACRO_ROWS rows at a time, then per pair of B tiles, per chunk of at most
  *                   K_CHUNK k-blocks, for each block of 32 rows: C0..C3 += A0,A1 x B0,B1
  *   y = round_to_bfloat16(C + b)
+ *   SwiGLU (cbserve_amx_gemm_swiglu): the 2 x 2 kernel's two B tiles are the gate's 16 outputs and the up
+ *                   half's matching 16, and the block rounds out silu(g) * u (gate_rows)
  *
  * The result of a row does not depend on the other rows of the call, nor on the block shape that computed
  * it: every output is the same chain -- one TDPBF16PS per 32 k, in order of k, starting from zero -- then
@@ -48,6 +50,7 @@
 
 #include "amx_tiles.h"
 #include "bf16_round.h" /* to_bf16_x16: as to_bf16 below where there are no such vectors */
+#include "exp16.h"      /* the gate's exp, as cpu_ops.c's silu_and_mul */
 #include "kept_buffer.h"
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
 #define VECTOR_ROUNDING 1
@@ -107,6 +110,35 @@ static void stream_rows(uint16_t *out, int64_t ldo, const float *c, int64_t ldc,
         const __m256i lo = to_bf16_x16(_mm512_add_ps(_mm512_loadu_ps(c + m * ldc), b0));
         const __m256i hi = to_bf16_x16(_mm512_add_ps(_mm512_loadu_ps(c + m * ldc + 16), b1));
         _mm512_stream_si512((__m512i *)(out + m * ldo + n0), _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+    }
+}
+
+/* SwiGLU's gate of a block whose 16 + 16 outputs are gate and up columns (cbserve_amx_gemm_swiglu):
+ * out[m, n0 .. n0 + 16) = silu(g) * u, g and u the block's sums rounded as the matmul rounds its outputs,
+ * then as cpu_ops.c's silu_and_mul rounds (silu(g) rounded, the product rounded): the bits of the matmul then
+ * that op. VCVTNEPS2BF16 where the CPU has it (as cpu_ops.c), else the integer rounding (the same bits but
+ * for float32 denormals). */
+static inline __m256i gate_round(__m512 f) {
+#if defined(__AVX512BF16__)
+    return (__m256i)_mm512_cvtneps_pbh(f);
+#else
+    return to_bf16_x16(f);
+#endif
+}
+
+static inline __m512 widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+static void gate_rows(uint16_t *out, int64_t ldo, const float *c, int64_t ldc, int64_t n0, int64_t M) {
+    for (int64_t m = 0; m < M; m++) {
+        const __m512 g = widen(to_bf16_x16(_mm512_loadu_ps(c + m * ldc)));
+        const __m512 u = widen(to_bf16_x16(_mm512_loadu_ps(c + m * ldc + 16)));
+        exp16_f neg;
+        memcpy(&neg, &g, sizeof neg);
+        const exp16_f e = exp16(-neg);
+        __m512 ex;
+        memcpy(&ex, &e, sizeof ex);
+        const __m512 silu = widen(gate_round(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), ex))));
+        _mm256_storeu_si256((__m256i *)(out + m * ldo + n0), gate_round(_mm512_mul_ps(silu, u)));
     }
 }
 #else
@@ -264,12 +296,16 @@ typedef struct {
     uint16_t *out;
     const float *c;
     int64_t n0, n, rows;
-    int stream;
+    int stream, gated; /* gated: SwiGLU's gate of 16 gate and 16 up sums into 16 outputs (gate_rows) */
 } finished_block;
 
 /* out[0:rows, n0:n0 + n] = round(c + bias) of a finished block, rows [r0, r1) of it */
 static void round_out(const finished_block *f, int64_t r0, int64_t r1, int64_t ldo, const uint16_t *bias) {
 #if VECTOR_ROUNDING
+    if (f->gated) {
+        gate_rows(f->out + r0 * ldo, ldo, f->c + r0 * PAIR_N, PAIR_N, f->n0, r1 - r0);
+        return;
+    }
     if (f->stream) {
         stream_rows(f->out + r0 * ldo, ldo, f->c + r0 * PAIR_N, PAIR_N, bias, f->n0, r1 - r0);
         return;
@@ -340,8 +376,8 @@ static void block_2x2(float *c, const a_tiles *a, const uint16_t *b0, const uint
  * k, every block of 32 rows; a block's sums are rounded out while the next block computes */
 /* The B tiles of the chunk after k-blocks [kc, kc + chunk) of pair p of [p0, p1): the next chunk of p, else
  * the first of p + 1, else (`again`: more rows follow) of p0; as block rb of `blocks` asks for them */
-static next_chunk chunk_after(const uint16_t *packed, int64_t p, int64_t p0, int64_t p1, int again, int64_t kc,
-                              int64_t chunk, int64_t kblocks, int64_t rb, int64_t blocks) {
+static next_chunk chunk_after(const uint16_t *packed, int64_t up, int64_t p, int64_t p0, int64_t p1, int again,
+                              int64_t kc, int64_t chunk, int64_t kblocks, int64_t rb, int64_t blocks) {
     next_chunk nx = {NULL, NULL, 0, 0, 1};
     int64_t q = p, ka = kc + chunk;
     if (ka >= kblocks) q = p + 1, ka = 0;
@@ -349,9 +385,9 @@ static next_chunk chunk_after(const uint16_t *packed, int64_t p, int64_t p0, int
     if (q >= p1) return nx;
     const int64_t kz = kblocks - ka < chunk ? kblocks : ka + chunk, lines = (kz - ka) * B_TILE * 2 / 64;
     const int64_t share = (lines + blocks - 1) / blocks, ours = kc + chunk < kblocks ? chunk : kblocks - kc;
-    const uint16_t *b0 = packed + (2 * q * kblocks + ka) * B_TILE;
+    const uint16_t *b0 = packed + ((up ? q : 2 * q) * kblocks + ka) * B_TILE;
     nx.b0 = (const char *)b0;
-    nx.b1 = (const char *)(b0 + kblocks * B_TILE);
+    nx.b1 = (const char *)(b0 + (up ? up : 1) * kblocks * B_TILE);
     nx.first = rb * share;
     nx.last = nx.first + share < lines ? nx.first + share : lines;
     nx.per_kb = (share + ours - 1) / ours;
@@ -360,14 +396,14 @@ static next_chunk chunk_after(const uint16_t *packed, int64_t p, int64_t p0, int
 
 static void rows_times_pairs(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx, const uint16_t *packed,
                              const uint16_t *bias, int64_t m0, int64_t m1, int64_t p0, int64_t p1, int64_t N,
-                             int64_t K, void *scratch, int stream) {
+                             int64_t K, void *scratch, int stream, int64_t up) {
     const int64_t kblocks = K / TILE_K, c_block = BIG_ROWS * PAIR_N;
     const int64_t chunks = (kblocks + K_CHUNK - 1) / K_CHUNK, chunk = (kblocks + chunks - 1) / chunks;
     const int64_t most = m1 - m0 < MACRO_ROWS ? (m1 - m0 + BIG_ROWS - 1) / BIG_ROWS * BIG_ROWS : MACRO_ROWS;
     const int in_place = (ldx * 2) % 64 == 0 && (uintptr_t)x % 64 == 0;
     uint16_t *ap = scratch;
     float *c = (float *)(ap + most * K);
-    finished_block done = {out, c, 0, 0, 0, 0};
+    finished_block done = {out, c, 0, 0, 0, 0, 0};
     for (int64_t mb = m0; mb < m1; mb += MACRO_ROWS) {
         const int64_t rows = m1 - mb < MACRO_ROWS ? m1 - mb : MACRO_ROWS, blocks = (rows + BIG_ROWS - 1) / BIG_ROWS;
         const int64_t whole = rows / BIG_ROWS; /* blocks read in place (in_place), before a packed last one */
@@ -377,8 +413,10 @@ static void rows_times_pairs(uint16_t *out, int64_t ldo, const uint16_t *x, int6
             pack_rows(ap + whole * 2 * kblocks * B_TILE, x + (mb + whole * BIG_ROWS) * ldx, ldx,
                       rows - whole * BIG_ROWS, BIG_ROWS, kblocks);
         for (int64_t p = p0; p < p1; p++) {
-            const uint16_t *b0 = packed + 2 * p * kblocks * B_TILE, *b1 = b0 + kblocks * B_TILE;
-            const int64_t n = N - p * PAIR_N < PAIR_N ? N - p * PAIR_N : PAIR_N;
+            /* the pair's two B tiles: 32 outputs from 32 p, or (`up`: gated) the gate's 16 from 16 p and the
+             * up half's 16 from 16 (p + up) */
+            const uint16_t *b0 = packed + (up ? p : 2 * p) * kblocks * B_TILE, *b1 = b0 + (up ? up : 1) * kblocks * B_TILE;
+            const int64_t n = up ? 16 : N - p * PAIR_N < PAIR_N ? N - p * PAIR_N : PAIR_N;
             for (int64_t kc = 0; kc < kblocks; kc += chunk) {
                 const int64_t ke = kblocks - kc < chunk ? kblocks : kc + chunk;
                 for (int64_t rb = 0; rb < blocks; rb++) {
@@ -391,12 +429,14 @@ static void rows_times_pairs(uint16_t *out, int64_t ldo, const uint16_t *x, int6
                         round_out(&done, 0, done.rows, ldo, bias);
                         done.rows = 0;
                     }
-                    const next_chunk nx = chunk_after(packed, p, p0, p1, mb + MACRO_ROWS < m1, kc, chunk, kblocks, rb, blocks);
+                    const next_chunk nx =
+                        chunk_after(packed, up, p, p0, p1, mb + MACRO_ROWS < m1, kc, chunk, kblocks, rb, blocks);
                     block_2x2(cb, &a, b0, b1, kc, ke, &done, &nx, ldo, bias);
                     done.rows = 0;
                     if (ke == kblocks) {
                         const int64_t r0 = rb * BIG_ROWS, left = rows - r0 < BIG_ROWS ? rows - r0 : BIG_ROWS;
-                        done = (finished_block){out + (mb + r0) * ldo, cb, p * PAIR_N, n, left, stream && n == PAIR_N};
+                        done = (finished_block){out + (mb + r0) * ldo, cb,   up ? 16 * p : p * PAIR_N, n, left,
+                                                stream && !up && n == PAIR_N, up != 0};
                     }
                 }
             }
@@ -409,6 +449,28 @@ static void rows_times_pairs(uint16_t *out, int64_t ldo, const uint16_t *x, int6
 #endif
 }
 
+/* This thread's share of more than 16 rows (amx_gemm_share), or (`up` > 0) of SwiGLU's gate over the pairs of
+ * 16 gate and 16 up outputs, the up half `up` tile columns after the gate's */
+static int pairs_share(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx, const uint16_t *packed,
+                       const uint16_t *bias, int64_t M, int64_t N, int64_t K, void *scratch, int64_t up) {
+    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t pairs = up ? up : (N + PAIR_N - 1) / PAIR_N, blocks = (M + BIG_ROWS - 1) / BIG_ROWS;
+    int64_t m0 = 0, m1 = M, p0 = 0, p1 = pairs;
+    if (blocks >= SPLIT_ROWS * threads) {
+        m0 = blocks * t / threads * BIG_ROWS;
+        m1 = blocks * (t + 1) / threads * BIG_ROWS < M ? blocks * (t + 1) / threads * BIG_ROWS : M;
+    } else {
+        p0 = pairs * t / threads;
+        p1 = pairs * (t + 1) / threads;
+    }
+    if (m0 >= m1 || p0 >= p1) return 0;
+    if (scratch == NULL) return -1;
+    /* a large output goes to memory past the caches, where whole cache lines (no read for ownership) */
+    const int stream = M * N * 2 >= STREAM_BYTES && (ldo * 2) % 64 == 0 && (uintptr_t)out % 64 == 0;
+    rows_times_pairs(out, ldo, x, ldx, packed, bias, m0, m1, p0, p1, N, K, scratch, stream, up);
+    return 0;
+}
+
 /* This thread's share of out [M, N] = x [M, K] W^T (+ bias), called by every thread of an OpenMP region that
  * has configured its tiles (cbserve_amx_gemm's, the decode stack's), no barrier after it: up to 16 rows, items
  * of 64 outputs (or halves: rows16_item_outputs); more, the rows (from SPLIT_ROWS blocks a thread: each reads
@@ -416,7 +478,7 @@ static void rows_times_pairs(uint16_t *out, int64_t ldo, const uint16_t *x, int6
  * `scratch`: amx_scratch_bytes(M, K), this thread's. Returns 0, -1 where it was needed and is NULL. */
 static int amx_gemm_share(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx, const uint16_t *packed,
                           const uint16_t *bias, int64_t M, int64_t N, int64_t K, void *scratch) {
-    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t threads = omp_get_num_threads();
     int failed = 0;
     if (M <= TILE_ROWS) {
         const int64_t width = rows16_item_outputs(N, threads);
@@ -432,21 +494,7 @@ static int amx_gemm_share(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t
         }
         return failed ? -1 : 0;
     }
-    const int64_t pairs = (N + PAIR_N - 1) / PAIR_N, blocks = (M + BIG_ROWS - 1) / BIG_ROWS;
-    int64_t m0 = 0, m1 = M, p0 = 0, p1 = pairs;
-    if (blocks >= SPLIT_ROWS * threads) {
-        m0 = blocks * t / threads * BIG_ROWS;
-        m1 = blocks * (t + 1) / threads * BIG_ROWS < M ? blocks * (t + 1) / threads * BIG_ROWS : M;
-    } else {
-        p0 = pairs * t / threads;
-        p1 = pairs * (t + 1) / threads;
-    }
-    if (m0 >= m1 || p0 >= p1) return 0;
-    if (scratch == NULL) return -1;
-    /* a large output goes to memory past the caches, where whole cache lines (no read for ownership) */
-    const int stream = M * N * 2 >= STREAM_BYTES && (ldo * 2) % 64 == 0 && (uintptr_t)out % 64 == 0;
-    rows_times_pairs(out, ldo, x, ldx, packed, bias, m0, m1, p0, p1, N, K, scratch, stream);
-    return 0;
+    return pairs_share(out, ldo, x, ldx, packed, bias, M, N, K, scratch, 0);
 }
 
 /* this thread's scratch, kept from call to call (kept_buffer.h) */
@@ -467,8 +515,32 @@ int cbserve_amx_gemm(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx,
     }
     return failed ? -1 : 0;
 }
+
+/* SwiGLU's matmul and gate in one: out [M, inter] bfloat16 (row stride ldo) = silu(g) * u, where [g | u] =
+ * x [M, K] W^T for the packed W [2 inter, K] of a gated MLP's fused gate and up projections (no bias): the
+ * bits of cbserve_amx_gemm then cpu_ops.c's silu_and_mul, without writing [g | u] out and reading it back.
+ * Returns 0; -1 when a scratch block cannot be allocated, -2 where inter is not a multiple of 16. */
+int cbserve_amx_gemm_swiglu(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx, const uint16_t *packed,
+                            int64_t M, int64_t inter, int64_t K) {
+    if (inter % 16 || !VECTOR_ROUNDING) return -2;
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        void *scratch = kept_alloc(&thread_scratch, pairs_scratch_bytes(M, K));
+        configure_tiles();
+        failed = pairs_share(out, ldo, x, ldx, packed, NULL, M, 2 * inter, K, scratch, inter / 16) != 0;
+        _tile_release();
+    }
+    return failed ? -1 : 0;
+}
 #else
 int cbserve_amx_gemm_available(void) { return 0; }
+
+int cbserve_amx_gemm_swiglu(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx, const uint16_t *packed,
+                            int64_t M, int64_t inter, int64_t K) {
+    (void)out, (void)ldo, (void)x, (void)ldx, (void)packed, (void)M, (void)inter, (void)K;
+    return -1;
+}
 
 int cbserve_amx_gemm(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx, const uint16_t *packed,
                      const uint16_t *bias, int64_t M, int64_t N, int64_t K) {
