@@ -10,7 +10,8 @@ as the engine builds its own (engine/cpu/native_build.py). Per row count: SiLU-a
 SmolLM2-135M's gate and up halves, RMSNorm with the residual add, the rotary embedding of the queries, and
 the four projections of ``--layers`` layers with weights of their own (so that, as in a forward, each call
 reads its weights from memory, not from a cache the previous call warmed) -- over bfloat16 tiles and, for
-up to 32 rows, over Q4_1 blocks expanded into the tiles as a decode step reads them --, and the decode attention of
+up to 32 rows, over Q4_1 blocks expanded into the tiles as a decode step reads them; for more, SwiGLU's gate and
+up projections and gate (one call where the side has ``AmxGemm.swiglu``) --, and the decode attention of
 ``--layers`` layers' caches (each row ``--context`` tokens, its pages scattered over the cache) for up to 64
 rows, the prefill attention of prompts of ``--prompt-len`` tokens (``rows`` tokens in all) for more. Prints each
 side's best and median over the rounds, and whether both sides give the same bits.
@@ -101,6 +102,28 @@ def matmul_case(gemm: AmxGemm, rows: int, layers: int) -> Callable[[], torch.Ten
             for n, k, packed in layer:
                 last = gemm.linear(inputs[k], packed, n, None)
         return last  # the bits compared: the last projection's
+
+    return run
+
+
+def gated_mlp_case(gemm: AmxGemm, ops: CpuOps, rows: int, layers: int) -> Callable[[], torch.Tensor]:
+    """SwiGLU's gate and up projections and its gate over ``layers`` layers' weights: in one call where the
+    side's kernel has it (``AmxGemm.swiglu``), else the matmul then the fused op."""
+    gen = torch.Generator().manual_seed(rows)
+    weights = [
+        gemm.pack((torch.randn(2 * INTER, HIDDEN, generator=gen) * 0.05).bfloat16()) for _ in range(layers)
+    ]
+    x = torch.randn(rows, HIDDEN, generator=gen).bfloat16()
+    one_call = gemm.swiglu if gemm.has_swiglu else None
+
+    def run() -> torch.Tensor:
+        last = torch.empty(0)
+        for packed in weights:
+            if one_call is not None:
+                last = one_call(x, packed, INTER)
+            else:
+                last = ops.silu_and_mul(gemm.linear(x, packed, 2 * INTER, None))
+        return last
 
     return run
 
@@ -254,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
                 cases[side][name] = prefill_attention_case(kernel, rows, args.layers, args.prompt_len, dtype)
             for side, gemm in gemms.items():
                 cases[side][f"{args.layers} layers' matmuls"] = matmul_case(gemm, rows, args.layers)
+            for side, gemm in gemms.items() if rows > amx_qgemm.MAX_ROWS else ():
+                name = f"{args.layers} layers' SwiGLU gate"
+                cases[side][name] = gated_mlp_case(gemm, ops[side], rows, args.layers)
             for side, qgemm in qgemms.items() if rows <= amx_qgemm.MAX_ROWS else ():
                 cases[side][f"{args.layers} layers' Q4_1 matmuls"] = qmatmul_case(qgemm, rows, args.layers)
             compare(cases, args.rounds)

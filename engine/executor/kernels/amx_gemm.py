@@ -51,9 +51,11 @@ class AmxGemm:
         self._gemm = lib.cbserve_amx_gemm
         self._gemm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64]
         self._gemm.restype = ctypes.c_int
-        self._swiglu = lib.cbserve_amx_gemm_swiglu
-        self._swiglu.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64]
-        self._swiglu.restype = ctypes.c_int
+        # NOTE: None in a library built from an older amx_gemm.c (bench/kernel_ab.py binds those too)
+        self._swiglu = getattr(lib, "cbserve_amx_gemm_swiglu", None)
+        if self._swiglu is not None:
+            self._swiglu.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64]
+            self._swiglu.restype = ctypes.c_int
 
     @staticmethod
     def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -102,6 +104,10 @@ class AmxGemm:
             raise MemoryError("AMX matmul: out of memory for a scratch block")
         return out.view(*x.shape[:-1], out_features)
 
+    @property
+    def has_swiglu(self) -> bool:
+        return self._swiglu is not None
+
     def swiglu(self, x: torch.Tensor, packed: torch.Tensor, inter: int) -> torch.Tensor:
         """SwiGLU's projection and gate in one call: ``silu(g) * u`` for ``[g | u] = x W^T``, ``packed`` a gated
         MLP's fused ``[2 * inter, K]`` gate and up weight (no bias; ``inter`` a multiple of 16): the bits of
@@ -114,6 +120,8 @@ class AmxGemm:
             raise ValueError(f"expected bfloat16 CPU rows, got {x.dtype} on {x.device}")
         if packed.shape[1:] != (k // TILE_K, TILE_K // 2, TILE_N, 2) or packed.shape[0] * TILE_N < 2 * inter:
             raise ValueError(f"packed weight {tuple(packed.shape)} does not fit x {tuple(x.shape)}")
+        if self._swiglu is None:
+            raise KernelUnavailable(f"{self.path.name} has no SwiGLU call (built from an older source)")
         out = torch.empty(m, inter, dtype=torch.bfloat16)
         rc = self._swiglu(
             out.data_ptr(), inter, rows.data_ptr(), rows.stride(0), packed.data_ptr(), m, inter, k
