@@ -1,7 +1,8 @@
-"""Requests that reach an idle engine together start together (``arrival_window_ms``, engine/loop.py's
-``_gather_arrivals``): a burst whose last requests come a little later is still prefilled in one step,
-and a lone request waits one window for company. Observed through the manager's step observer: the first
-step's token count says which prompts it prefilled."""
+"""Requests that reach the engine together start together (``arrival_window_ms``, engine/loop.py's
+``_gather_arrivals``): a burst whose last requests come a little later is still prefilled in one step, at
+an idle engine and beside running requests; at an idle engine a lone request waits one window for company,
+beside running ones it starts at once. Observed through the manager's step observer: a step's token count
+says which prompts it prefilled."""
 
 from __future__ import annotations
 
@@ -76,3 +77,48 @@ def test_a_lone_request_waits_no_longer_than_one_window(default_model: LoadedMod
     """One request at an idle engine that nothing follows within the window starts alone: a second one
     0.5 s later, past a 0.1 s window, is not in the first step."""
     assert first_step_tokens(default_model, 100.0, early=1, late_after_s=0.5) == len(PROMPTS[0])
+
+
+def steps_beside_a_running_request(
+    loaded: LoadedModel, window_ms: float, early: int, late_after_s: float
+) -> list[int]:
+    """Every step's token count when, after a running request's third step, ``early`` prompts reach the
+    engine together (put in its inbox by that step's observer: the next drain admits them) and the next one
+    comes ``late_after_s`` later."""
+    manager = engine_on(loaded, arrival_window_ms=window_ms).init_continuous_batching()
+    steps: list[int] = []
+    timer = threading.Timer(late_after_s, lambda: manager.add_request(PROMPTS[early], max_new_tokens=2))
+
+    def observe(num_tokens: int) -> None:
+        steps.append(num_tokens)
+        if len(steps) == 3:
+            for ids in PROMPTS[:early]:
+                manager.add_request(ids, max_new_tokens=2)
+            timer.start()
+
+    manager.add_step_observer(observe)
+    manager.start()
+    try:
+        manager.add_request([20, 21, 22], max_new_tokens=40)
+        deadline = time.monotonic() + 60
+        while sum(steps) < 3 + 40 + sum(len(p) for p in PROMPTS[: early + 1]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        if timer.is_alive():
+            timer.join()
+        manager.stop(True, 30)
+    return steps
+
+
+def test_a_burst_beside_running_requests_is_prefilled_in_one_step(default_model: LoadedModel) -> None:
+    """Two requests come together while another decodes, the third 20 ms later, inside the window: one
+    step prefills all three beside the running request's decode."""
+    steps = steps_beside_a_running_request(default_model, 200.0, early=2, late_after_s=0.02)
+    assert steps[3] == 1 + sum(map(len, PROMPTS)), steps
+
+
+def test_a_lone_arrival_beside_running_requests_does_not_wait(default_model: LoadedModel) -> None:
+    """One request comes while another decodes: the next step prefills it at once, without the one that
+    comes 0.3 s later, although a 1 s window would have taken both."""
+    steps = steps_beside_a_running_request(default_model, 1000.0, early=1, late_after_s=0.3)
+    assert steps[3] == 1 + len(PROMPTS[0]), steps
