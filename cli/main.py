@@ -180,7 +180,7 @@ def _add_serve_flags(serve: argparse.ArgumentParser) -> None:
     a("--max-num-seqs", type=_positive_int, default=64, help="sequences running at once, at most")
     mixed = "prompt tokens in a step that also decodes (default: --max-batch-tokens)"
     a("--max-mixed-prefill-tokens", type=_positive_int, default=None, help=mixed)
-    burst = "an engine given a burst of requests starts its next step once none has come for this long (ms)"
+    burst = "an idle engine given requests starts once none has come for this long (ms)"
     a("--arrival-window-ms", type=_non_negative_float, default=3.0, help=burst)
     a("--block-size", type=_positive_int, default=16, help="tokens per KV-cache block")
     a("--kv-cache-memory", type=parse_bytes, default=None, help="KV-cache size in bytes (2GiB, 512MiB, ...)")

@@ -45,8 +45,7 @@ from scheduler.request import FinishReason
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # nothing to run: sleep until a message arrives, or this long
-# several requests reaching the engine together: start once none has come for this long (at most ARRIVAL_CAP
-# times)
+# several requests reaching an idle engine: start once none has come for this long (at most ARRIVAL_CAP times)
 ARRIVAL_WINDOW_S = 0.003
 ARRIVAL_CAP = 10
 STALLED_WAIT_S = 0.01  # requests wait but none can be scheduled (blocks in use): retry this soon
@@ -123,7 +122,7 @@ class EngineLoop:
         self.kv_event_observers: list[Callable[[list[KVCacheEvent]], None]] = []
         self.num_steps = 0
         self.stats = self._snapshot(running=False)
-        self.arrival_window_s = ARRIVAL_WINDOW_S  # 0: the engine starts on the first arrivals it sees
+        self.arrival_window_s = ARRIVAL_WINDOW_S  # 0: an idle engine starts on the first arrivals it sees
 
     # ------------------------------------------------------------------ the thread
     def run(self) -> None:
@@ -298,18 +297,17 @@ class EngineLoop:
         return admitted
 
     def _gather_arrivals(self, admitted: int) -> None:
-        """Requests that reach the engine together start together: where a drain admitted a burst's first
-        requests, the rest may still be on their way (the server admits one request at a time), so wait
-        until none has come for ``arrival_window_s`` (at most ``ARRIVAL_CAP`` windows), or until the waiting
-        prompts fill a step. Otherwise the first step prefills the early ones, the late ones are prefilled
-        beside the early ones' first decode, and each early request's first interval is that whole prefill.
-        At an idle engine a lone request waits too, one window (a burst's first request usually reaches the
-        engine alone): a request that nothing follows starts that much later (3 ms by default). Beside
-        running requests only a drain of two or more waits (the requests that a step's finishes set free
-        come back together from a client that keeps a fixed number in flight): a lone arrival there starts
-        at once, and the running requests' next token waits at most ``ARRIVAL_CAP`` windows."""
-        running = self.scheduler.num_running
-        if self.arrival_window_s <= 0 or admitted < (2 if running else 1):
+        """Requests that reach an idle engine together start together: where nothing runs yet and a drain
+        admitted some, the rest of a burst may still be on its way (the server admits one request at a
+        time), so wait until none has come for ``arrival_window_s`` (at most ``ARRIVAL_CAP`` windows), or
+        until the waiting prompts fill a step. Otherwise the first step prefills the early ones, the late
+        ones are prefilled beside the early ones' first decode, and each early request's first interval is
+        that whole prefill. A burst's first request usually reaches the engine alone (the others are still
+        being parsed), so a lone request waits too, one window: a request that nothing follows starts that
+        much later (3 ms by default), where a burst would otherwise prefill one prompt alone and the rest a
+        step later. A request that arrives while others run starts at once (docs/BENCHMARKS.md: gathering
+        there too did not shorten the tail)."""
+        if self.arrival_window_s <= 0 or admitted < 1 or self.scheduler.num_running:
             return
         window = self.arrival_window_s
         quiet_since = time.monotonic()

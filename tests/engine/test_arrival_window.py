@@ -1,7 +1,7 @@
 """Requests that reach the engine together start together (``arrival_window_ms``, engine/loop.py's
-``_gather_arrivals``): a burst whose last requests come a little later is still prefilled in one step, at
-an idle engine and beside running requests; at an idle engine a lone request waits one window for company,
-beside running ones it starts at once. Observed through the manager's step observer: a step's token count
+``_gather_arrivals``): at an idle engine a burst whose last requests come a little later is still
+prefilled in one step, and a lone request waits one window for company; beside running requests arrivals
+start at once. Observed through the manager's step observer: a step's token count
 says which prompts it prefilled."""
 
 from __future__ import annotations
@@ -110,15 +110,9 @@ def steps_beside_a_running_request(
     return steps
 
 
-def test_a_burst_beside_running_requests_is_prefilled_in_one_step(default_model: LoadedModel) -> None:
-    """Two requests come together while another decodes, the third 20 ms later, inside the window: one
-    step prefills all three beside the running request's decode."""
-    steps = steps_beside_a_running_request(default_model, 200.0, early=2, late_after_s=0.02)
-    assert steps[3] == 1 + sum(map(len, PROMPTS)), steps
-
-
-def test_a_lone_arrival_beside_running_requests_does_not_wait(default_model: LoadedModel) -> None:
-    """One request comes while another decodes: the next step prefills it at once, without the one that
-    comes 0.3 s later, although a 1 s window would have taken both."""
-    steps = steps_beside_a_running_request(default_model, 1000.0, early=1, late_after_s=0.3)
-    assert steps[3] == 1 + len(PROMPTS[0]), steps
+@pytest.mark.parametrize("early", [1, 2])
+def test_arrivals_beside_running_requests_do_not_wait(default_model: LoadedModel, early: int) -> None:
+    """Requests that come while another decodes: the next step prefills them at once, without the one that
+    comes 0.3 s later, although a 1 s window would have taken it at an idle engine."""
+    steps = steps_beside_a_running_request(default_model, 1000.0, early=early, late_after_s=0.3)
+    assert steps[3] == 1 + sum(len(p) for p in PROMPTS[:early]), steps
