@@ -75,17 +75,8 @@ class AmxGemm:
         self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """``x W^T + b`` for ``x`` ``[..., K]`` bfloat16 and ``packed`` from ``pack``: ``[..., out_features]``."""
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
+        rows = _checked_rows(x, packed, out_features)
         m, k = rows.shape
-        if x.dtype != torch.bfloat16 or x.device.type != "cpu":
-            raise ValueError(f"expected bfloat16 CPU rows, got {x.dtype} on {x.device}")
-        if (
-            packed.shape[1:] != (k // TILE_K, TILE_K // 2, TILE_N, 2)
-            or packed.shape[0] * TILE_N < out_features
-        ):
-            raise ValueError(f"packed weight {tuple(packed.shape)} does not fit x {tuple(x.shape)}")
         if bias is not None and (bias.shape != (out_features,) or bias.dtype != torch.bfloat16):
             raise ValueError(f"bias {bias.dtype} {tuple(bias.shape)} for {out_features} bfloat16 outputs")
         out = torch.empty(m, out_features, dtype=torch.bfloat16)
@@ -112,14 +103,8 @@ class AmxGemm:
         """SwiGLU's projection and gate in one call: ``silu(g) * u`` for ``[g | u] = x W^T``, ``packed`` a gated
         MLP's fused ``[2 * inter, K]`` gate and up weight (no bias; ``inter`` a multiple of 16): the bits of
         ``linear`` then ``CpuOps.silu_and_mul``, ``[..., inter]``, without writing ``[g | u]`` out."""
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
+        rows = _checked_rows(x, packed, 2 * inter)
         m, k = rows.shape
-        if x.dtype != torch.bfloat16 or x.device.type != "cpu":
-            raise ValueError(f"expected bfloat16 CPU rows, got {x.dtype} on {x.device}")
-        if packed.shape[1:] != (k // TILE_K, TILE_K // 2, TILE_N, 2) or packed.shape[0] * TILE_N < 2 * inter:
-            raise ValueError(f"packed weight {tuple(packed.shape)} does not fit x {tuple(x.shape)}")
         if self._swiglu is None:
             raise KernelUnavailable(f"{self.path.name} has no SwiGLU call (built from an older source)")
         out = torch.empty(m, inter, dtype=torch.bfloat16)
@@ -131,6 +116,20 @@ class AmxGemm:
         if rc:
             raise MemoryError("AMX matmul: out of memory for a scratch block")
         return out.view(*x.shape[:-1], inter)
+
+
+def _checked_rows(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x`` ``[..., K]`` as rows ``[M, K]`` whose elements are contiguous, checked to be bfloat16 on the CPU
+    and to fit ``packed`` (from ``AmxGemm.pack``) of at least ``out_features`` outputs."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    k = rows.shape[1]
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        raise ValueError(f"expected bfloat16 CPU rows, got {x.dtype} on {x.device}")
+    if packed.shape[1:] != (k // TILE_K, TILE_K // 2, TILE_N, 2) or packed.shape[0] * TILE_N < out_features:
+        raise ValueError(f"packed weight {tuple(packed.shape)} does not fit x {tuple(x.shape)}")
+    return rows
 
 
 # Built once per process; raises ``KernelUnavailable`` with the reason when it cannot be.

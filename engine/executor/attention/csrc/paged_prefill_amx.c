@@ -164,16 +164,6 @@ static inline __m512 exp2_16(__m512 t) {
     return _mm512_scalef_ps(_mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f)), n);
 }
 
-/* softmax weights -> bfloat16, nearest even: one VCVTNEPS2BF16 where the CPU has AVX512-BF16 (every one with
- * AMX-BF16 so far); it flushes float32 denormals, which only a weight ~1e-38 of the row max's could be */
-static inline __m256i round_weights(__m512 w) {
-#if defined(__AVX512BF16__)
-    return (__m256i)_mm512_cvtneps_pbh(w);
-#else
-    return to_bf16_x16(w);
-#endif
-}
-
 /* out lane i = the sum (max: `max` 1) of v[i]'s 16 lanes, for 16 vectors at once: each level pairs the halves
  * of 512, 256, 128 and 64 bits of two vectors (15 shuffle pairs in all, where one vector's own reduction
  * takes 4 dependent steps), the same tree for every lane of the result */
@@ -234,7 +224,7 @@ static inline __m512 row_weights(uint16_t *p, const float *s, int64_t ld, int64_
     for (int64_t j = a; j < b; j += 16) {
         const __m512 e = _mm512_maskz_mov_ps(SEEN(j, a, b, head, tail),
                                              exp2_16(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), c, shift)));
-        _mm256_storeu_si256((__m256i *)(p + j), round_weights(e));
+        _mm256_storeu_si256((__m256i *)(p + j), to_bf16_x16_ftz(e));
         sum = _mm512_add_ps(sum, e);
     }
     return sum;

@@ -115,17 +115,8 @@ static void stream_rows(uint16_t *out, int64_t ldo, const float *c, int64_t ldc,
 
 /* SwiGLU's gate of a block whose 16 + 16 outputs are gate and up columns (cbserve_amx_gemm_swiglu):
  * out[m, n0 .. n0 + 16) = silu(g) * u, g and u the block's sums rounded as the matmul rounds its outputs,
- * then as cpu_ops.c's silu_and_mul rounds (silu(g) rounded, the product rounded): the bits of the matmul then
- * that op. VCVTNEPS2BF16 where the CPU has it (as cpu_ops.c), else the integer rounding (the same bits but
- * for float32 denormals). */
-static inline __m256i gate_round(__m512 f) {
-#if defined(__AVX512BF16__)
-    return (__m256i)_mm512_cvtneps_pbh(f);
-#else
-    return to_bf16_x16(f);
-#endif
-}
-
+ * then as cpu_ops.c's silu_and_mul rounds (silu(g) rounded, the product rounded; to_bf16_x16_ftz): the bits
+ * of the matmul then that op. */
 static inline __m512 widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
 static void gate_rows(uint16_t *out, int64_t ldo, const float *c, int64_t ldc, int64_t n0, int64_t M) {
@@ -137,8 +128,8 @@ static void gate_rows(uint16_t *out, int64_t ldo, const float *c, int64_t ldc, i
         const exp16_f e = exp16(-neg);
         __m512 ex;
         memcpy(&ex, &e, sizeof ex);
-        const __m512 silu = widen(gate_round(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), ex))));
-        _mm256_storeu_si256((__m256i *)(out + m * ldo + n0), gate_round(_mm512_mul_ps(silu, u)));
+        const __m512 silu = widen(to_bf16_x16_ftz(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), ex))));
+        _mm256_storeu_si256((__m256i *)(out + m * ldo + n0), to_bf16_x16_ftz(_mm512_mul_ps(silu, u)));
     }
 }
 #else

@@ -14,6 +14,17 @@ static inline __m256i to_bf16_x16(__m512 f) {
     const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
+
+/* float32 -> bfloat16 on 16 lanes in one VCVTNEPS2BF16 where the CPU has AVX512-BF16 (every one with
+ * AMX-BF16 so far), else to_bf16_x16: the same bits but for float32 denormals, which it flushes to zero, as
+ * cpu_ops.c's bfloat16 ops round (SwiGLU's gate in amx_gemm.c, the softmax weights in paged_prefill_amx.c) */
+static inline __m256i to_bf16_x16_ftz(__m512 f) {
+#if defined(__AVX512BF16__)
+    return (__m256i)_mm512_cvtneps_pbh(f);
+#else
+    return to_bf16_x16(f);
+#endif
+}
 #endif
 
 #endif
