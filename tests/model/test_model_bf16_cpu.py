@@ -1,5 +1,5 @@
 """bfloat16 on CPU: the same model in half the bytes stays close to the fp32 oracle (the fp32 path is
-checked exactly against transformers in test_model_correctness.py)."""
+checked exactly against transformers in test_model_correctness.py); SwiGLU in one AMX call changes no bit."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ import pytest
 import torch
 from model_harness import prompt_logits
 
+from engine.engine import Engine
 from engine.executor.kernels import prepacked
-from engine.executor.kernels.modules import PackedLinear
+from engine.executor.kernels.modules import AmxSwiGLUMLP, PackedLinear
 from engine.executor.kv_cache import KVCache
+from engine.executor.models.layers import GatedMLP
 from engine.loader.model_loader import LoadedModel, load_model
 
 pytestmark = pytest.mark.slow  # the real model, in float32 and bfloat16
@@ -60,3 +62,24 @@ def test_bfloat16_prepacks_only_where_the_cpu_has_bfloat16_matmuls(monkeypatch: 
     with torch.inference_mode():
         logits = prompt_logits(loaded.model, kv, ids, mode="batched")
     assert logits.shape == (1, cfg.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_the_engine_gives_the_same_tokens_with_swiglu_in_one_amx_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Through the Engine API on the default model in bfloat16: where the CPU has AMX-BF16 every MLP takes
+    SwiGLU's projection and gate in one call for its prefill (``AmxSwiGLUMLP``), and a batch of 40- and
+    70-token prompts gives the same tokens and logprobs as with the MLP's modules run one after another."""
+    engine = Engine.from_pretrained("default", dtype="bfloat16", device="cpu")
+    if not any(isinstance(m, AmxSwiGLUMLP) for m in engine.model.modules()):
+        pytest.skip("no AMX-BF16 tiles here: the MLPs stay GatedMLP")
+    prompts = [[(7 * i + 13 * j) % 40_000 + 100 for j in range(40 + 30 * (i % 2))] for i in range(4)]
+    kwargs = dict(max_new_tokens=4, do_sample=False, output_logprobs=True, progress_bar=False)
+
+    def run() -> list[tuple[list[int], str]]:
+        outputs = engine.generate_batch(prompts, **kwargs).values()
+        return [(o.generated_ids, repr(o.logprobs)) for o in outputs]
+
+    fused = run()
+    monkeypatch.setattr(AmxSwiGLUMLP, "forward", GatedMLP.forward)
+    assert run() == fused
