@@ -110,31 +110,26 @@ static inline __attribute__((always_inline)) void q4_apply_block(__m512 *acc, co
 }
 
 /* One k-block of q4_column: the block's A and B tiles (4 and 5, or 6 and 7 on odd blocks: a tile register is
- * not renamed, so the next block's loads need not wait for this product to read them) times into C tile CT;
- * the B tile of the block Q4_AHEAD on expanded meanwhile (into the ring of four);
- * the sums of the block Q4_STORE behind it (in tile ST = (CT + 2) % 4: a product's sums take that long to be
- * ready) stored into one of two buffers, and those of the block before it, stored a block ago, scaled.
- * Tile numbers are literals. */
-#define Q4_BLOCK(CT, ST, AT, BT)                                                                           \
+ * not renamed, so the next block's loads need not wait for this product to read them) times into C tile CT,
+ * the next block's B tile expanded meanwhile; and the sums of the block Q4_DRAIN behind it (in tile DT =
+ * (CT + 1) % 4, three products ago: a product's sums take that long to be ready) stored and scaled. Tile
+ * numbers are literals. */
+#define Q4_BLOCK(CT, DT, AT, BT, ODD)                                                                               \
     if (kb < kblocks) {                                                                                    \
         _tile_loadd(AT, a + kb * TILE_K, lda);                                                             \
         _tile_loadd(BT, bufs + (kb & 3) * B_TILE, 64);                                                     \
         _tile_zero(CT);                                                                                    \
         _tile_dpbf16ps(CT, AT, BT);                                                                        \
         if (kb + Q4_AHEAD < kblocks)                                                                       \
-            expand_q4(bufs + ((kb + Q4_AHEAD) & 3) * B_TILE, q + (kb + Q4_AHEAD) * Q4_TILE_BYTES);         \
-        prefetch_q4(q + (kb + Q4_PREFETCH) * Q4_TILE_BYTES);                                               \
+            expand_q4(bufs + ((kb + Q4_AHEAD) & 3) * B_TILE, q + (kb + Q4_AHEAD) * Q4_TILE_BYTES);             \
+        prefetch_q4(q + (kb + Q4_PREFETCH) * Q4_TILE_BYTES);                                                 \
     }                                                                                                      \
-    if (kb >= Q4_STORE && kb - Q4_STORE < kblocks) _tile_stored(ST, s + (kb & 1) * TILE_ROWS * TILE_N, 64);  \
-    if (kb >= Q4_DRAIN && kb - Q4_DRAIN < kblocks)                                                         \
-        q4_apply_block(acc, s + (~kb & 1) * TILE_ROWS * TILE_N, q + (kb - Q4_DRAIN) * Q4_TILE_BYTES,       \
-                       x_sums + (kb - Q4_DRAIN) * TILE_ROWS);                                              \
+    if (kb >= Q4_DRAIN && kb - Q4_DRAIN < kblocks) {                                                       \
+        _tile_stored(DT, s, 64);                                                                           \
+        q4_apply_block(acc, s, q + (kb - Q4_DRAIN) * Q4_TILE_BYTES, x_sums + (kb - Q4_DRAIN) * TILE_ROWS);  \
+    }                                                                                                      \
     kb++;
-#define Q4_STORE 2    /* blocks between a product and the store of its sums (into one of two buffers) */
-#define Q4_DRAIN 3    /* blocks between a product and the scaling of its sums: one after their store, whose
-                       * lines the loads would otherwise wait for */
-#define Q4_AHEAD 2    /* blocks a B tile is expanded ahead of its product: a tile load of lines that the stores
-                       * have only just written waits for them (measured: 1 ahead 81 cycles a tile, 2 ahead 63) */
+#define Q4_DRAIN 3 /* blocks between a product and the scaling of its sums */
 #define Q4_PREFETCH 4 /* blocks a tile's codes are asked for ahead of their product (the 30 layers' gate and up
                        * projections at 16 rows, interleaved: 10% faster than the hardware's prefetch alone) */
 
@@ -142,64 +137,60 @@ static inline __attribute__((always_inline)) void q4_apply_block(__m512 *acc, co
 static inline void prefetch_q4(const uint8_t *tile) {
     for (int l = 0; l < Q4_TILE_BYTES; l += 64) __builtin_prefetch(tile + l, 0, 3);
 }
+#define Q4_AHEAD 2 /* blocks a B tile is expanded ahead of its product: a tile load of lines that the stores have
+                      * only just written waits for them (measured: 1 ahead 81 cycles a tile, 2 ahead 63) */
 
 /* c (16 rows x 16 outputs, float32) = the 16 rows of A (tile-ready, byte stride lda) times the 16 outputs whose
  * k-blocks' tiles start at q: per block the codes' product into C tiles 0-3 in turn, each stored and scaled
- * into the rows' sums three blocks later, in order of k; the B tiles expanded into the four of `bufs` in
- * turn as the products go */
+ * into the rows' sums three blocks later, in order of k */
 static void q4_column(float *c, const uint16_t *a, int64_t lda, const uint8_t *q, const float *x_sums,
                       int64_t kblocks, uint16_t *bufs) {
-    float s[2 * TILE_ROWS * TILE_N] __attribute__((aligned(64)));
+    float s[TILE_ROWS * TILE_N] __attribute__((aligned(64)));
     __m512 acc[TILE_ROWS];
     for (int r = 0; r < TILE_ROWS; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t kb = 0; kb < Q4_AHEAD && kb < kblocks; kb++)
-        expand_q4(bufs + kb * B_TILE, q + kb * Q4_TILE_BYTES);
+    for (int64_t kb = 0; kb < Q4_AHEAD && kb < kblocks; kb++) expand_q4(bufs + kb * B_TILE, q + kb * Q4_TILE_BYTES);
     for (int64_t kb = 0; kb < kblocks + Q4_DRAIN;) {
-        Q4_BLOCK(0, 2, 4, 5)
-        Q4_BLOCK(1, 3, 6, 7)
-        Q4_BLOCK(2, 0, 4, 5)
-        Q4_BLOCK(3, 1, 6, 7)
+        Q4_BLOCK(0, 1, 4, 5, 0)
+        Q4_BLOCK(1, 2, 6, 7, 1)
+        Q4_BLOCK(2, 3, 4, 5, 0)
+        Q4_BLOCK(3, 0, 6, 7, 1)
     }
     for (int r = 0; r < TILE_ROWS; r++) _mm512_store_ps(c + TILE_N * r, acc[r]);
 }
 
-/* This thread's share of out [M, N] = x [M, K] W^T (+ bias), W in 4-bit tiles, 16 rows at a time, each thread
- * its columns of 16 outputs (all the groups of rows of one, then the next), called by every thread of a region
- * that has configured its tiles, no barrier after it. x's rows are read in place where `padded` (>= M, a
- * multiple of 16) of them are there to read (zero past M), else the last group's copied (zero rows after
- * them). Returns 0, -1 where the scratch cannot be allocated. */
+/* This thread's share of out [M, N] = x [M, K] W^T (+ bias), W in 4-bit tiles, 16 rows at a time (each
+ * thread its columns of 16 outputs of each), called by every thread of a region that has configured its
+ * tiles, no barrier after it. x's rows are read in place where `padded` (>= M, a multiple of 16) of them are
+ * there to read (zero past M), else copied into `scratch` (padded to 16). Returns 0, -1 where the scratch is
+ * needed and cannot be allocated. */
 static int amx_q4gemm_share(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx, const uint8_t *q,
                             const uint16_t *bias, int64_t M, int64_t padded, int64_t N, int64_t K) {
-    const int64_t kblocks = K / TILE_K, columns = (N + TILE_N - 1) / TILE_N, groups = (M + TILE_ROWS - 1) / TILE_ROWS;
-    const int64_t last = (groups - 1) * TILE_ROWS, sums = kblocks * TILE_ROWS;
+    const int64_t kblocks = K / TILE_K, columns = (N + TILE_N - 1) / TILE_N;
+    float x_sums[Q4_MAX_K / TILE_K * TILE_ROWS] __attribute__((aligned(64)));
+    uint16_t bufs[4 * B_TILE] __attribute__((aligned(64)));
     float c[TILE_ROWS * TILE_N] __attribute__((aligned(64)));
-    uint16_t ring[4 * B_TILE] __attribute__((aligned(64)));
-    /* the scratch: each group's block sums, then the last group's rows where copied */
-    const size_t sum_bytes = (size_t)(groups * sums) * 4, row_bytes = (size_t)TILE_ROWS * K * 2;
-    char *scratch = kept_alloc(&thread_scratch, sum_bytes + row_bytes);
-    if (scratch == NULL) return -1;
-    float *x_sums = (float *)scratch;
-    int64_t lda = ldx * 2, last_lda = ldx * 2;
-    const uint16_t *last_a = x + last * ldx;
-    if (last + TILE_ROWS > padded) /* a copy of the last rows, zero rows after them */
-        last_a = rows_tiles(last_a, ldx, M - last, TILE_ROWS, K, (uint16_t *)(scratch + sum_bytes), &last_lda);
-    for (int64_t g = 0; g < groups; g++)
-        q4_row_sums(x_sums + g * sums, g * TILE_ROWS == last ? last_a : x + g * TILE_ROWS * ldx,
-                    g * TILE_ROWS == last ? last_lda : lda, kblocks);
+    int failed = 0;
+    for (int64_t r0 = 0; r0 < M; r0 += TILE_ROWS) {
+        const int64_t rows = M - r0 < TILE_ROWS ? M - r0 : TILE_ROWS;
+        int64_t lda = ldx * 2;
+        const uint16_t *a = x + r0 * ldx;
+        if (r0 + TILE_ROWS > padded) { /* a copy of the last rows, zero rows after them */
+            void *scratch = kept_alloc(&thread_scratch, (size_t)TILE_ROWS * K * 2);
+            if (scratch == NULL) {
+                failed = 1;
+                break;
+            }
+            a = rows_tiles(a, ldx, rows, TILE_ROWS, K, scratch, &lda);
+        }
+        q4_row_sums(x_sums, a, lda, kblocks);
 #pragma omp for schedule(static) nowait
-    for (int64_t j = 0; j < columns; j++) {
-        const int64_t n0 = j * TILE_N, n = N - n0 < TILE_N ? N - n0 : TILE_N;
-        const uint8_t *qj = q + j * kblocks * Q4_TILE_BYTES;
-        for (int64_t g = 0; g < groups; g++) { /* each group expands the tiles anew: a column expanded once
-                                                   * for all of them was slower (151 against 133 cycles a tile
-                                                   * at 32 rows) */
-            const int64_t r0 = g * TILE_ROWS;
-            const uint16_t *a = r0 == last ? last_a : x + r0 * ldx;
-            q4_column(c, a, r0 == last ? last_lda : lda, qj, x_sums + g * sums, kblocks, ring);
-            store_rows(out + r0 * ldo, ldo, c, TILE_N, bias, n0, n, M - r0 < TILE_ROWS ? M - r0 : TILE_ROWS);
+        for (int64_t j = 0; j < columns; j++) {
+            const int64_t n0 = j * TILE_N;
+            q4_column(c, a, lda, q + j * kblocks * Q4_TILE_BYTES, x_sums, kblocks, bufs);
+            store_rows(out + r0 * ldo, ldo, c, TILE_N, bias, n0, N - n0 < TILE_N ? N - n0 : TILE_N, rows);
         }
     }
-    return 0;
+    return failed ? -1 : 0;
 }
 
 /* ---- 8-bit codes: expanded to the loaded bfloat16 weights ---- */
