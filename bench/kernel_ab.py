@@ -129,9 +129,8 @@ def gated_mlp_case(gemm: AmxGemm, ops: CpuOps, rows: int, layers: int) -> Callab
 
 
 def q4_codes(n: int, k: int, gen: torch.Generator) -> BlockCodes:
-    """A random ``[n, k]`` Q4_1 weight that the AMX kernel takes (``amx_qgemm.pack``): scales and offsets on
-    float16 steps. NOTE: the 4-bit tiles' layout changed at d1d36be; a ``--before`` older than that packs
-    them otherwise."""
+    """A random ``[n, k]`` Q4_1 weight whose blocks the AMX kernel takes bit for bit (``amx_qgemm.pack``):
+    scales and offsets on float16 steps that keep ``offset - scale * 128`` exact."""
     blocks = (n, k // 32)
     scales = torch.randint(1, 64, blocks, generator=gen).float() * 2.0**-12
     offsets = -torch.randint(0, 64, blocks, generator=gen).float() * 2.0**-9
