@@ -41,7 +41,6 @@ from engine.executor.kernels.modules import (
 )
 from engine.executor.kernels.small_gemm import has_offsets
 from engine.executor.kv_cache import KVCache
-from engine.executor.models import row_kinds
 from engine.executor.models.gemma import GemmaForCausalLM
 from engine.executor.models.llama import LayerModules, LlamaForCausalLM
 from engine.executor.models.registry import NativeModel
@@ -279,8 +278,7 @@ class CpuDecodeStack:
         x = self.model.embed(inputs.input_ids)  # [num_seqs, hidden]
         h = self(x, inputs, kv_cache, num_layers)  # [num_seqs, hidden], after the final norm
         h = h.index_select(0, inputs.logits_indices)  # [num_logits, hidden] in the caller's order
-        with row_kinds.rows_of(row_kinds.decode_rows(h.shape[0], h.shape[0])):  # every row a decode row
-            return self.model.compute_logits(h)  # [num_logits, vocab]
+        return self.model.compute_logits(h)  # [num_logits, vocab]
 
     def forward(
         self, inputs: BatchInputs, kv_cache: KVCache, decode_kernel: DecodeKernel | None = None

@@ -1,16 +1,11 @@
-"""bfloat16 matmuls on AMX tiles for decode rows, reading a weight that the checkpoint stored in 32-weight
-blocks of codes (``BlockCodes``: a GGUF's Q4_0, Q4_1, Q8_0) in those blocks (``csrc/amx_qgemm.c``).
+"""bfloat16 matmuls of up to ``MAX_ROWS`` rows on AMX tiles, reading a weight that the checkpoint stored in
+32-weight blocks of codes (``BlockCodes``: a GGUF's Q4_0, Q4_1, Q8_0) in those blocks (``csrc/amx_qgemm.c``).
 
-Why: a decode step reads every weight once for a few rows, so it is bound by memory and by the work of
-turning codes into what the tile unit multiplies. SmolLM2-135M's layers are Q4_1 and its output head Q8_0: 96
-MB a step instead of the bfloat16 weights' 270 MB.
-
-- 4-bit codes (any number of rows): the tile unit multiplies the codes (as bfloat16 ``1 + c / 16``, exact)
-  and each block's scale and offset are applied to its float32 sums: the checkpoint's weights, not the
-  loaded bfloat16 ones, so not the bits of ``AmxGemm`` over those; a row's result depends only on the row.
-  The model's decode rows always take this, its prefill rows ``AmxGemm`` (models/row_kinds.py).
-- 8-bit codes (at most ``MAX_ROWS`` rows): each tile expanded to the very bfloat16 weights the model loaded
-  (engine/executor/fast_paths.py checks) and multiplied in amx_gemm.c's order: the bits of ``AmxGemm``.
+Why: a decode step reads every weight once for a few rows, so it is bound by memory. SmolLM2-135M's layers
+are Q4_1 and its output head Q8_0: 96 MB a step instead of the bfloat16 weights' 270 MB. Each tile is
+expanded to bfloat16 in L1 just before the tile unit reads it, to the very bfloat16 weights the model
+loaded (engine/executor/fast_paths.py checks), and multiplied in amx_gemm.c's order: the same bits as ``AmxGemm`` over those
+weights, so a row's result still does not depend on its batch.
 
     packed: uint8 [N_pad / 16, K / 32, tile bytes]   (N padded to 64; 4-bit codes with an offset per block:
                                                       320 bytes a tile; 8-bit codes: 544)
@@ -28,8 +23,7 @@ from engine.executor.kernels.amx_gemm import GROUP_N, TILE_K, TILE_N
 from engine.executor.kernels.block_codes import BlockCodes
 
 SOURCE = Path(__file__).with_name("csrc") / "amx_qgemm.c"
-MAX_ROWS = 32  # of an 8-bit call: two A tiles (4-bit calls take any number of rows)
-MAX_K = 16384  # inputs of a 4-bit call at most (amx_qgemm.c's Q4_MAX_K: its rows' block sums)
+MAX_ROWS = 32  # two A tiles: decode steps of up to 32 sequences
 
 
 def tile_bytes(four_bit: bool) -> int:
@@ -54,6 +48,13 @@ def _half_exact(t: torch.Tensor) -> torch.Tensor | None:
     return h if torch.equal(h.float(), t) else None
 
 
+def _sums_exact(scales: torch.Tensor, offsets: torch.Tensor) -> bool:
+    """Whether ``m - d * 2^s`` is a float32 for every block, s = 7 and 11: the kernel's constant C of the
+    4-bit codes (amx_qgemm.c: ``d * code + m = D * f + C``); true of every block of SmolLM2's Q4_1."""
+    d, m = scales.double(), offsets.double()
+    return all(torch.equal((m - d * 2**s).float().double(), m - d * 2**s) for s in (7, 11))
+
+
 def _stored(codes: BlockCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """``codes`` as the tiles store them -- the codes (4-bit: 0..15; 8-bit: code + 128), float16 scales and
     (4-bit) float16 offsets -- or None where the kernel cannot give their weights bit for bit: scales or
@@ -62,19 +63,17 @@ def _stored(codes: BlockCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     if scales is None or codes.shape[-1] % TILE_K:
         return None
     four = _as_four_bit(codes)
-    if four is not None and codes.shape[-1] > MAX_K:
-        return None
     if four is None:  # 8-bit codes, which the tiles keep without offsets
         return None if codes.offsets is not None else (codes.codes.to(torch.int16) + 128, scales, None)
     offsets = _half_exact(four[1])
-    if offsets is None:
+    if offsets is None or not _sums_exact(codes.scales, four[1]):
         return None
     return four[0], scales, offsets
 
 
 def pack(codes: BlockCodes) -> tuple[torch.Tensor, bool] | None:
     """``codes`` of an ``[N, K]`` weight -> (packed tiles, whether 4-bit), or None where the kernel cannot
-    take them (``_stored``)."""
+    give its weights bit for bit (``_stored``)."""
     stored = _stored(codes)
     if stored is None:
         return None
@@ -90,15 +89,12 @@ def pack(codes: BlockCodes) -> tuple[torch.Tensor, bool] | None:
     def scale_bytes(s: torch.Tensor) -> torch.Tensor:  # [n, kb] float16 -> [tiles, kb, 32] bytes
         return tiles(s.view(n, kb, 1)).reshape(n_pad // TILE_N, kb, TILE_N).contiguous().view(torch.uint8)
 
-    # a tile row's 32 codes as the B tile holds them: per output of the 16, its k-pair
+    # a tile row's 32 codes in the order VCVTNE2PS2BF16 writes them: per output of the 16, its k-pair
     pairs = tiles(raw.to(torch.uint8).view(n, kb, TILE_K // 2, 2))  # [tiles, kb, 16 outputs, pair, 2]
     rows = pairs.permute(0, 1, 3, 2, 4)  # [tiles, kb, pair, 16 outputs, 2]
     rows = rows.reshape(n_pad // TILE_N, kb, TILE_K // 2, 2 * TILE_N)  # [tiles, kb, pair, 32 codes]
-    if offsets is not None:  # 4-bit: 4 rows per 64 bytes, as amx_qgemm.c's expand_q4 unpacks them
-        # row p = 4 g + 2 h + o (h: the high nibble), code w = 8 l + u (l: 128-bit lane) -> group g's byte
-        # 16 l + 8 o + u
-        r = rows.reshape(n_pad // TILE_N, kb, 4, 2, 2, 4, 8)  # [tiles, kb, g, h, o, l, u]
-        code_bytes = (r[:, :, :, 0] | (r[:, :, :, 1] << 4)).permute(0, 1, 2, 4, 3, 5)  # [.., g, l, o, u]
+    if offsets is not None:  # 4-bit: the row's first 16 codes in low nibbles, the last 16 high
+        code_bytes = rows[..., :TILE_N] | (rows[..., TILE_N:] << 4)
         parts = [code_bytes.reshape(n_pad // TILE_N, kb, -1), scale_bytes(scales), scale_bytes(offsets)]
     else:
         parts = [rows.reshape(n_pad // TILE_N, kb, -1), scale_bytes(scales)]
@@ -118,11 +114,9 @@ class AmxQGemm:
                 "no AMX-BF16 tiles and AVX512-BF16 on this CPU (or no tiles for this process)"
             )
         lib.cbserve_amx_qgemm_tile_bytes.argtypes = [ctypes.c_int]
-        if (
-            lib.cbserve_amx_qgemm_rows() != MAX_ROWS
-            or lib.cbserve_amx_qgemm_max_k() != MAX_K
-            or [lib.cbserve_amx_qgemm_tile_bytes(o) for o in (1, 0)] != [tile_bytes(True), tile_bytes(False)]
-        ):
+        if lib.cbserve_amx_qgemm_rows() != MAX_ROWS or [
+            lib.cbserve_amx_qgemm_tile_bytes(o) for o in (1, 0)
+        ] != [tile_bytes(True), tile_bytes(False)]:
             raise RuntimeError("amx_qgemm.c and amx_qgemm.py disagree on the packed layout")
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._gemm = lib.cbserve_amx_qgemm
@@ -137,17 +131,15 @@ class AmxQGemm:
         out_features: int,
         bias: torch.Tensor | None,
     ) -> torch.Tensor:
-        """``x W^T + b`` for ``x`` ``[..., K]`` bfloat16 (8-bit codes: at most ``MAX_ROWS`` rows), ``packed``
-        from ``pack``."""
+        """``x W^T + b`` for ``x`` ``[..., K]`` bfloat16 of at most ``MAX_ROWS`` rows, ``packed`` from ``pack``."""
         rows = x.reshape(-1, x.shape[-1])
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         m, k = rows.shape
-        most = None if four_bit else MAX_ROWS
-        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or (most is not None and m > most):
-            raise ValueError(f"expected at most {most} bfloat16 CPU rows, got {m} {x.dtype} on {x.device}")
-        if four_bit and k > MAX_K:
-            raise ValueError(f"4-bit codes take at most {MAX_K} inputs, got {k}")
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or m > MAX_ROWS:
+            raise ValueError(
+                f"expected at most {MAX_ROWS} bfloat16 CPU rows, got {m} {x.dtype} on {x.device}"
+            )
         if packed.shape[1:] != (k // TILE_K, tile_bytes(four_bit)) or packed.shape[0] * TILE_N < out_features:
             raise ValueError(f"packed weight {tuple(packed.shape)} does not fit x {tuple(x.shape)}")
         if bias is not None and (bias.shape != (out_features,) or bias.dtype != torch.bfloat16):

@@ -7,17 +7,16 @@
     WidenedLinear         bfloat16 rows in float32 on those panels, rounded once (batch invariance without AMX)
     QuantPanelLinear      a quantized checkpoint's blocks, expanded in registers, for calls of a few rows
     AmxLinear             bfloat16 on AMX tiles (amx_gemm.py), oneDNN for larger calls unless it takes them all
-    QuantAmxLinear        a quantized checkpoint's blocks on AMX tiles, for decode rows
+    QuantAmxLinear        a quantized checkpoint's blocks expanded into AMX tiles, for calls of up to 32 rows
     FusedRMSNorm          RMSNorm with its residual add in one C call (cpu_ops.py)
     FusedRotaryEmbedding  q and k rotated in place in one C call
     FusedSiLUMul          SwiGLU's ``silu(gate) * up`` in one C call
-    AmxSwiGLUMLP          SwiGLU's gate and up projections and its gate in one AMX call, for prefill rows
+    AmxSwiGLUMLP          SwiGLU's gate and up projections and its gate in one AMX call, for calls of more rows
     FusedGeluTanhMul      Gemma's ``gelu_tanh(gate) * up`` in one C call
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Generic, TypeVar
 
 import torch
@@ -28,7 +27,6 @@ from engine.executor.kernels.amx_gemm import AmxGemm
 from engine.executor.kernels.amx_qgemm import AmxQGemm
 from engine.executor.kernels.cpu_ops import CpuOps
 from engine.executor.kernels.small_gemm import SmallGemm
-from engine.executor.models import row_kinds
 from engine.executor.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, RotaryInputs
 
 
@@ -159,15 +157,11 @@ class QuantPanelLinear(_BlocksInFront[SmallGemmLinear]):
 
 
 class QuantAmxLinear(_BlocksInFront[AmxLinear]):
-    """``x W^T + b`` in bfloat16 for a ``W`` that the checkpoint stored in blocks of codes (``qtiles``, from
-    ``amx_qgemm.pack``), read in those blocks for decode rows (amx_qgemm.py):
-
-    - 4-bit codes: the model's decode rows (models/row_kinds.py) take the codes with their scales applied
-      after the tile unit, its prefill rows ``rest`` (the loaded bfloat16 weights' tiles): the two differ in
-      their last bits, and each row always takes its kind's. Outside a forward that names its rows' kinds,
-      calls of at most ``amx_qgemm.MAX_ROWS`` rows take the codes.
-    - 8-bit codes: calls of at most ``amx_qgemm.MAX_ROWS`` rows, expanded into the bits of ``rest``'s tiles
-      from a half of the bytes; other calls go to ``rest``."""
+    """``x W^T + b`` in bfloat16 for a ``W`` that the checkpoint stored in blocks of codes, each rounding to
+    the loaded bfloat16 weight (engine/executor/fast_paths.py checks): calls of at most
+    ``amx_qgemm.MAX_ROWS`` rows read the blocks (``qtiles``, from ``amx_qgemm.pack``), expanded into the tiles
+    as they are multiplied -- the bits of ``rest``'s tiles from a third of the bytes; other calls go to
+    ``rest``."""
 
     def __init__(self, qgemm: AmxQGemm, qtiles: torch.Tensor, four_bit: bool, rest: AmxLinear) -> None:
         super().__init__(rest)
@@ -175,37 +169,10 @@ class QuantAmxLinear(_BlocksInFront[AmxLinear]):
         self.qtiles = qtiles  # uint8 [ceil(out / 64) * 4, in / 32, tile bytes]
         self.four_bit = four_bit
 
-    def codes(self, x: torch.Tensor) -> torch.Tensor:
-        """``x W^T + b`` from the codes, whatever the rows (4-bit; 8-bit: at most ``amx_qgemm.MAX_ROWS``)."""
-        return self.qgemm.linear(x, self.qtiles, self.four_bit, self.out_features, self.bias)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        num_rows = x.numel() // self.in_features
-        kinds = row_kinds.current(num_rows) if self.four_bit else None
-        if kinds is None:
-            return self.codes(x) if num_rows <= amx_qgemm.MAX_ROWS else self.rest(x)
-        return by_kind(x, kinds, self.codes, self.rest)
-
-
-def by_kind(
-    x: torch.Tensor,
-    kinds: row_kinds.RowKinds,
-    decode: Callable[[torch.Tensor], torch.Tensor],
-    prefill: Callable[[torch.Tensor], torch.Tensor],
-) -> torch.Tensor:
-    """``decode`` of ``x``'s decode rows and ``prefill`` of its others, in ``x``'s order (rows of ``x``:
-    its first dimension)."""
-    if kinds.first == kinds.count:
-        return decode(x)
-    if kinds.first == 0:
-        return prefill(x)
-    if kinds.decode is None:  # the decode rows first
-        return torch.cat([decode(x[: kinds.first]), prefill(x[kinds.first :])])
-    first = decode(x[kinds.decode])
-    out = first.new_empty(x.shape[0], *first.shape[1:])
-    out[kinds.decode] = first
-    out[~kinds.decode] = prefill(x[~kinds.decode])
-    return out
+        if x.numel() <= amx_qgemm.MAX_ROWS * self.in_features:
+            return self.qgemm.linear(x, self.qtiles, self.four_bit, self.out_features, self.bias)
+        return self.rest(x)
 
 
 class FusedRMSNorm(RMSNorm):
@@ -278,12 +245,11 @@ class FusedGeluTanhMul(nn.Module):
 
 
 class AmxSwiGLUMLP(GatedMLP):
-    """``GatedMLP`` (SiLU) whose gate and up weight is on AMX tiles: prefill rows (calls of more than
-    ``amx_qgemm.MAX_ROWS`` rows outside a forward that names its rows' kinds) take the projection and the gate
-    in one call (``AmxGemm.swiglu``: the bits of the tiles' ``gate_up_proj`` then ``act_fn``, without writing
-    the ``[rows, 2 * inter]`` projection out and reading it back); decode rows run the modules as
-    ``GatedMLP`` does (a ``QuantAmxLinear``'s codes for them). The submodules are the swapped ones,
-    unchanged."""
+    """``GatedMLP`` (SiLU) whose gate and up weight is on AMX tiles: calls of more than ``amx_qgemm.MAX_ROWS``
+    rows (prefill chunks; decode steps run in the decode stack) take the projection and the gate in one call
+    (``AmxGemm.swiglu``: the bits of ``gate_up_proj`` then ``act_fn``, without writing the ``[rows, 2 * inter]``
+    projection out and reading it back); others run the modules as ``GatedMLP`` does. The submodules are the
+    swapped ones, unchanged."""
 
     def __init__(self, mlp: GatedMLP, tiles: AmxLinear) -> None:
         nn.Module.__init__(self)
@@ -292,19 +258,7 @@ class AmxSwiGLUMLP(GatedMLP):
         self._tiles = [tiles]  # NOTE: in a list, not a second registration of gate_up_proj's module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        num_rows = x.numel() // x.shape[-1]
-        kinds = row_kinds.current(num_rows)
-        if kinds is None:
-            kinds = row_kinds.decode_rows(num_rows if num_rows <= amx_qgemm.MAX_ROWS else 0, num_rows)
-        gated = by_kind(x.reshape(num_rows, x.shape[-1]), kinds, self._decode_gate, self._swiglu)
-        return self.down_proj(gated.view(*x.shape[:-1], gated.shape[-1]))  # [..., hidden]
-
-    def _decode_gate(self, x: torch.Tensor) -> torch.Tensor:
-        up = self.gate_up_proj
-        if isinstance(up, QuantAmxLinear) and up.four_bit:
-            return self.act_fn(up.codes(x))  # [rows, inter]
-        return self.act_fn(up(x))
-
-    def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() <= amx_qgemm.MAX_ROWS * x.shape[-1]:
+            return super().forward(x)
         tiles = self._tiles[0]
-        return tiles.amx.swiglu(x, tiles.tiles, self.intermediate_size)  # [rows, inter]
+        return self.down_proj(tiles.amx.swiglu(x, tiles.tiles, self.intermediate_size))  # [..., hidden]

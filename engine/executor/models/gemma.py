@@ -39,7 +39,6 @@ from engine.executor.attention.decode_kernel import DecodeKernel
 from engine.executor.attention.paged import PagedAttentionMetadata
 from engine.executor.inputs import BatchInputs
 from engine.executor.kv_cache import KVCache
-from engine.executor.models import row_kinds
 from engine.executor.models.decoder_only import DecoderOnlyLM, WeightSlots
 from engine.executor.models.layers import (
     GatedMLP,
@@ -96,8 +95,7 @@ class GemmaDecoderLayer(nn.Module):
             attn, h = attn[rows], h[rows]
         # h = h + post_attn_norm(attn), then its pre-feedforward norm, in one step
         normed, h = self.pre_feedforward_layernorm.add_and_norm(self.post_attention_layernorm(attn), h)
-        with row_kinds.selected(rows):
-            return self.post_feedforward_layernorm(self.mlp(normed)), h
+        return self.post_feedforward_layernorm(self.mlp(normed)), h
 
 
 class GemmaForCausalLM(DecoderOnlyLM):
@@ -144,19 +142,16 @@ class GemmaForCausalLM(DecoderOnlyLM):
         residual: torch.Tensor | None = None
         # past the last layer's attention only the logits rows matter (as in the Llama code)
         pruned = rows.shape[0] < inputs.input_ids.shape[0] and len(layers) > 0
-        kinds = row_kinds.decode_rows(inputs.num_decode_seqs, inputs.num_tokens)
-        with row_kinds.rows_of(kinds):
-            for i, layer in enumerate(layers):
-                rotary, rotation = self.rotary, global_rotation
-                if layer.window is not None and self.local_rotary is not None and local_rotation is not None:
-                    rotary, rotation = self.local_rotary, local_rotation
-                x, residual = layer(
-                    x, residual, rotary, rotation, kv_cache.k_caches[i], kv_cache.v_caches[i], metas[layer.window],
-                    rows if pruned and i == len(layers) - 1 else None,
-                )  # fmt: skip
+        for i, layer in enumerate(layers):
+            rotary, rotation = self.rotary, global_rotation
+            if layer.window is not None and self.local_rotary is not None and local_rotation is not None:
+                rotary, rotation = self.local_rotary, local_rotation
+            x, residual = layer(
+                x, residual, rotary, rotation, kv_cache.k_caches[i], kv_cache.v_caches[i], metas[layer.window],
+                rows if pruned and i == len(layers) - 1 else None,
+            )  # fmt: skip
         h = self.final_norm(x, residual, rows, pruned)  # [num_logits, hidden]
-        with row_kinds.rows_of(kinds.select(rows)):
-            return self.compute_logits(h)  # [num_logits, vocab]
+        return self.compute_logits(h)  # [num_logits, vocab]
 
     def decoder_table(self) -> DecoderTable:
         """The decoder's modules, flat (see ``llama.DecoderTable``): the pre-feedforward norm as the norm

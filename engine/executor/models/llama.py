@@ -32,7 +32,6 @@ from engine.executor.attention.decode_kernel import DecodeKernel
 from engine.executor.attention.paged import PagedAttentionMetadata, paged_attention
 from engine.executor.inputs import BatchInputs
 from engine.executor.kv_cache import KVCache
-from engine.executor.models import row_kinds
 from engine.executor.models.decoder_only import (
     DecoderOnlyLM,
     WeightSlots,
@@ -131,8 +130,7 @@ class DecoderLayer(nn.Module):
         if rows is not None:
             attn, residual = attn[rows], residual[rows]
         normed, residual = self.post_attention_layernorm.add_and_norm(attn, residual)  # h = h + attn
-        with row_kinds.selected(rows):
-            return self.mlp(normed), residual
+        return self.mlp(normed), residual
 
 
 @dataclass(frozen=True)
@@ -229,24 +227,21 @@ class LlamaForCausalLM(DecoderOnlyLM):
         # tokens"): a prefill chunk's other rows skip its o_proj and MLP.
         pruned = rows.shape[0] < inputs.input_ids.shape[0] and len(layers) > 0
         last = len(layers) - 1
-        kinds = row_kinds.decode_rows(inputs.num_decode_seqs, inputs.num_tokens)
-        with row_kinds.rows_of(kinds):
-            for i, layer in enumerate(layers):
-                exits.tap(i, x, residual)  # DoLa: the stream entering layer i, for the rows that contrast it
-                layer_rows = rows if pruned and i == last else None
-                x, residual = layer(
-                    x,
-                    residual,
-                    self.rotary,
-                    rotation,
-                    kv_cache.k_caches[i],
-                    kv_cache.v_caches[i],
-                    meta,
-                    layer_rows,
-                )
+        for i, layer in enumerate(layers):
+            exits.tap(i, x, residual)  # DoLa: the stream entering layer i, for the rows that contrast it
+            layer_rows = rows if pruned and i == last else None
+            x, residual = layer(
+                x,
+                residual,
+                self.rotary,
+                rotation,
+                kv_cache.k_caches[i],
+                kv_cache.v_caches[i],
+                meta,
+                layer_rows,
+            )
         h = self.final_norm(x, residual, rows, pruned)  # [num_logits + num_hidden, hidden]
-        with row_kinds.rows_of(kinds.select(logits_rows)):
-            logits = self.compute_logits(h[:num_logits])  # [num_logits, vocab]
+        logits = self.compute_logits(h[:num_logits])  # [num_logits, vocab]
         hidden = h[num_logits:] if hidden_rows is not None else None
         return (exits.contrast(logits, self.lm_head) if exits else logits), hidden
 

@@ -181,27 +181,24 @@ static inline void rotate(const step *st, void *x, const void *c, const void *s,
         rotary_f32(x, c, s, half);
 }
 
-/* bfloat16: the product from the checkpoint's blocks in quantized tiles (amx_qgemm.c): 4-bit codes for every
- * row of the step (the decode rows' kernel, whatever their number), 8-bit for at most QROWS padded rows */
-static void amx_q_shared(const step *st, uint16_t *out, const uint16_t *x, const uint8_t *q, int offsets,
-                         const uint16_t *bias, int64_t N, int64_t K) {
+/* bfloat16: amx_shared's product from the checkpoint's blocks in quantized tiles (amx_qgemm.c; 4-bit codes
+ * with offsets, else 8-bit), for at most QROWS rows */
+static void amx_q_shared(uint16_t *out, const uint16_t *x, const uint8_t *q, int offsets, const uint16_t *bias,
+                         int64_t Mp, int64_t N, int64_t K, uint16_t *scratch) {
 #if HAVE_AMX_Q
-    if (offsets) /* the rows fill their tiles: no scratch */
-        (void)amx_q4gemm_share(out, N, x, K, q, bias, st->rows, st->padded, N, K);
-    else
-        (void)amx_q8gemm_share(out, N, x, K, q, bias, st->padded, N, K, st->scratch); /* Mp fills its tiles */
+    (void)amx_qgemm_share(out, N, x, K, q, offsets, bias, Mp, N, K, scratch); /* Mp fills its tiles */
 #pragma omp barrier
 #else
-    (void)st, (void)out, (void)x, (void)q, (void)offsets, (void)bias, (void)N, (void)K;
+    (void)out, (void)x, (void)q, (void)offsets, (void)bias, (void)Mp, (void)N, (void)K, (void)scratch;
 #endif
 }
 
 /* y[:, 0:N] = x[:, 0:K] W^T (+ b), every row of the step: from the weights' blocks where the checkpoint
- * stored them so (float32: up to ROWS rows; bfloat16: 4-bit codes always, 8-bit up to QROWS) */
+ * stored them so (float32: up to ROWS rows; bfloat16: up to QROWS) */
 static inline void project(const step *st, void *out, const void *x, const void *w, const uint8_t *q, int64_t offsets,
                            const void *bias, int64_t N, int64_t K) {
-    if (st->bf16 && q != NULL && (offsets || st->padded <= QROWS))
-        amx_q_shared(st, out, x, q, (int)offsets, bias, N, K);
+    if (st->bf16 && q != NULL && st->padded <= QROWS)
+        amx_q_shared(out, x, q, (int)offsets, bias, st->padded, N, K, st->scratch);
     else if (st->bf16)
         amx_shared(out, x, w, bias, st->padded, N, K, st->scratch);
     else
@@ -231,9 +228,6 @@ static int check_inputs(const cbserve_model *m, const cbserve_layer *layers, con
     for (int64_t l = 0; l < m->num_layers; l++) {
         const cbserve_layer *w = &layers[l];
         if (((w->qkv_q || w->gate_up_q) && H % QBLOCK) || (w->o_q && q_size % QBLOCK) || (w->down_q && I % QBLOCK))
-            return -2;
-        if (m->bf16 && (((w->qkv_q_offsets || w->gate_up_q_offsets) && H > Q4_MAX_K) ||
-                        (w->o_q_offsets && q_size > Q4_MAX_K) || (w->down_q_offsets && I > Q4_MAX_K)))
             return -2;
     }
     return 0;
