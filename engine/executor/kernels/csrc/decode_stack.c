@@ -38,6 +38,42 @@
 
 #include <omp.h>
 
+/* Where a step's time goes, for bench/decode_phases.py only: built with CBSERVE_PHASE_TIMES (its own copy of
+ * this file, bench/csrc/decode_stack_phases.c), the first thread adds the time stamp counter's ticks since
+ * the last mark to each phase of every layer (each phase ends in its barrier, so a phase's ticks are the
+ * step's time in it). In the engine's build the marks are empty and compile to nothing. */
+enum { PHASE_NORM, PHASE_QKV, PHASE_ROTARY_KV, PHASE_ATTENTION, PHASE_O, PHASE_POST_NORM, PHASE_GATE_UP,
+       PHASE_ACT, PHASE_DOWN, PHASES };
+#if defined(CBSERVE_PHASE_TIMES) && (defined(__x86_64__) || defined(__i386__))
+#include <x86intrin.h>
+static uint64_t phase_ticks[PHASES], phase_last;
+static int64_t phase_steps;
+static inline void phase_start(void) {
+    if (omp_get_thread_num() == 0) phase_last = __rdtsc();
+}
+static inline void phase_mark(int phase) {
+    if (omp_get_thread_num() != 0) return;
+    const uint64_t now = __rdtsc();
+    phase_ticks[phase] += now - phase_last;
+    phase_last = now;
+}
+/* ticks[PHASES] = each phase's ticks since the last reset; returns the steps counted */
+int64_t cbserve_decode_stack_phases(double *ticks) {
+    for (int i = 0; i < PHASES; i++) ticks[i] = (double)phase_ticks[i];
+    return phase_steps;
+}
+void cbserve_decode_stack_phases_reset(void) {
+    memset(phase_ticks, 0, sizeof phase_ticks);
+    phase_steps = 0;
+}
+uint64_t cbserve_ticks(void) { return __rdtsc(); }
+#define PHASE_STEP() (phase_steps++)
+#else
+static inline void phase_start(void) {}
+static inline void phase_mark(int phase) { (void)phase; }
+#define PHASE_STEP() ((void)0)
+#endif
+
 /* One decoder layer's weights, in the model's dtype (float32 or bfloat16 bits): matrices packed in
  * small_gemm.c's panels (float32) or amx_gemm.c's tiles (bfloat16); where the checkpoint stored a matrix in
  * blocks, its quantized panels (float32; steps of at most ROWS sequences use them) or quantized tiles
@@ -420,10 +456,14 @@ INLINE void self_attention(const step *st, const cbserve_layer *w) {
     const int64_t H = st->m->hidden, q_size = st->m->num_heads * st->m->head_dim;
     const int64_t qkv_size = q_size + 2 * st->m->num_kv_heads * st->m->head_dim;
     project(st, b->qkv, b->normed, w->qkv, w->qkv_q, w->qkv_q_offsets, w->qkv_bias, qkv_size, H);
+    phase_mark(PHASE_QKV);
     rotate_and_store_kv(st, w);
+    phase_mark(PHASE_ROTARY_KV);
     b->split_item ? paged_attention_split(st, w) : paged_attention(st, w);
+    phase_mark(PHASE_ATTENTION);
     project(st, b->y, b->attn, w->o, w->o_q, w->o_q_offsets, w->o_bias, H, q_size);
     norm_output(st, w->post_attn_norm);
+    phase_mark(PHASE_O);
 }
 
 /* y = down(act(gate) * up), gate, up = gate_up(normed): the gated MLP, act SiLU (Gemma: GELU-tanh, and y
@@ -432,21 +472,27 @@ INLINE void mlp(const step *st, const cbserve_layer *w) {
     const buffers *b = st->b;
     const int64_t H = st->m->hidden, I = st->m->intermediate;
     project(st, b->gate_up, b->normed, w->gate_up, w->gate_up_q, w->gate_up_q_offsets, NULL, 2 * I, H);
+    phase_mark(PHASE_GATE_UP);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < st->rows; r++)
         gate_mul(st, ROW(b->act, r, I), ROW(b->gate_up, r, 2 * I), ROW(b->gate_up, r, 2 * I) + I * st->es, I,
                  (int)w->gelu);
+    phase_mark(PHASE_ACT);
     project(st, b->y, b->act, w->down, w->down_q, w->down_q_offsets, NULL, H, I);
     norm_output(st, w->post_ff_norm);
+    phase_mark(PHASE_DOWN);
 }
 
 /* One decoder layer, llama.py's DecoderLayer: h = residual + y (layer 0: h = x, the embeddings);
  * y = self_attention(input_norm(h)); h = h + y; y = mlp(post_norm(h)). */
 INLINE void decoder_layer(const step *st, const cbserve_layer *w, const void *x) {
+    phase_start();
     prefetch_kv_slots(st, w);
     add_and_norm(st, st->b->normed, x, w->input_norm);
+    phase_mark(PHASE_NORM);
     self_attention(st, w);
     add_and_norm(st, st->b->normed, NULL, w->post_norm);
+    phase_mark(PHASE_POST_NORM);
     mlp(st, w);
 }
 
@@ -502,5 +548,6 @@ int cbserve_decode_stack(const cbserve_model *m, const cbserve_layer *layers,
 #endif
     }
     free(plan);
+    PHASE_STEP();
     return 0;
 }
