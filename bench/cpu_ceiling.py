@@ -19,7 +19,10 @@ Memory: with at most C requests in flight (the run's ``max_concurrency``), a ste
 tokens, so the run takes at least ``output tokens / C`` forwards, and each reads every weight once (the
 layers' projections and the output head, in the dtype's bytes: a server holding its weights so). The
 bandwidth is measured as the best rate of streaming a buffer of that many bytes (from whichever level of
-the memory holds it: a large L3 may) through vector adds on ``--threads`` threads (bench/csrc/mem_read.c). KV-cache reads are left out, so the bound stays a bound.
+the memory holds it: a large L3 may) through vector adds on ``--threads`` threads (bench/csrc/mem_read.c). The ceiling leaves the KV cache's reads out (so it stays a bound however
+much of the cache a CPU's caches hold); a second line adds them at the same bandwidth (every fed-back
+token's keys and values in every layer): the tighter bound where the K and V stream from where the weights
+do -- at 16 streams of SmolLM2 a decode step's K and V are about as many bytes as its layers' Q4_1 blocks.
 With ``--dtype bfloat16``, for a GGUF whose matrices are stored in blocks, a second bound counts the blocks' bytes instead: cbserve's
 bfloat16 decode steps read those (engine/executor/kernels/amx_qgemm.py), so the first is no bound for them.
 
@@ -176,6 +179,19 @@ def stored_weight_bytes(model: str) -> float | None:
     return float(sum(int(t.n_bytes) for t in matrices))
 
 
+def kv_read_bytes(
+    config: ModelConfig, input_lens: list[int], output_lens: list[int], element_bytes: int
+) -> float:
+    """The K and V bytes a run's decode steps read at least: each request's fed-back tokens (all its output
+    tokens but the last), the i-th at position prompt + i - 1 attending prompt + i keys, each key's K and V
+    in every layer. A prefill's reads of its own keys are not counted (a fused kernel keeps them on chip)."""
+    per_key = 2 * config.num_key_value_heads * config.head_dim * config.num_hidden_layers * element_bytes
+    keys = sum(
+        max(o - 1, 0) * p + max(o - 1, 0) * o // 2 for p, o in zip(input_lens, output_lens, strict=True)
+    )
+    return float(keys * per_key)
+
+
 def memory_bandwidth_gbs(threads: int, nbytes: float, rounds: int = 5) -> float:
     """The best GB/s of ``rounds`` passes of the read loop over a buffer of ``nbytes`` (a step's weights: in
     whichever level of the memory holds that much) on ``threads`` threads."""
@@ -227,10 +243,12 @@ def report(
     measured: float | None,
     times: float,
     stored: float | None = None,
+    kv: float = 0.0,
 ) -> str:
     """A run's ceiling; ``memory``: (its concurrency, the bytes of weights a step reads); ``stored``: the
     checkpoint's bytes of the same matrices where it stores them in blocks (``stored_weight_bytes``), whose
-    bound is reported too."""
+    bound is reported too; ``kv``: the bytes of K and V its decode steps read (``kv_read_bytes``), whose
+    tighter bound (the weights' and the KV cache's reads at the same bandwidth) is reported where given."""
     concurrency, weights = memory
     compute_s = floor_seconds(work, machine.peak_gflops)
     memory_s = memory_floor_seconds(output_tokens, concurrency, weights, machine.bandwidth_gbs)
@@ -250,6 +268,14 @@ def report(
         lines.append(
             f"  {times:g}x that = {wanted:.1f} tok/s = {100 * wanted / ceiling:.0f}% of the ceiling"
             + (" (beyond what this precision can do here)" if wanted > ceiling else "")
+        )
+    if kv > 0:
+        kv_s = max(compute_s, memory_s + kv / (machine.bandwidth_gbs * 1e9))
+        tighter = output_tokens / kv_s if kv_s > 0 else float("inf")
+        served = f", served {100 * measured / tighter:.0f}% of it" if measured is not None else ""
+        lines.append(
+            f"  with the KV cache's reads too ({kv / 1e9:.3f} GB over the run: each fed-back token's keys and "
+            f"values in every layer): ceiling {tighter:.1f} tok/s{served}"
         )
     if stored is not None:
         blocks_s = max(
@@ -289,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         peak = fma_peak_gflops(args.threads, args.seconds, args.rounds)
         print(f"FMA peak: {peak:.1f} GFLOPS on {args.threads} threads (float32, best of {args.rounds})")
-    weights = weight_bytes(config, 2 if args.dtype == "bfloat16" else 4)
+    element = 2 if args.dtype == "bfloat16" else 4  # the weights' and the KV cache's bytes an element
+    weights = weight_bytes(config, element)
     bandwidth = memory_bandwidth_gbs(args.threads, weights, args.rounds)
     print(
         f"memory bandwidth: {bandwidth:.1f} GB/s on {args.threads} threads, reading {weights / 1e9:.3f} GB "
@@ -300,9 +327,14 @@ def main(argv: list[str] | None = None) -> int:
     stored = stored_weight_bytes(args.model) if args.dtype == "bfloat16" else None
     if not args.runs:
         n = args.num_prompts
-        work = run_work(config, [args.random_input_len] * n, [args.random_output_len] * n)
+        lens = [args.random_input_len] * n, [args.random_output_len] * n
+        work, kv = run_work(config, *lens), kv_read_bytes(config, *lens, element)
         memory = (args.max_concurrency or n, weights)
-        print(report("workload", work, n * args.random_output_len, memory, machine, None, args.times, stored))
+        print(
+            report(
+                "workload", work, n * args.random_output_len, memory, machine, None, args.times, stored, kv
+            )
+        )
         return 0
     for path in args.runs:
         doc: dict[str, Any] = json.loads(Path(path).read_text())
@@ -311,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         label = str(doc.get("label") or Path(path).stem)
         memory = (int(doc.get("max_concurrency") or len(output_lens)), weights)
         measured = float(doc["output_throughput"])
-        print(report(label, work, sum(output_lens), memory, machine, measured, args.times, stored))
+        kv = kv_read_bytes(config, input_lens, output_lens, element)
+        print(report(label, work, sum(output_lens), memory, machine, measured, args.times, stored, kv))
     return 0
 
 

@@ -15,6 +15,7 @@ from bench.cpu_ceiling import (
     ceiling_tok_s,
     floor_seconds,
     fma_peak_gflops,
+    kv_read_bytes,
     main,
     memory_floor_seconds,
     request_work,
@@ -126,6 +127,8 @@ def test_cli_prints_each_saved_runs_ceiling(
     weights = weight_bytes(cfg, 4)
     ceiling = ceiling_tok_s(work, 192, 50.0)  # compute-bound: 96 steps of 0.54 GB at 20 GB/s take 2.6 s
     assert memory_floor_seconds(192, 2, weights, 20.0) < floor_seconds(work, 50.0)
+    kv = kv_read_bytes(cfg, doc["input_lens"], doc["output_lens"], 4)  # type: ignore[arg-type]
+    tighter = 192 / max(floor_seconds(work, 50.0), memory_floor_seconds(192, 2, weights, 20.0) + kv / 20e9)
     assert capsys.readouterr().out.splitlines() == [
         "FMA peak: 50.0 GFLOPS on 3 threads (float32, best of 1)",
         f"memory bandwidth: 20.0 GB/s on 3 threads, reading {weights / 1e9:.3f} GB (best of 1)",
@@ -136,7 +139,21 @@ def test_cli_prints_each_saved_runs_ceiling(
         "(compute-bound)",
         f"  served 10.0 tok/s = {100 * 10.0 / ceiling:.0f}% of the ceiling",
         f"  4x that = 40.0 tok/s = {100 * 40.0 / ceiling:.0f}% of the ceiling",
+        f"  with the KV cache's reads too ({kv / 1e9:.3f} GB over the run: each fed-back token's keys and values "
+        f"in every layer): ceiling {tighter:.1f} tok/s, served {100 * 10.0 / tighter:.0f}% of it",
     ]
+
+
+@pytest.mark.parametrize("prompt_len,output_len", [(1, 1), (3, 2), (5, 1), (2, 7), (17, 9), (4, 0)])
+def test_kv_reads_match_a_token_by_token_count(prompt_len: int, output_len: int) -> None:
+    """Each fed-back token (every output token but the last) reads the K and V of every key up to its own
+    position, in every layer; the prefill's reads of its own keys are not counted."""
+    per_key = 2 * TINY.num_key_value_heads * TINY.head_dim * TINY.num_hidden_layers * 2
+    fed_back = range(prompt_len, prompt_len + output_len - 1)  # their positions
+    expected = sum((position + 1) * per_key for position in fed_back)
+    assert kv_read_bytes(TINY, [prompt_len], [output_len], 2) == expected
+    both = kv_read_bytes(TINY, [prompt_len, 3], [output_len, 2], 2)
+    assert both == expected + kv_read_bytes(TINY, [3], [2], 2)
 
 
 def test_a_decode_heavy_run_is_bound_by_reading_the_weights() -> None:
