@@ -19,10 +19,11 @@ Memory: with at most C requests in flight (the run's ``max_concurrency``), a ste
 tokens, so the run takes at least ``output tokens / C`` forwards, and each reads every weight once (the
 layers' projections and the output head, in the dtype's bytes: a server holding its weights so). The
 bandwidth is measured as the best rate of streaming a buffer of that many bytes (from whichever level of
-the memory holds it: a large L3 may) through vector adds on ``--threads`` threads (bench/csrc/mem_read.c). The ceiling leaves the KV cache's reads out (so it stays a bound however
-much of the cache a CPU's caches hold); a second line adds them at the same bandwidth (every fed-back
-token's keys and values in every layer): the tighter bound where the K and V stream from where the weights
-do -- at 16 streams of SmolLM2 a decode step's K and V are about as many bytes as its layers' Q4_1 blocks.
+the memory holds it: a large L3 may) through vector adds on ``--threads`` threads (bench/csrc/mem_read.c).
+The ceiling leaves the KV cache's reads out (so it stays a bound however much of the cache a CPU's caches
+hold); a second line adds them at the same bandwidth (every fed-back token's keys and values in every
+layer): the tighter bound where the K and V stream from where the weights do -- at 16 streams of SmolLM2 a
+decode step's K and V are about as many bytes as its layers' Q4_1 blocks.
 With ``--dtype bfloat16``, for a GGUF whose matrices are stored in blocks, a second bound counts the blocks' bytes instead: cbserve's
 bfloat16 decode steps read those (engine/executor/kernels/amx_qgemm.py), so the first is no bound for them.
 
@@ -186,9 +187,8 @@ def kv_read_bytes(
     tokens but the last), the i-th at position prompt + i - 1 attending prompt + i keys, each key's K and V
     in every layer. A prefill's reads of its own keys are not counted (a fused kernel keeps them on chip)."""
     per_key = 2 * config.num_key_value_heads * config.head_dim * config.num_hidden_layers * element_bytes
-    keys = sum(
-        max(o - 1, 0) * p + max(o - 1, 0) * o // 2 for p, o in zip(input_lens, output_lens, strict=True)
-    )
+    fed_back = [(p, max(o - 1, 0)) for p, o in zip(input_lens, output_lens, strict=True)]
+    keys = sum(f * p + f * (f + 1) // 2 for p, f in fed_back)  # sum over i = 1..f of p + i
     return float(keys * per_key)
 
 

@@ -11,7 +11,8 @@ K/V writes, the attention, the o projection, the gate and up projection, the gat
 phase ends in the threads' barrier, so its time is the step's time in it, imbalance included. The rest of a
 decode step -- the embedding, the output head, sampling and the engine's Python -- is outside the stack:
 the last lines give a decode step's forward (the embedding, the stack and the head, timed around
-``CpuDecodeStack.run``) and the whole runs' time a decode step (prefill steps included, so an upper bound). The engine's own build of the stack has no marks (its code is unchanged by them).
+``CpuDecodeStack.run``) and the whole runs' time a decode step (prefill steps included, so an upper bound).
+The engine's own build of the stack has no marks (its code is unchanged by them).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from engine.cpu.native_build import BuildOnce, KernelUnavailable, build
+from engine.cpu.native_build import BuildOnce, KernelUnavailable
 from engine.engine import Engine
 from engine.executor import decode_stack
 
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     # the engine's decode stack from the marked build (CpuDecodeStack.for_model calls decode_stack.load)
     decode_stack.load = BuildOnce(PHASES_SOURCE, decode_stack.DecodeStack)
     try:
-        lib = _counters(build(PHASES_SOURCE))
+        lib = _counters(decode_stack.load().path)  # the same library the engine's stack calls
     except KernelUnavailable as e:
         print(f"the decode stack cannot be built here: {e}")
         return 1
