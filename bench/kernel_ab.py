@@ -10,7 +10,8 @@ as the engine builds its own (engine/cpu/native_build.py). Per row count: SiLU-a
 SmolLM2-135M's gate and up halves, RMSNorm with the residual add, the rotary embedding of the queries, and
 the four projections of ``--layers`` layers with weights of their own (so that, as in a forward, each call
 reads its weights from memory, not from a cache the previous call warmed) -- over bfloat16 tiles and, for
-up to 32 rows, over Q4_1 blocks expanded into the tiles as a decode step reads them; for more, SwiGLU's gate and
+up to 32 rows, over Q4_1 blocks expanded into the tiles as a decode step reads them, and the output head over
+Q8_0 blocks (each side packs the blocks with its own commit's ``amx_qgemm.pack``); for more, SwiGLU's gate and
 up projections and gate (one call where the side has ``AmxGemm.swiglu``) --, and the decode attention of
 ``--layers`` layers' caches (each row ``--context`` tokens, its pages scattered over the cache) for up to 64
 rows, the prefill attention of prompts of ``--prompt-len`` tokens (``rows`` tokens in all) for more. Prints each
@@ -20,6 +21,7 @@ side's best and median over the rounds, and whether both sides give the same bit
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import statistics
 import subprocess
@@ -44,7 +46,7 @@ from engine.executor.kernels.cpu_ops import CpuOps
 KERNELS = "engine/executor/kernels/csrc"
 ATTENTION = "engine/executor/attention/csrc"
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # the projections' (out, in): SmolLM2-135M's
-HIDDEN, INTER, HEADS, HEAD_DIM = 576, 1536, 9, 64
+HIDDEN, INTER, HEADS, HEAD_DIM, VOCAB = 576, 1536, 9, 64, 49152
 KV_HEADS, BLOCK_SIZE = 3, 16
 MAX_DECODE_ROWS = 64  # the attention case runs for decode-sized row counts only
 
@@ -56,6 +58,20 @@ def checkout_kernels(rev: str, into: Path) -> Path:
     with tarfile.open(fileobj=BytesIO(tar)) as archive:
         archive.extractall(into, filter="data")
     return into / KERNELS
+
+
+def checkout_pack(rev: str, into: Path) -> Callable[[BlockCodes], tuple[torch.Tensor, bool] | None]:
+    """``rev``'s ``amx_qgemm.pack``: the layout its kernel reads (imported from its source under ``into``)."""
+    source = subprocess.run(
+        ["git", "show", f"{rev}:engine/executor/kernels/amx_qgemm.py"], capture_output=True, check=True
+    ).stdout
+    path = into / "amx_qgemm_before.py"
+    path.write_bytes(source)
+    spec = importlib.util.spec_from_file_location("amx_qgemm_before", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.pack  # type: ignore[no-any-return]
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -138,14 +154,17 @@ def q4_codes(n: int, k: int, gen: torch.Generator) -> BlockCodes:
     return BlockCodes(codes, scales, offsets)
 
 
-def qmatmul_case(qgemm: AmxQGemm, rows: int, layers: int) -> Callable[[], torch.Tensor]:
+Pack = Callable[[BlockCodes], "tuple[torch.Tensor, bool] | None"]
+
+
+def qmatmul_case(qgemm: AmxQGemm, pack: Pack, rows: int, layers: int) -> Callable[[], torch.Tensor]:
     """The four projections of ``layers`` layers on ``rows`` rows over Q4_1 blocks, each layer its own."""
     gen = torch.Generator().manual_seed(rows)
     weights = []
     for _ in range(layers):
         layer = []
         for n, k in SHAPES:
-            packed = amx_qgemm.pack(q4_codes(n, k, gen))
+            packed = pack(q4_codes(n, k, gen))
             assert packed is not None and packed[1], "the AMX kernel takes these blocks"
             layer.append((n, packed[0]))
         weights.append(layer)
@@ -159,6 +178,17 @@ def qmatmul_case(qgemm: AmxQGemm, rows: int, layers: int) -> Callable[[], torch.
         return last
 
     return run
+
+
+def head_case(qgemm: AmxQGemm, pack: Pack, rows: int) -> Callable[[], torch.Tensor]:
+    """SmolLM2-135M's output head (49,152 x 576) over Q8_0 blocks, on ``rows`` rows."""
+    gen = torch.Generator().manual_seed(rows)
+    scales = torch.randint(1, 64, (VOCAB, HIDDEN // 32), generator=gen).float() * 2.0**-12
+    codes = torch.randint(-128, 128, (VOCAB, HIDDEN), generator=gen, dtype=torch.int8)
+    packed = pack(BlockCodes(codes, scales))
+    assert packed is not None and not packed[1], "the AMX kernel takes these blocks"
+    x = torch.randn(rows, HIDDEN, generator=gen).bfloat16()
+    return lambda: qgemm.linear(x, packed[0], False, VOCAB, None)
 
 
 def attention_case(
@@ -260,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         gemms: dict[str, AmxGemm] = {}
         qgemms: dict[str, AmxQGemm] = {}
+        packs = {"before": checkout_pack(args.before, Path(tmp)), "after": amx_qgemm.pack}
         if dtype == torch.bfloat16:
             try:
                 gemms = {"before": BuildOnce(before / "amx_gemm.c", AmxGemm)(), "after": amx_gemm.load()}
@@ -281,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
                 name = f"{args.layers} layers' SwiGLU gate"
                 cases[side][name] = gated_mlp_case(gemm, ops[side], rows, args.layers)
             for side, qgemm in qgemms.items() if rows <= amx_qgemm.MAX_ROWS else ():
-                cases[side][f"{args.layers} layers' Q4_1 matmuls"] = qmatmul_case(qgemm, rows, args.layers)
+                name = f"{args.layers} layers' Q4_1 matmuls"
+                cases[side][name] = qmatmul_case(qgemm, packs[side], rows, args.layers)
+                cases[side]["output head, Q8_0"] = head_case(qgemm, packs[side], rows)
             compare(cases, args.rounds)
     return 0
 

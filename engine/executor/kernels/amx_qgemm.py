@@ -8,7 +8,8 @@ loaded (engine/executor/fast_paths.py checks), and multiplied in amx_gemm.c's or
 weights, so a row's result still does not depend on its batch.
 
     packed: uint8 [N_pad / 16, K / 32, tile bytes]   (N padded to 64; 4-bit codes with an offset per block:
-                                                      320 bytes a tile; 8-bit codes: 544)
+                                                      320 bytes a tile, two outputs' codes a byte; 8-bit
+                                                      codes: 544; the layouts: csrc/amx_qgemm.c)
 """
 
 from __future__ import annotations
@@ -89,12 +90,10 @@ def pack(codes: BlockCodes) -> tuple[torch.Tensor, bool] | None:
     def scale_bytes(s: torch.Tensor) -> torch.Tensor:  # [n, kb] float16 -> [tiles, kb, 32] bytes
         return tiles(s.view(n, kb, 1)).reshape(n_pad // TILE_N, kb, TILE_N).contiguous().view(torch.uint8)
 
-    # a tile row's 32 codes in the order VCVTNE2PS2BF16 writes them: per output of the 16, its k-pair
-    pairs = tiles(raw.to(torch.uint8).view(n, kb, TILE_K // 2, 2))  # [tiles, kb, 16 outputs, pair, 2]
-    rows = pairs.permute(0, 1, 3, 2, 4)  # [tiles, kb, pair, 16 outputs, 2]
-    rows = rows.reshape(n_pad // TILE_N, kb, TILE_K // 2, 2 * TILE_N)  # [tiles, kb, pair, 32 codes]
-    if offsets is not None:  # 4-bit: the row's first 16 codes in low nibbles, the last 16 high
-        code_bytes = rows[..., :TILE_N] | (rows[..., TILE_N:] << 4)
+    # a tile's outputs in order, each with its block's 32 codes in order of k (an A tile row each)
+    rows = tiles(raw.to(torch.uint8).view(n, kb, TILE_K))  # [tiles, kb, 16 outputs, 32 codes]
+    if offsets is not None:  # 4-bit: outputs 2i and 2i + 1 share 32 bytes, 2i's code low, 2i + 1's high
+        code_bytes = rows[:, :, 0::2] | (rows[:, :, 1::2] << 4)
         parts = [code_bytes.reshape(n_pad // TILE_N, kb, -1), scale_bytes(scales), scale_bytes(offsets)]
     else:
         parts = [rows.reshape(n_pad // TILE_N, kb, -1), scale_bytes(scales)]

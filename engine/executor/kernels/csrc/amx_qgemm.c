@@ -3,7 +3,8 @@
  * those blocks: 0.63 (4-bit codes) or 1.06 (8-bit) bytes a weight instead of bfloat16's 2.
  *
  * A decode step reads every weight once for a few rows: it is bound by memory, not by the tile unit. So each
- * B tile (16 outputs x 32 k) is expanded from its codes into bfloat16, in L1, just before TDPBF16PS reads it:
+ * tile of weights (16 outputs x 32 k) is expanded from its codes into bfloat16, in L1, just before TDPBF16PS
+ * reads it:
  *
  *   w = round_to_bfloat16(d * code + m)      (8-bit codes: d * code)
  *
@@ -12,19 +13,26 @@
  * bit, and rounding it to nearest even gives the bfloat16 weight the model loaded (fast_paths.py checks the
  * two agree before it packs a weight so). Its values are never float32 denormals (a sum of multiples of
  * float16's smallest step is 0 or at least that step), where VCVTNE2PS2BF16 would differ from torch's
- * conversion. The products are amx_gemm.c's: every output one chain of TDPBF16PS over k in order from zero,
- * then the bias and one rounding -- the bits of amx_gemm.c's kernel over the bfloat16 weights, whatever the
- * rows around a row (tests/kernels/test_amx_qgemm.py).
+ * conversion.
+ *
+ * The weights are the A tiles (an output a tile row of 32 k) and the rows the B tiles (rows_as_b_tiles), so
+ * a C tile holds 16 outputs x 16 rows. Why: an output's row of 32 weights has one d and one m, so its 16
+ * possible 4-bit weights are one FMA and the codes pick from them (expand_q4) -- half the float work of
+ * computing every weight, and the tile unit's TDPBF16PS holds the float units while it runs, so float work
+ * does not overlap it where permutes and stores do (measured: docs/BENCHMARKS.md, session 29). The products
+ * are amx_gemm.c's all the same: every output one chain of TDPBF16PS over k in order from zero (each step
+ * the same two products of a weight and a row's value, whichever tile holds which), then the bias and one
+ * rounding -- the bits of amx_gemm.c's kernel over the bfloat16 weights, whatever the rows around a row
+ * (tests/model/test_amx_qgemm.py).
  *
  *   packed: [N_pad / 16][K / 32][tile]       (N padded with zero codes and scales to a multiple of 64)
- *     a tile row p (k-pair p) as the B tile holds it: 32 codes c(n, 2p), c(n, 2p + 1) for n = 0..15
- *     4-bit tile (offsets):  16 rows x 16 bytes (byte j: row code j in the low nibble, code 16 + j in the
- *                            high), then 16 float16 d and 16 float16 m (one per output)      320 bytes
- *     8-bit tile:            16 rows x 32 bytes (code + 128), then 16 float16 d            544 bytes
- *   up to 16 rows:  items of 64 outputs (or 32: amx_gemm.c's rows16_item_outputs), one A tile, 4 B tiles
+ *     4-bit tile (offsets):  8 pairs of outputs x 32 bytes (byte j: output 2i's code j in the low nibble,
+ *                            2i + 1's in the high), then 16 float16 d and 16 float16 m    320 bytes
+ *     8-bit tile:            16 outputs x 32 bytes (code + 128, in order of k), then 16 float16 d   544 bytes
+ *   up to 16 rows:  items of 64 outputs (or 32: amx_gemm.c's rows16_item_outputs), 4 A tiles, one B tile
  *   17-32 rows:     items of 32 outputs, two A tiles, 2 B tiles
  *
- * The B tiles of a k-block are expanded into one of two buffers, in turn, so the next block's expansion does
+ * The A tiles of a k-block are expanded into one of two buffers, in turn, so the next block's expansion does
  * not write where the tile unit still reads.
  */
 #include "amx_gemm.c"
@@ -41,65 +49,97 @@ int cbserve_amx_qgemm_tile_bytes(int offsets) { return (int)qtile_bytes(offsets)
 #if HAVE_AMX && defined(__AVX512BF16__)
 #define HAVE_AMX_Q 1
 
-/* The tile rows are expanded without a conversion from integers: a code's byte is put into the mantissa of
- * 1.0f (one byte shuffle, one AND-OR), so f = 1 + code * 2^-s exactly, and the weight is one multiply-add
- *
- *   d * code + m  =  D * f + C,   D = d * 2^s,  C = m - D
- *
- * with the product exact inside the FMA: the same single rounding as block_codes.py's, where C is exact in
- * float32 (amx_qgemm.py packs a weight so only if every block's is; for 8-bit codes, stored as code + 128, C =
- * -(2^15 + 128) d always is). A row's 32 results go to the tile as VCVTNE2PS2BF16 concatenates them: the
- * codes are stored in that order (amx_qgemm.py), so no lane is moved after the rounding. */
-
-/* The shuffles: dword j of a row takes byte j of the 16 broadcast to every 128-bit lane, at bits 8-15 and
- * 16-23 (4-bit: the low nibble at bits 16-19, s = 7; the high at 12-15, s = 11), or at bits 8-15 (8-bit,
- * s = 15). Bytes of 0x80 give zeros. */
-static inline __m512i byte_places(int both) {
-    int32_t place[16] __attribute__((aligned(64)));
-    for (int32_t j = 0; j < 16; j++)
-        place[j] = (int32_t)(0x80000080u | (uint32_t)j << 8 | (both ? (uint32_t)j << 16 : 0x800000u));
-    return _mm512_load_si512(place);
-}
-
-/* a vector of 1 + (the bits of v selected by mask) as float32 */
-static inline __m512 mantissa_of(__m512i v, __m512i mask) {
-    return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(v, mask, _mm512_set1_epi32(0x3F800000), 0xEA));
-}
-
-/* Each lane's per-output value of a tile's 16 (float16): lanes 2i and 2i + 1 take output i (+ 8 for `high`) */
-static inline __m512 per_lane(const uint8_t *halves, int high) {
-    const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)halves));
-    const __m512i lane = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    return _mm512_permutexvar_ps(high ? _mm512_add_epi32(lane, _mm512_set1_epi32(8)) : lane, v);
-}
-
-/* a B tile (16 rows of k-pairs x 16 outputs, bfloat16) from its 4-bit tile */
-static inline void expand_q4(uint16_t *restrict dst, const uint8_t *restrict src) {
-    const __m512 d1 = _mm512_mul_ps(per_lane(src + 256, 0), _mm512_set1_ps(128.0f));
-    const __m512 d2 = _mm512_mul_ps(per_lane(src + 256, 1), _mm512_set1_ps(2048.0f));
-    const __m512 c1 = _mm512_sub_ps(per_lane(src + 288, 0), d1), c2 = _mm512_sub_ps(per_lane(src + 288, 1), d2);
-    const __m512i places = byte_places(1), low = _mm512_set1_epi32(0x000F0000), high = _mm512_set1_epi32(0xF000);
-    for (int p = 0; p < TILE_K / 2; p++) {
-        const __m512i bytes = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(src + 16 * p)));
-        const __m512i v = _mm512_shuffle_epi8(bytes, places);
-        const __m512 w1 = _mm512_fmadd_ps(d1, mantissa_of(v, low), c1);
-        const __m512 w2 = _mm512_fmadd_ps(d2, mantissa_of(v, high), c2);
-        _mm512_store_si512(dst + 32 * p, (__m512i)_mm512_cvtne2ps_pbh(w2, w1));
+/* A 16 x 16 block of 32-bit lanes transposed in registers: v[i] lane j <- v[j] lane i */
+static inline void transpose_16x16(__m512i v[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4)
+        for (int j = 0; j < 2; j++) {
+            v[i + 2 * j] = _mm512_unpacklo_epi64(t[i + j], t[i + j + 2]);
+            v[i + 2 * j + 1] = _mm512_unpackhi_epi64(t[i + j], t[i + j + 2]);
+        }
+    for (int i = 0; i < 16; i += 8)
+        for (int j = 0; j < 4; j++) {
+            t[i + j] = _mm512_shuffle_i32x4(v[i + j], v[i + j + 4], 0x88);
+            t[i + j + 4] = _mm512_shuffle_i32x4(v[i + j], v[i + j + 4], 0xDD);
+        }
+    for (int j = 0; j < 8; j++) {
+        v[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+        v[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xDD);
     }
 }
 
-/* a B tile from its 8-bit tile (codes + 128) */
+/* The rows as B tiles ("VNNI": a tile row p holds k-pair p of each of 16 rows), one per 16 rows and k-block:
+ * tiles[g][kb] row p lane r = the 32 bits of x[16 g + r, 32 kb + 2p .. + 1]; rows from M on are zeros.
+ * `groups` 1 (up to 16 rows) or 2. */
+static void rows_as_b_tiles(uint16_t *tiles, const uint16_t *x, int64_t ldx, int64_t M, int64_t K, int groups) {
+    const int64_t kblocks = K / TILE_K;
+    for (int g = 0; g < groups; g++)
+        for (int64_t kb = 0; kb < kblocks; kb++) {
+            __m512i v[16];
+            for (int r = 0; r < 16; r++) {
+                const int64_t m = 16 * g + r;
+                v[r] = m < M ? _mm512_loadu_si512(x + m * ldx + kb * TILE_K) : _mm512_setzero_si512();
+            }
+            transpose_16x16(v);
+            uint16_t *t = tiles + (g * kblocks + kb) * B_TILE;
+            for (int p = 0; p < 16; p++) _mm512_store_si512(t + 32 * p, v[p]);
+        }
+}
+
+/* An A tile of weights (16 outputs x 32 k, an output a row of 32 bfloat16 in order of k) from its 4-bit tile.
+ * Each output's 16 possible weights of the block, round_to_bfloat16(d * code + m) for code 0..15, are one
+ * FMA (exact product, one rounding: block_codes.py's float32 weights) and a rounding; the outputs' codes
+ * index them (VPERMW). Outputs 2i and 2i + 1 share their 32 code bytes (2i's code in the low nibble, 2i + 1's
+ * in the high) and one vector of both tables (2i + 1's in lanes 0-15, 2i's in 16-31). */
+static inline void expand_q4(uint16_t *restrict dst, const uint8_t *restrict src) {
+    float dm[32] __attribute__((aligned(64)));
+    _mm512_store_ps(dm, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + 256))));
+    _mm512_store_ps(dm + 16, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + 288))));
+    __asm__ volatile("" ::"r"(dm) : "memory"); /* each output's d and m one broadcast load, not a lane permute */
+    const __m512 codes = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i low = _mm512_set1_epi16(0x0F), second_half = _mm512_set1_epi16(0x10);
+    for (int i = 0; i < TILE_N / 2; i++) {
+        const int n = 2 * i;
+        const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(src + 32 * i)));
+        const __m512 even = _mm512_fmadd_ps(codes, _mm512_set1_ps(dm[n]), _mm512_set1_ps(dm[16 + n]));
+        const __m512 odd = _mm512_fmadd_ps(codes, _mm512_set1_ps(dm[n + 1]), _mm512_set1_ps(dm[17 + n]));
+        const __m512i tables = (__m512i)_mm512_cvtne2ps_pbh(even, odd);
+        const __m512i even_index = _mm512_ternarylogic_epi32(bytes, low, second_half, 0xEA); /* & low | 16 */
+        _mm512_store_si512(dst + 64 * i, _mm512_permutexvar_epi16(even_index, tables));
+        _mm512_store_si512(dst + 64 * i + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), tables));
+    }
+}
+
+/* An A tile of weights from its 8-bit tile (codes + 128): a code's byte is put into the mantissa of 1.0f (one
+ * byte permute of two outputs' 64 codes, zeroing the other bytes; one OR), f = 1 + code * 2^-15 exactly, and
+ * d * (code - 128) = D f + C with D = 2^15 d, C = -(2^15 + 128) d: an exact product and one rounding inside
+ * the FMA. */
 static inline void expand_q8(uint16_t *restrict dst, const uint8_t *restrict src) {
-    const __m512 e1 = per_lane(src + 512, 0), e2 = per_lane(src + 512, 1);
-    const __m512 d1 = _mm512_mul_ps(e1, _mm512_set1_ps(32768.0f)), d2 = _mm512_mul_ps(e2, _mm512_set1_ps(32768.0f));
-    const __m512 c1 = _mm512_mul_ps(e1, _mm512_set1_ps(-32896.0f)), c2 = _mm512_mul_ps(e2, _mm512_set1_ps(-32896.0f));
-    const __m512i places = byte_places(0), byte = _mm512_set1_epi32(0xFF00);
-    for (int p = 0; p < TILE_K / 2; p++) {
-        const __m512i lo = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(src + 32 * p)));
-        const __m512i hi = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(src + 32 * p + 16)));
-        const __m512 w1 = _mm512_fmadd_ps(d1, mantissa_of(_mm512_shuffle_epi8(lo, places), byte), c1);
-        const __m512 w2 = _mm512_fmadd_ps(d2, mantissa_of(_mm512_shuffle_epi8(hi, places), byte), c2);
-        _mm512_store_si512(dst + 32 * p, (__m512i)_mm512_cvtne2ps_pbh(w2, w1));
+    float dc[32] __attribute__((aligned(64)));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + 512)));
+    _mm512_store_ps(dc, _mm512_mul_ps(d, _mm512_set1_ps(32768.0f)));
+    _mm512_store_ps(dc + 16, _mm512_mul_ps(d, _mm512_set1_ps(-32896.0f)));
+    __asm__ volatile("" ::"r"(dc) : "memory"); /* each output's D and C one broadcast load, not a lane permute */
+    const __m512i quarter = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i place = _mm512_slli_epi32(quarter, 8); /* byte 1 of dword j: byte j */
+    const __mmask64 byte1 = 0x2222222222222222ull;
+    const __m512i one = _mm512_set1_epi32(0x3F800000);
+    for (int n = 0; n < TILE_N; n += 2) {
+        const __m512i codes = _mm512_loadu_si512(src + 32 * n); /* outputs n and n + 1 */
+        __m512 f[4];
+        for (int h = 0; h < 4; h++) {
+            const __m512i at = _mm512_add_epi8(place, _mm512_set1_epi8((char)(16 * h)));
+            f[h] = _mm512_castsi512_ps(_mm512_or_si512(_mm512_maskz_permutexvar_epi8(byte1, at, codes), one));
+        }
+        for (int o = 0; o < 2; o++) {
+            const __m512 D = _mm512_set1_ps(dc[n + o]), C = _mm512_set1_ps(dc[16 + n + o]);
+            const __m512 lo = _mm512_fmadd_ps(D, f[2 * o], C), hi = _mm512_fmadd_ps(D, f[2 * o + 1], C);
+            _mm512_store_si512(dst + 32 * (n + o), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
     }
 }
 
@@ -107,103 +147,115 @@ static inline void expand(uint16_t *dst, const uint8_t *src, int offsets) {
     offsets ? expand_q4(dst, src) : expand_q8(dst, src);
 }
 
-/* C (16 * atiles rows x 16 * ntiles outputs, float32, row stride GROUP_N) = A x the B tiles of `ntiles`
- * consecutive 16-output tiles at q, over every k-block (literals at each call: 1 x 4 or 2 x 2). A: rows
- * 0-15 at a (byte stride lda), rows 16-31 16 rows further. A k-block's tiles are expanded into one of two
- * buffers while the tile unit multiplies the previous block's from the other. */
-static inline __attribute__((always_inline)) void qtiles_times(float *c, const uint16_t *a, int64_t lda,
-                                                              const uint8_t *q, int64_t kblocks, int offsets,
-                                                              uint16_t *bufs, const int atiles, const int ntiles) {
+/* out[r, n0 + i] = round(t[i][r] + bias[n0 + i]) for outputs i < n and rows r < rows: a C tile (16 outputs x 16
+ * rows, float32, stored at t) rounded out as amx_gemm.c's store_rows rounds */
+static void store_transposed(uint16_t *out, int64_t ldo, const float *t, const uint16_t *bias, int64_t n0, int64_t n,
+                             int64_t rows) {
+    const __mmask16 keep = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
+    __m512 b = _mm512_setzero_ps();
+    if (bias) b = widen(_mm256_maskz_loadu_epi16(keep, bias + n0)); /* amx_gemm.c's bfloat16 -> float32 */
+    __m512i v[16];
+    for (int i = 0; i < 16; i++) v[i] = _mm512_load_si512(t + 16 * i);
+    transpose_16x16(v);
+    for (int64_t r = 0; r < rows; r++)
+        _mm256_mask_storeu_epi16(out + r * ldo + n0, keep, to_bf16_x16(_mm512_add_ps(_mm512_castsi512_ps(v[r]), b)));
+}
+
+/* The C tiles (16 outputs x 16 rows each, float32) of `ntiles` consecutive 16-output tiles of weights at q
+ * times the rows' B tiles (`groups` of 16 rows), over every k-block (literals at each call: 4 x 1, 2 x 1 or
+ * 2 x 2), stored at t in turn (2 x 2: outputs 0-15 and 16-31 of rows 0-15, then of rows 16-31). A k-block's
+ * tiles are expanded into one of two buffers while the tile unit multiplies the previous block's. */
+static inline __attribute__((always_inline)) void qtiles_times(float *t, const uint16_t *rows, const uint8_t *q,
+                                                              int64_t kblocks, int offsets, uint16_t *bufs,
+                                                              const int groups, const int ntiles) {
     const int64_t qbytes = qtile_bytes(offsets), q_stride = kblocks * qbytes;
-    const uint16_t *a1 = a + TILE_ROWS * (lda / 2);
+    const uint16_t *rows1 = rows + kblocks * B_TILE;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int j = 0; j < ntiles; j++) expand(bufs + j * B_TILE, q + j * q_stride, offsets);
     for (int64_t kb = 0; kb < kblocks; kb++) {
-        const uint16_t *b = bufs + (kb & 1) * 4 * B_TILE;
+        const uint16_t *w = bufs + (kb & 1) * 4 * B_TILE;
         uint16_t *next = bufs + (~kb & 1) * 4 * B_TILE;
         const uint8_t *qn = q + (kb + 1) * qbytes;
         const int more = kb + 1 < kblocks;
-        _tile_loadd(4, a + kb * TILE_K, lda);
-        if (atiles == 1) {
-            _tile_loadd(5, b, 64);
-            _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(4, rows + kb * B_TILE, 64);
+        if (groups == 1) {
+            _tile_loadd(5, w, 64);
+            _tile_dpbf16ps(0, 5, 4);
             if (more) expand(next, qn, offsets);
-            _tile_loadd(6, b + B_TILE, 64);
-            _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(6, w + B_TILE, 64);
+            _tile_dpbf16ps(1, 6, 4);
             if (more) expand(next + B_TILE, qn + q_stride, offsets);
             if (ntiles == 4) {
-                _tile_loadd(7, b + 2 * B_TILE, 64);
-                _tile_dpbf16ps(2, 4, 7);
+                _tile_loadd(7, w + 2 * B_TILE, 64);
+                _tile_dpbf16ps(2, 7, 4);
                 if (more) expand(next + 2 * B_TILE, qn + 2 * q_stride, offsets);
-                _tile_loadd(5, b + 3 * B_TILE, 64);
-                _tile_dpbf16ps(3, 4, 5);
+                _tile_loadd(5, w + 3 * B_TILE, 64);
+                _tile_dpbf16ps(3, 5, 4);
                 if (more) expand(next + 3 * B_TILE, qn + 3 * q_stride, offsets);
             }
         } else {
-            _tile_loadd(5, a1 + kb * TILE_K, lda);
-            _tile_loadd(6, b, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(2, 5, 6);
+            _tile_loadd(6, w, 64);
+            _tile_loadd(7, w + B_TILE, 64);
+            _tile_dpbf16ps(0, 6, 4);
+            _tile_dpbf16ps(1, 7, 4);
             if (more) expand(next, qn, offsets);
-            _tile_loadd(7, b + B_TILE, 64);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(3, 5, 7);
+            _tile_loadd(5, rows1 + kb * B_TILE, 64);
+            _tile_dpbf16ps(2, 6, 5);
+            _tile_dpbf16ps(3, 7, 5);
             if (more) expand(next + B_TILE, qn + q_stride, offsets);
         }
     }
-    if (atiles == 1) {
-        _tile_stored(0, c, GROUP_N * 4);
-        _tile_stored(1, c + 16, GROUP_N * 4);
-        if (ntiles == 4) {
-            _tile_stored(2, c + 32, GROUP_N * 4);
-            _tile_stored(3, c + 48, GROUP_N * 4);
-        }
-    } else {
-        _tile_stored(0, c, GROUP_N * 4);
-        _tile_stored(1, c + 16, GROUP_N * 4);
-        _tile_stored(2, c + TILE_ROWS * GROUP_N, GROUP_N * 4);
-        _tile_stored(3, c + TILE_ROWS * GROUP_N + 16, GROUP_N * 4);
+    _tile_stored(0, t, 64);
+    _tile_stored(1, t + 256, 64);
+    if (groups == 2 || ntiles == 4) {
+        _tile_stored(2, t + 512, 64);
+        _tile_stored(3, t + 768, 64);
     }
 }
 
-/* outputs [i * width, i * width + width) of the M <= 32 rows of the A tiles `a` */
-static void qrows_times_item(uint16_t *out, int64_t ldo, const uint16_t *a, int64_t lda, const uint8_t *q,
-                             int offsets, const uint16_t *bias, int64_t M, int64_t N, int64_t K, int64_t i,
-                             int64_t width) {
+/* outputs [i * width, i * width + width) of the M <= 32 rows, given as B tiles (rows_as_b_tiles) */
+static void qrows_times_item(uint16_t *out, int64_t ldo, const uint16_t *rows, const uint8_t *q, int offsets,
+                             const uint16_t *bias, int64_t M, int64_t N, int64_t K, int64_t i, int64_t width) {
     const int64_t kblocks = K / TILE_K, n0 = i * width;
     if (n0 >= N) return; /* the zero outputs past N of the last group */
-    float c[QROWS * GROUP_N] __attribute__((aligned(64)));
+    float t[4 * 256] __attribute__((aligned(64)));
     uint16_t bufs[2 * 4 * B_TILE] __attribute__((aligned(64)));
     const uint8_t *qn = q + n0 / TILE_N * kblocks * qtile_bytes(offsets);
     if (M > TILE_ROWS)
-        qtiles_times(c, a, lda, qn, kblocks, offsets, bufs, 2, 2);
+        qtiles_times(t, rows, qn, kblocks, offsets, bufs, 2, 2);
     else if (width == GROUP_N)
-        qtiles_times(c, a, lda, qn, kblocks, offsets, bufs, 1, 4);
+        qtiles_times(t, rows, qn, kblocks, offsets, bufs, 1, 4);
     else
-        qtiles_times(c, a, lda, qn, kblocks, offsets, bufs, 1, 2);
-    store_rows(out, ldo, c, GROUP_N, bias, n0, N - n0 < width ? N - n0 : width, M);
+        qtiles_times(t, rows, qn, kblocks, offsets, bufs, 1, 2);
+    /* 1 x 4 or 1 x 2: tile j outputs 16 j of rows 0-15; 2 x 2: tiles 0, 1 outputs 0, 16 of rows 0-15, 2, 3 of 16-31 */
+    const int tiles = M > TILE_ROWS ? 4 : (int)(width / TILE_N);
+    for (int j = 0; j < tiles; j++) {
+        const int64_t group = M > TILE_ROWS && j >= 2, first = n0 + TILE_N * (M > TILE_ROWS ? j & 1 : j);
+        const int64_t rows_left = M - TILE_ROWS * group;
+        if (first < N)
+            store_transposed(out + group * TILE_ROWS * ldo, ldo, t + 256 * j, bias, first, N - first,
+                             rows_left < TILE_ROWS ? rows_left : TILE_ROWS);
+    }
 }
 
 /* This thread's share of out [M, N] = x [M, K] W^T (+ bias) for M <= QROWS, W in quantized tiles, called by
  * every thread of an OpenMP region that has configured its tiles, no barrier after it. `scratch`:
- * amx_scratch_bytes(M, K), this thread's (unused where the rows fill their tiles). Returns 0, -1 where it was
- * needed and is NULL. */
+ * amx_scratch_bytes(M, K), this thread's (room for the rows as B tiles: 2 KB per 32 k of each 16 rows, as for
+ * amx_gemm.c's zero-padded A tiles). Returns 0, -1 where it is NULL. */
 static int amx_qgemm_share(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx, const uint8_t *q,
                            int offsets, const uint16_t *bias, int64_t M, int64_t N, int64_t K, void *scratch) {
     const int64_t threads = omp_get_num_threads();
     const int64_t width = M <= TILE_ROWS ? rows16_item_outputs(N, threads) : PAIR_N;
     const int64_t items = (N + GROUP_N - 1) / GROUP_N * GROUP_N / width;
-    const int64_t rows = M <= TILE_ROWS ? TILE_ROWS : QROWS;
-    int64_t lda = 0;
-    const uint16_t *a = scratch || M == rows ? rows_tiles(x, ldx, M, rows, K, scratch, &lda) : NULL;
+    if (scratch) rows_as_b_tiles(scratch, x, ldx, M, K, M <= TILE_ROWS ? 1 : 2);
     int failed = 0;
 #pragma omp for schedule(static) nowait
     for (int64_t i = 0; i < items; i++) {
-        if (a)
-            qrows_times_item(out, ldo, a, lda, q, offsets, bias, M, N, K, i, width);
+        if (scratch)
+            qrows_times_item(out, ldo, scratch, q, offsets, bias, M, N, K, i, width);
         else
             failed = 1;
     }
