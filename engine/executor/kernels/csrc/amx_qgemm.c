@@ -114,32 +114,28 @@ static inline void expand_q4(uint16_t *restrict dst, const uint8_t *restrict src
     }
 }
 
-/* An A tile of weights from its 8-bit tile (codes + 128): a code's byte is put into the mantissa of 1.0f (one
- * byte permute of two outputs' 64 codes, zeroing the other bytes; one OR), f = 1 + code * 2^-15 exactly, and
- * d * (code - 128) = D f + C with D = 2^15 d, C = -(2^15 + 128) d: an exact product and one rounding inside
- * the FMA. */
+/* An A tile of weights from its 8-bit tile (codes + 128): a code's byte is put into the mantissa of 1.0f (its
+ * output's 16 codes broadcast to every 128-bit lane, one byte shuffle, one AND-OR), f = 1 + code * 2^-15
+ * exactly, and d * (code - 128) = D f + C with D = 2^15 d, C = -(2^15 + 128) d: an exact product and one
+ * rounding inside the FMA. */
 static inline void expand_q8(uint16_t *restrict dst, const uint8_t *restrict src) {
     float dc[32] __attribute__((aligned(64)));
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + 512)));
     _mm512_store_ps(dc, _mm512_mul_ps(d, _mm512_set1_ps(32768.0f)));
     _mm512_store_ps(dc + 16, _mm512_mul_ps(d, _mm512_set1_ps(-32896.0f)));
     __asm__ volatile("" ::"r"(dc) : "memory"); /* each output's D and C one broadcast load, not a lane permute */
-    const __m512i quarter = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512i place = _mm512_slli_epi32(quarter, 8); /* byte 1 of dword j: byte j */
-    const __mmask64 byte1 = 0x2222222222222222ull;
+    int32_t place[16] __attribute__((aligned(64))); /* dword j: byte j of its 128-bit lane at bits 8-15 */
+    for (int32_t j = 0; j < 16; j++) place[j] = (int32_t)(0x80800080u | (uint32_t)j << 8);
+    const __m512i places = _mm512_load_si512(place), byte = _mm512_set1_epi32(0xFF00);
     const __m512i one = _mm512_set1_epi32(0x3F800000);
-    for (int n = 0; n < TILE_N; n += 2) {
-        const __m512i codes = _mm512_loadu_si512(src + 32 * n); /* outputs n and n + 1 */
-        __m512 f[4];
-        for (int h = 0; h < 4; h++) {
-            const __m512i at = _mm512_add_epi8(place, _mm512_set1_epi8((char)(16 * h)));
-            f[h] = _mm512_castsi512_ps(_mm512_or_si512(_mm512_maskz_permutexvar_epi8(byte1, at, codes), one));
-        }
-        for (int o = 0; o < 2; o++) {
-            const __m512 D = _mm512_set1_ps(dc[n + o]), C = _mm512_set1_ps(dc[16 + n + o]);
-            const __m512 lo = _mm512_fmadd_ps(D, f[2 * o], C), hi = _mm512_fmadd_ps(D, f[2 * o + 1], C);
-            _mm512_store_si512(dst + 32 * (n + o), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-        }
+    for (int n = 0; n < TILE_N; n++) {
+        const __m512 D = _mm512_set1_ps(dc[n]), C = _mm512_set1_ps(dc[16 + n]);
+        const __m512i lo = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(src + 32 * n)));
+        const __m512i hi = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(src + 32 * n + 16)));
+        const __m512i v1 = _mm512_ternarylogic_epi32(_mm512_shuffle_epi8(lo, places), byte, one, 0xEA); /* & | */
+        const __m512i v2 = _mm512_ternarylogic_epi32(_mm512_shuffle_epi8(hi, places), byte, one, 0xEA);
+        const __m512 w1 = _mm512_fmadd_ps(D, _mm512_castsi512_ps(v1), C), w2 = _mm512_fmadd_ps(D, _mm512_castsi512_ps(v2), C);
+        _mm512_store_si512(dst + 32 * n, (__m512i)_mm512_cvtne2ps_pbh(w2, w1));
     }
 }
 
