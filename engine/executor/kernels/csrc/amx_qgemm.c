@@ -239,7 +239,7 @@ static void qrows_times_item(uint16_t *out, int64_t ldo, const uint16_t *rows, c
 
 /* This thread's share of out [M, N] = x [M, K] W^T (+ bias) for M <= QROWS, W in quantized tiles, called by
  * every thread of an OpenMP region that has configured its tiles, no barrier after it. `scratch`:
- * amx_scratch_bytes(M, K), this thread's (room for the rows as B tiles: 2 KB per 32 k of each 16 rows, as for
+ * amx_scratch_bytes(M, K), this thread's (room for the rows as B tiles: 1 KB per 32 k of each 16 rows, as for
  * amx_gemm.c's zero-padded A tiles). Returns 0, -1 where it is NULL. */
 static int amx_qgemm_share(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx, const uint8_t *q,
                            int offsets, const uint16_t *bias, int64_t M, int64_t N, int64_t K, void *scratch) {
