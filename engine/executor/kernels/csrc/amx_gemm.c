@@ -476,7 +476,8 @@ static int amx_gemm_share(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t
         const int64_t items = (N + GROUP_N - 1) / GROUP_N * GROUP_N / width;
         int64_t lda = 0;
         const uint16_t *a = scratch || M == TILE_ROWS ? rows_tiles(x, ldx, M, TILE_ROWS, K, scratch, &lda) : NULL;
-#pragma omp for schedule(static) nowait
+        /* guided, as amx_qgemm.c's items */
+#pragma omp for schedule(guided) nowait
         for (int64_t i = 0; i < items; i++) {
             if (a)
                 rows16_times_item(out, ldo, a, lda, packed, bias, M, N, K, i, width);

@@ -248,7 +248,11 @@ static int amx_qgemm_share(uint16_t *out, int64_t ldo, const uint16_t *x, int64_
     const int64_t items = (N + GROUP_N - 1) / GROUP_N * GROUP_N / width;
     if (scratch) rows_as_b_tiles(scratch, x, ldx, M, K, M <= TILE_ROWS ? 1 : 2);
     int failed = 0;
-#pragma omp for schedule(static) nowait
+    /* guided: each thread a long run of items first, the rest in ever smaller runs to whichever is free, so a
+     * core slowed by another tenant does not hold the others at the barrier (the static split's threads were
+     * busy 0.6:1 at times on the 2-core VM: docs/BENCHMARKS.md, session 29); an item is whole outputs, so its
+     * bits do not depend on the thread */
+#pragma omp for schedule(guided) nowait
     for (int64_t i = 0; i < items; i++) {
         if (scratch)
             qrows_times_item(out, ldo, scratch, q, offsets, bias, M, N, K, i, width);
