@@ -9,7 +9,8 @@
  *   up to 16 rows:  per group of 64 outputs (split over the OpenMP threads; halves of 32 where the groups
  *                   would not share out evenly):
  *                       C0..C3 (16 rows x 4 x 16 outputs) += A(16 x 32) B0..B3   for each 32 k in order
- *   more rows:      the threads split the pairs of 32 outputs (or, from 512 rows a thread, the rows);
+ *   more rows:      the threads split the pairs of 32 outputs (or, from 512 rows a thread, the rows,
+ *                   MACRO_ROWS at a time to whichever thread is free);
  *                   each takes MACRO_ROWS rows at a time, then per pair of B tiles, per chunk of at most
  *                   K_CHUNK k-blocks, for each block of 32 rows: C0..C3 += A0,A1 x B0,B1
  *   y = round_to_bfloat16(C + b)
@@ -446,19 +447,28 @@ static int pairs_share(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ld
                        const uint16_t *bias, int64_t M, int64_t N, int64_t K, void *scratch, int64_t up) {
     const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t pairs = up ? up : (N + PAIR_N - 1) / PAIR_N, blocks = (M + BIG_ROWS - 1) / BIG_ROWS;
-    int64_t m0 = 0, m1 = M, p0 = 0, p1 = pairs;
-    if (blocks >= SPLIT_ROWS * threads) {
-        m0 = blocks * t / threads * BIG_ROWS;
-        m1 = blocks * (t + 1) / threads * BIG_ROWS < M ? blocks * (t + 1) / threads * BIG_ROWS : M;
-    } else {
-        p0 = pairs * t / threads;
-        p1 = pairs * (t + 1) / threads;
-    }
-    if (m0 >= m1 || p0 >= p1) return 0;
-    if (scratch == NULL) return -1;
     /* a large output goes to memory past the caches, where whole cache lines (no read for ownership) */
     const int stream = M * N * 2 >= STREAM_BYTES && (ldo * 2) % 64 == 0 && (uintptr_t)out % 64 == 0;
-    rows_times_pairs(out, ldo, x, ldx, packed, bias, m0, m1, p0, p1, N, K, scratch, stream, up);
+    if (blocks >= SPLIT_ROWS * threads) {
+        /* the rows, MACRO_ROWS at a time to whichever thread is free (as amx_qgemm.c's items: a core slowed by
+         * another tenant does not hold the others at the barrier); each reads all of W per MACRO_ROWS rows
+         * either way */
+        const int64_t units = (M + MACRO_ROWS - 1) / MACRO_ROWS;
+        int failed = 0;
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t u = 0; u < units; u++) {
+            const int64_t m0 = u * MACRO_ROWS, m1 = m0 + MACRO_ROWS < M ? m0 + MACRO_ROWS : M;
+            if (scratch)
+                rows_times_pairs(out, ldo, x, ldx, packed, bias, m0, m1, 0, pairs, N, K, scratch, stream, up);
+            else
+                failed = 1;
+        }
+        return failed ? -1 : 0;
+    }
+    const int64_t p0 = pairs * t / threads, p1 = pairs * (t + 1) / threads;
+    if (p0 >= p1) return 0;
+    if (scratch == NULL) return -1;
+    rows_times_pairs(out, ldo, x, ldx, packed, bias, 0, M, p0, p1, N, K, scratch, stream, up);
     return 0;
 }
 
