@@ -1,7 +1,8 @@
 """The CPU's C kernels of another commit against this checkout's, interleaved in one process, so that a noisy
 machine's slow minutes hit both sides alike: the fused ops (csrc/cpu_ops.c), decode attention
-(engine/executor/attention/csrc/paged_decode.c) and, in bfloat16 on a CPU with AMX, the matmuls (csrc/amx_gemm.c,
-and csrc/amx_qgemm.c over 4-bit blocks for decode-sized calls).
+(engine/executor/attention/csrc/paged_decode.c) and the matmuls: in float32 the small-batch kernel's
+(csrc/small_gemm.c), in bfloat16 on a CPU with AMX csrc/amx_gemm.c's, and csrc/amx_qgemm.c's over 4-bit blocks for
+decode-sized calls.
 
     python -m bench.kernel_ab --before f4cf4a7 [--rows 16 2048] [--rounds 15] [--dtype bfloat16]
 
@@ -37,11 +38,12 @@ import torch
 from engine.cpu.native_build import BuildOnce, KernelUnavailable
 from engine.executor.attention import cpu_kernel
 from engine.executor.attention.cpu_kernel import PagedDecodeKernel
-from engine.executor.kernels import amx_gemm, amx_qgemm, cpu_ops
+from engine.executor.kernels import amx_gemm, amx_qgemm, cpu_ops, small_gemm
 from engine.executor.kernels.amx_gemm import AmxGemm
 from engine.executor.kernels.amx_qgemm import AmxQGemm
 from engine.executor.kernels.block_codes import BlockCodes
 from engine.executor.kernels.cpu_ops import CpuOps
+from engine.executor.kernels.small_gemm import SmallGemm
 
 KERNELS = "engine/executor/kernels/csrc"
 ATTENTION = "engine/executor/attention/csrc"
@@ -118,6 +120,25 @@ def matmul_case(gemm: AmxGemm, rows: int, layers: int) -> Callable[[], torch.Ten
             for n, k, packed in layer:
                 last = gemm.linear(inputs[k], packed, n, None)
         return last  # the bits compared: the last projection's
+
+    return run
+
+
+def f32_matmul_case(gemm: SmallGemm, rows: int, layers: int) -> Callable[[], torch.Tensor]:
+    """The four projections of ``layers`` layers on ``rows`` rows in float32 (the small-batch kernel's
+    panels), each layer its own weights."""
+    gen = torch.Generator().manual_seed(rows)
+    weights = [
+        [(n, k, gemm.pack(torch.randn(n, k, generator=gen) * 0.05)) for n, k in SHAPES] for _ in range(layers)
+    ]
+    inputs = {k: torch.randn(rows, k, generator=gen) for _, k in SHAPES}
+
+    def run() -> torch.Tensor:
+        last = torch.empty(0)
+        for layer in weights:
+            for n, k, packed in layer:
+                last = gemm.linear(inputs[k], packed, n, None)
+        return last
 
     return run
 
@@ -289,6 +310,15 @@ def main(argv: list[str] | None = None) -> int:
             "after": cpu_kernel.load(),
         }
         gemms: dict[str, AmxGemm] = {}
+        smalls: dict[str, SmallGemm] = {}
+        if dtype == torch.float32:
+            try:
+                smalls = {
+                    "before": BuildOnce(before / "small_gemm.c", SmallGemm)(),
+                    "after": small_gemm.load(),
+                }
+            except KernelUnavailable as e:
+                print(f"no small-batch matmul here ({e}): the fused ops and attention only")
         qgemms: dict[str, AmxQGemm] = {}
         packs = {"before": checkout_pack(args.before, Path(tmp)), "after": amx_qgemm.pack}
         if dtype == torch.bfloat16:
@@ -308,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
                 cases[side][name] = prefill_attention_case(kernel, rows, args.layers, args.prompt_len, dtype)
             for side, gemm in gemms.items():
                 cases[side][f"{args.layers} layers' matmuls"] = matmul_case(gemm, rows, args.layers)
+            for side, small in smalls.items():
+                cases[side][f"{args.layers} layers' matmuls"] = f32_matmul_case(small, rows, args.layers)
             for side, gemm in gemms.items() if rows > amx_qgemm.MAX_ROWS else ():
                 name = f"{args.layers} layers' SwiGLU gate"
                 cases[side][name] = gated_mlp_case(gemm, ops[side], rows, args.layers)

@@ -116,7 +116,7 @@ static void gemm_shared(float *out, int64_t ldo, const float *x, int64_t ldx, co
                         int64_t K) {
     const int64_t panels = (N + PANEL - 1) / PANEL;
     if (qpacked != NULL && M <= ROWS) {
-#pragma omp for schedule(static)
+#pragma omp for schedule(guided)
         for (int64_t p = 0; p < panels; p++)
             rows_times_qpanel(out, ldo, x, ldx, qpacked, (int)offsets, bias, M, N, K, p, NULL);
     } else {
@@ -126,7 +126,7 @@ static void gemm_shared(float *out, int64_t ldo, const float *x, int64_t ldx, co
             return;
         }
 #endif
-#pragma omp for schedule(static)
+#pragma omp for schedule(guided)
         for (int64_t p = 0; p < panels; p++) rows_times_panel(out, ldo, x, ldx, packed, bias, M, N, K, p);
     }
 }

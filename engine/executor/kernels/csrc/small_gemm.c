@@ -371,7 +371,7 @@ static void wide_shared(float *out, int64_t ldo, const float *x, int64_t ldx, co
     const int64_t blocks = (M + WIDE_ROWS - 1) / WIDE_ROWS;
     float *xp = kept_alloc(&wide_scratch, sizeof(float) * (size_t)(blocks * WIDE_ROWS * K));
     if (xp != NULL) pack_wide(xp, x, ldx, M, K);
-#pragma omp for schedule(static)
+#pragma omp for schedule(guided) /* as amx_qgemm.c's items: a slowed core does not hold the others */
     for (int64_t q = 0; q < tuples; q++) {
         for (int64_t j = WIDE_PANELS * q; xp == NULL && j < WIDE_PANELS * (q + 1) && j < panels; j++)
             rows_times_panel(out, ldo, x, ldx, packed, bias, M, N, K, j); /* no scratch on this thread */
@@ -392,7 +392,7 @@ void cbserve_small_gemm(float *out, int64_t ldo, const float *x, int64_t ldx, co
         return;
     }
 #endif
-#pragma omp parallel for schedule(static) if (panels > 1 && M * N * K >= (1 << 18))
+#pragma omp parallel for schedule(guided) if (panels > 1 && M * N * K >= (1 << 18))
     for (int64_t p = 0; p < panels; p++) rows_times_panel(out, ldo, x, ldx, packed, bias, M, N, K, p);
 }
 
@@ -547,7 +547,7 @@ int cbserve_small_gemm_q(float *out, int64_t ldo, const float *x, int64_t ldx, c
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static)
+#pragma omp for schedule(guided)
         for (int64_t p = 0; p < panels; p++)
             if (M <= ROWS || scratch != NULL)
                 rows_times_qpanel(out, ldo, x, ldx, qpacked, offsets, bias, M, N, K, p, scratch);
