@@ -287,6 +287,25 @@ def compare(cases: dict[str, dict[str, Callable[[], torch.Tensor]]], rounds: int
         print(f"{name:22s} " + " | ".join(cells) + f" | {'same bits' if same else 'BITS DIFFER'}", flush=True)
 
 
+def matmul_sides(
+    before: Path, dtype: torch.dtype
+) -> tuple[dict[str, SmallGemm], dict[str, AmxGemm], dict[str, AmxQGemm]]:
+    """Both sides' matmul kernels for ``dtype``: the small-batch kernel's (float32), or the AMX kernels
+    (bfloat16); none where they cannot be built here (said so)."""
+    smalls: dict[str, SmallGemm] = {}
+    gemms: dict[str, AmxGemm] = {}
+    qgemms: dict[str, AmxQGemm] = {}
+    try:
+        if dtype == torch.float32:
+            smalls = {"before": BuildOnce(before / "small_gemm.c", SmallGemm)(), "after": small_gemm.load()}
+        else:
+            gemms = {"before": BuildOnce(before / "amx_gemm.c", AmxGemm)(), "after": amx_gemm.load()}
+            qgemms = {"before": BuildOnce(before / "amx_qgemm.c", AmxQGemm)(), "after": amx_qgemm.load()}
+    except KernelUnavailable as e:
+        print(f"no {dtype} matmul here ({e}): the fused ops and attention only")
+    return smalls, gemms, qgemms
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", required=True, help="the commit whose kernels are the before side")
@@ -309,24 +328,8 @@ def main(argv: list[str] | None = None) -> int:
             "before": BuildOnce(Path(tmp) / ATTENTION / cpu_kernel.SOURCE.name, PagedDecodeKernel)(),
             "after": cpu_kernel.load(),
         }
-        gemms: dict[str, AmxGemm] = {}
-        smalls: dict[str, SmallGemm] = {}
-        if dtype == torch.float32:
-            try:
-                smalls = {
-                    "before": BuildOnce(before / "small_gemm.c", SmallGemm)(),
-                    "after": small_gemm.load(),
-                }
-            except KernelUnavailable as e:
-                print(f"no small-batch matmul here ({e}): the fused ops and attention only")
-        qgemms: dict[str, AmxQGemm] = {}
+        smalls, gemms, qgemms = matmul_sides(before, dtype)
         packs = {"before": checkout_pack(args.before, Path(tmp)), "after": amx_qgemm.pack}
-        if dtype == torch.bfloat16:
-            try:
-                gemms = {"before": BuildOnce(before / "amx_gemm.c", AmxGemm)(), "after": amx_gemm.load()}
-                qgemms = {"before": BuildOnce(before / "amx_qgemm.c", AmxQGemm)(), "after": amx_qgemm.load()}
-            except KernelUnavailable as e:
-                print(f"no AMX matmul here ({e}): the fused ops and attention only")
         for rows in args.rows:
             print(f"rows {rows}, {args.dtype}, before {args.before}:")
             cases = {side: op_cases(o, rows, dtype) for side, o in ops.items()}
