@@ -12,7 +12,8 @@ SmolLM2-135M's gate and up halves, RMSNorm with the residual add, the rotary emb
 the four projections of ``--layers`` layers with weights of their own (so that, as in a forward, each call
 reads its weights from memory, not from a cache the previous call warmed) -- over bfloat16 tiles and, for
 up to 32 rows, over Q4_1 blocks expanded into the tiles as a decode step reads them, and the output head over
-Q8_0 blocks (each side packs the blocks with its own commit's ``amx_qgemm.pack``); for more, SwiGLU's gate and
+Q8_0 blocks (each side packs the blocks with its own commit's ``amx_qgemm.pack`` and binds its kernel with
+that commit's ``AmxQGemm``); for more, SwiGLU's gate and
 up projections and gate (one call where the side has ``AmxGemm.swiglu``) --, and the decode attention of
 ``--layers`` layers' caches (each row ``--context`` tokens, its pages scattered over the cache) for up to 64
 rows, the prefill attention of prompts of ``--prompt-len`` tokens (``rows`` tokens in all) for more. Prints each
@@ -32,6 +33,7 @@ import time
 from collections.abc import Callable
 from io import BytesIO
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -62,8 +64,9 @@ def checkout_kernels(rev: str, into: Path) -> Path:
     return into / KERNELS
 
 
-def checkout_pack(rev: str, into: Path) -> Callable[[BlockCodes], tuple[torch.Tensor, bool] | None]:
-    """``rev``'s ``amx_qgemm.pack``: the layout its kernel reads (imported from its source under ``into``)."""
+def checkout_qgemm(rev: str, into: Path) -> ModuleType:
+    """``rev``'s engine/executor/kernels/amx_qgemm.py (imported from its source under ``into``): its ``pack``
+    gives the layout its kernel reads, its ``AmxQGemm`` binds that kernel."""
     source = subprocess.run(
         ["git", "show", f"{rev}:engine/executor/kernels/amx_qgemm.py"], capture_output=True, check=True
     ).stdout
@@ -73,7 +76,7 @@ def checkout_pack(rev: str, into: Path) -> Callable[[BlockCodes], tuple[torch.Te
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.pack  # type: ignore[no-any-return]
+    return module
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -288,7 +291,7 @@ def compare(cases: dict[str, dict[str, Callable[[], torch.Tensor]]], rounds: int
 
 
 def matmul_sides(
-    before: Path, dtype: torch.dtype
+    before: Path, before_qgemm: ModuleType, dtype: torch.dtype
 ) -> tuple[dict[str, SmallGemm], dict[str, AmxGemm], dict[str, AmxQGemm]]:
     """Both sides' matmul kernels for ``dtype``: the small-batch kernel's (float32), or the AMX kernels
     (bfloat16); none where they cannot be built here (said so)."""
@@ -300,7 +303,8 @@ def matmul_sides(
             smalls = {"before": BuildOnce(before / "small_gemm.c", SmallGemm)(), "after": small_gemm.load()}
         else:
             gemms = {"before": BuildOnce(before / "amx_gemm.c", AmxGemm)(), "after": amx_gemm.load()}
-            qgemms = {"before": BuildOnce(before / "amx_qgemm.c", AmxQGemm)(), "after": amx_qgemm.load()}
+            before_q = BuildOnce(before / "amx_qgemm.c", before_qgemm.AmxQGemm)()
+            qgemms = {"before": before_q, "after": amx_qgemm.load()}
     except KernelUnavailable as e:
         print(f"no {dtype} matmul here ({e}): the fused ops and attention only")
     return smalls, gemms, qgemms
@@ -328,8 +332,9 @@ def main(argv: list[str] | None = None) -> int:
             "before": BuildOnce(Path(tmp) / ATTENTION / cpu_kernel.SOURCE.name, PagedDecodeKernel)(),
             "after": cpu_kernel.load(),
         }
-        smalls, gemms, qgemms = matmul_sides(before, dtype)
-        packs = {"before": checkout_pack(args.before, Path(tmp)), "after": amx_qgemm.pack}
+        before_qgemm = checkout_qgemm(args.before, Path(tmp))
+        smalls, gemms, qgemms = matmul_sides(before, before_qgemm, dtype)
+        packs = {"before": before_qgemm.pack, "after": amx_qgemm.pack}
         for rows in args.rows:
             print(f"rows {rows}, {args.dtype}, before {args.before}:")
             cases = {side: op_cases(o, rows, dtype) for side, o in ops.items()}
