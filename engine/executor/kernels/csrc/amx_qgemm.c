@@ -17,9 +17,9 @@
  *
  * The weights are the A tiles (an output a tile row of 32 k) and the rows the B tiles (rows_as_b_tiles), so
  * a C tile holds 16 outputs x 16 rows. Why: an output's row of 32 weights has one d and one m, so its 16
- * possible 4-bit weights are one FMA and the codes pick from them (expand_q4) -- half the float work of
- * computing every weight, and the tile unit's TDPBF16PS holds the float units while it runs, so float work
- * does not overlap it where permutes and stores do (measured: docs/BENCHMARKS.md, session 29). The products
+ * possible 4-bit weights are one FMA and the codes pick from them (expand_q4) -- half the multiply-adds of
+ * computing every weight, and beside a TDPBF16PS multiply-adds run at half speed where permutes, shuffles and
+ * stores overlap it (python -m bench.amx_overlap; docs/BENCHMARKS.md, session 29). The products
  * are amx_gemm.c's all the same: every output one chain of TDPBF16PS over k in order from zero (each step
  * the same two products of a weight and a row's value, whichever tile holds which), then the bias and one
  * rounding -- the bits of amx_gemm.c's kernel over the bfloat16 weights, whatever the rows around a row
