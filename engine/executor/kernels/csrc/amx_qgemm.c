@@ -36,6 +36,7 @@
  * not write where the tile unit still reads.
  */
 #include "amx_gemm.c"
+#include "transpose16.h"
 
 #define QROWS 32                                   /* rows a call takes at most: two A tiles */
 #define Q4_TILE_BYTES (TILE_K / 2 * TILE_N + 4 * TILE_N) /* 256 bytes of codes, 16 d and 16 m (float16) */
@@ -49,29 +50,6 @@ int cbserve_amx_qgemm_tile_bytes(int offsets) { return (int)qtile_bytes(offsets)
 #if HAVE_AMX && defined(__AVX512BF16__)
 #define HAVE_AMX_Q 1
 
-/* A 16 x 16 block of 32-bit lanes transposed in registers: v[i] lane j <- v[j] lane i */
-static inline void transpose_16x16(__m512i v[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4)
-        for (int j = 0; j < 2; j++) {
-            v[i + 2 * j] = _mm512_unpacklo_epi64(t[i + j], t[i + j + 2]);
-            v[i + 2 * j + 1] = _mm512_unpackhi_epi64(t[i + j], t[i + j + 2]);
-        }
-    for (int i = 0; i < 16; i += 8)
-        for (int j = 0; j < 4; j++) {
-            t[i + j] = _mm512_shuffle_i32x4(v[i + j], v[i + j + 4], 0x88);
-            t[i + j + 4] = _mm512_shuffle_i32x4(v[i + j], v[i + j + 4], 0xDD);
-        }
-    for (int j = 0; j < 8; j++) {
-        v[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
-        v[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xDD);
-    }
-}
-
 /* The rows as B tiles ("VNNI": a tile row p holds k-pair p of each of 16 rows), one per 16 rows and k-block:
  * tiles[g][kb] row p lane r = the 32 bits of x[16 g + r, 32 kb + 2p .. + 1]; rows from M on are zeros.
  * `groups` 1 (up to 16 rows) or 2. */
@@ -79,14 +57,14 @@ static void rows_as_b_tiles(uint16_t *tiles, const uint16_t *x, int64_t ldx, int
     const int64_t kblocks = K / TILE_K;
     for (int g = 0; g < groups; g++)
         for (int64_t kb = 0; kb < kblocks; kb++) {
-            __m512i v[16];
+            __m512 v[16]; /* a row's 16 k-pairs, as 32-bit lanes */
             for (int r = 0; r < 16; r++) {
                 const int64_t m = 16 * g + r;
-                v[r] = m < M ? _mm512_loadu_si512(x + m * ldx + kb * TILE_K) : _mm512_setzero_si512();
+                v[r] = m < M ? _mm512_loadu_ps(x + m * ldx + kb * TILE_K) : _mm512_setzero_ps();
             }
-            transpose_16x16(v);
+            transpose16(v);
             uint16_t *t = tiles + (g * kblocks + kb) * B_TILE;
-            for (int p = 0; p < 16; p++) _mm512_store_si512(t + 32 * p, v[p]);
+            for (int p = 0; p < 16; p++) _mm512_store_ps(t + 32 * p, v[p]);
         }
 }
 
@@ -150,11 +128,11 @@ static void store_transposed(uint16_t *out, int64_t ldo, const float *t, const u
     const __mmask16 keep = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
     __m512 b = _mm512_setzero_ps();
     if (bias) b = widen(_mm256_maskz_loadu_epi16(keep, bias + n0)); /* amx_gemm.c's bfloat16 -> float32 */
-    __m512i v[16];
-    for (int i = 0; i < 16; i++) v[i] = _mm512_load_si512(t + 16 * i);
-    transpose_16x16(v);
+    __m512 v[16];
+    for (int i = 0; i < 16; i++) v[i] = _mm512_load_ps(t + 16 * i);
+    transpose16(v);
     for (int64_t r = 0; r < rows; r++)
-        _mm256_mask_storeu_epi16(out + r * ldo + n0, keep, to_bf16_x16(_mm512_add_ps(_mm512_castsi512_ps(v[r]), b)));
+        _mm256_mask_storeu_epi16(out + r * ldo + n0, keep, to_bf16_x16(_mm512_add_ps(v[r], b)));
 }
 
 /* The C tiles (16 outputs x 16 rows each, float32) of `ntiles` consecutive 16-output tiles of weights at q
