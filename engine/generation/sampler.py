@@ -1,6 +1,7 @@
 """The engine's one call per step: processed logits -> one token per row (+ logprobs).
 
-Greedy rows (``do_sample`` off or temperature 0) take the argmax of their processed logits. Sampled rows
+Greedy rows (``do_sample`` off or temperature 0) take the argmax of their processed logits (on the CPU one C
+pass gives every row's maximum and argmax: engine/generation/row_argmax.py). Sampled rows
 draw by inverse CDF: one uniform ``u`` from the row's ``RequestRNG`` (a pure function of seed, sample
 index and token index), then the first token whose cumulative probability (vocabulary order, float64)
 exceeds ``u``. Nothing depends on the other rows of the batch, so a seeded request is reproducible.
@@ -12,12 +13,15 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.cpu.native_build import KernelUnavailable
 from engine.errors import UnsatisfiableOptionsError
 from engine.generation.grammar_mask import apply_grammar_masks, compute_grammar_masks
 from engine.generation.logprobs import compute_logprobs
 from engine.generation.mask_prefetch import MaskPrefetcher, PendingMasks
 from engine.generation.processors import apply_logits_processors, processes
 from engine.generation.rng import RequestRNG
+from engine.generation.row_argmax import RowArgmax
+from engine.generation.row_argmax import load as load_row_argmax
 from engine.generation.rows import SampledToken, SamplingRow
 from engine.generation.user_processors import (
     PROCESSOR_FAILED,
@@ -66,6 +70,16 @@ def argmax_rows(logits: torch.Tensor, block_max: torch.Tensor | None = None) -> 
     return start + logits.gather(1, columns).argmax(dim=1)  # [R]
 
 
+def row_maxima(logits: torch.Tensor, kernel: RowArgmax | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's maximum, ``[R]`` (NaN where the row holds a NaN, as ``amax``), and the first column that
+    holds it, ``[R]`` (``argmax``; meaningless for a row with a NaN): from ``kernel`` where it reads these
+    logits, else by ``block_maxima`` and ``argmax_rows``."""
+    if kernel is not None and kernel.takes(logits):
+        return kernel(logits)
+    block_max = block_maxima(logits)  # [R, blocks]
+    return block_max.amax(dim=1), argmax_rows(logits, block_max)
+
+
 class Sampler:
     """``sample(logits [R, V] float32, rows) -> list[SampledToken]``, one per row, in order.
 
@@ -89,6 +103,12 @@ class Sampler:
         self.eos_token_ids = tuple(eos_token_ids)
         self.logits_processors = tuple(logits_processors)
         self._masks = MaskPrefetcher(vocab_size, self.eos_token_ids)
+        self._row_argmax: RowArgmax | None = None
+        if self.device.type == "cpu":
+            try:
+                self._row_argmax = load_row_argmax()
+            except KernelUnavailable:  # the PyTorch path (row_maxima) instead
+                self._row_argmax = None
 
     def masks_ahead(self, rows: Sequence[SamplingRow]) -> PendingMasks:
         """Start the grammar masks of ``rows`` on a worker thread, for ``sample`` to collect
@@ -107,12 +127,11 @@ class Sampler:
         # NOTE: the model may pad its vocabulary past the tokenizer's; those columns can never be chosen.
         logits = logits[:, : self.vocab_size].float()  # [R, V]
         errors: list[str | None] = [None] * len(rows)
-        # NOTE: a row's maximum is NaN where any of its logits is (amax propagates NaN) and +inf where any is:
-        # the block maxima that the greedy argmax reads (one vectorised pass) tell the broken rows too. -inf
-        # is a token the model rules out (DoLa's contrast does: engine/executor/dola.py); a row of them only
-        # is caught below with the other rows that leave no token.
-        block_max = block_maxima(logits)  # [R, blocks]
-        row_max = block_max.amax(dim=1)  # [R]
+        # NOTE: a row's maximum is NaN where any of its logits is and +inf where any is: the pass that finds
+        # the greedy argmax tells the broken rows too. -inf is a token the model rules out (DoLa's contrast
+        # does: engine/executor/dola.py); a row of them only is caught below with the other rows that leave
+        # no token.
+        row_max, first = row_maxima(logits, self._row_argmax)  # [R], [R]
         bad = (torch.isnan(row_max) | (row_max == float("inf"))).tolist()
         for i, is_bad in enumerate(bad):
             if is_bad:
@@ -120,11 +139,12 @@ class Sampler:
         codes: list[str | None] = [None] * len(rows)
         processed = self._processed(logits, rows, masks, bad, errors, codes)
         if processed is not None:
-            logits, block_max = processed, block_maxima(processed)  # [R, blocks], of the processed logits
+            logits = processed
+            row_max, first = row_maxima(processed, self._row_argmax)  # [R], [R], of the processed logits
 
         # Every token masked (max -inf), or a penalty that pushed a logit to +inf or NaN: the request's
         # options did it.
-        dead = (~torch.isfinite(block_max.amax(dim=1))).tolist()
+        dead = (~torch.isfinite(row_max)).tolist()
         for i, is_dead in enumerate(dead):
             if is_dead and errors[i] is None:
                 errors[i] = (
@@ -133,7 +153,7 @@ class Sampler:
                 )
                 codes[i] = UnsatisfiableOptionsError.code
 
-        tokens = self._pick(logits, block_max, rows, errors)
+        tokens = self._pick(logits, first, rows, errors)
         logprobs = self._logprobs(logits, rows, errors, tokens)
         return [
             SampledToken(token_id=-1, error=errors[i], error_code=codes[i])
@@ -211,23 +231,19 @@ class Sampler:
     def _pick(
         self,
         logits: torch.Tensor,
-        block_max: torch.Tensor,
+        first: torch.Tensor,
         rows: Sequence[SamplingRow],
         errors: list[str | None],
     ) -> list[int]:
-        """The next token of every row without an error (-1 for the others): greedy rows by argmax in one
-        batch (``block_max``: the rows' ``block_maxima``), sampling rows by their own draws."""
+        """The next token of every row without an error (-1 for the others): greedy rows their argmax
+        (``first``, from ``row_maxima``), sampling rows by their own draws."""
         tokens = [-1] * len(rows)
         greedy = [i for i, r in enumerate(rows) if r.config.is_greedy and errors[i] is None]
         sampled = [i for i, r in enumerate(rows) if not r.config.is_greedy and errors[i] is None]
         if greedy:
-            if len(greedy) < len(rows):
-                picked = torch.tensor(greedy, dtype=torch.int64, device=logits.device)
-                greedy_logits, greedy_max = logits.index_select(0, picked), block_max.index_select(0, picked)
-            else:
-                greedy_logits, greedy_max = logits, block_max
-            for i, t in zip(greedy, argmax_rows(greedy_logits, greedy_max).tolist(), strict=True):
-                tokens[i] = int(t)
+            argmax = first.tolist()
+            for i in greedy:
+                tokens[i] = int(argmax[i])
         if sampled:
             for i, t in zip(sampled, self._sample_rows(logits, rows, sampled), strict=True):
                 tokens[i] = t
