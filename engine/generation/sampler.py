@@ -86,7 +86,8 @@ class Sampler:
     ``eos_token_ids``: the model's EOS ids, used by min_new_tokens masking and bad_words filtering for
     rows that name none (``SamplingRow.eos_token_ids`` or ``config.eos_token_id``).
     ``logits_processors``: the server's processors, by name (engine/generation/user_processors.py), for
-    the rows whose config has ``logits_processor_args``.
+    the rows whose config has ``logits_processor_args``. ``row_argmax``: on the CPU, each row's maximum and
+    argmax from the C pass where it builds (off: the PyTorch path, for comparisons).
     """
 
     def __init__(
@@ -95,6 +96,7 @@ class Sampler:
         device: torch.device | str = "cpu",
         eos_token_ids: Sequence[int] = (),
         logits_processors: Sequence[tuple[str, BatchedLogitsProcessor]] = (),
+        row_argmax: bool = True,
     ) -> None:
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
@@ -104,11 +106,16 @@ class Sampler:
         self.logits_processors = tuple(logits_processors)
         self._masks = MaskPrefetcher(vocab_size, self.eos_token_ids)
         self._row_argmax: RowArgmax | None = None
-        if self.device.type == "cpu":
+        if row_argmax and self.device.type == "cpu":
             try:
                 self._row_argmax = load_row_argmax()
             except KernelUnavailable:  # the PyTorch path (row_maxima) instead
                 self._row_argmax = None
+
+    @property
+    def has_row_argmax(self) -> bool:
+        """Whether this sampler's rows take the C pass (``row_argmax`` asked for, a CPU, a kernel built)."""
+        return self._row_argmax is not None
 
     def masks_ahead(self, rows: Sequence[SamplingRow]) -> PendingMasks:
         """Start the grammar masks of ``rows`` on a worker thread, for ``sample`` to collect

@@ -101,10 +101,10 @@ def test_the_sampler_picks_the_same_tokens_with_the_kernel_as_without(kernel: Ro
     sampled = GenerationConfig(do_sample=True, temperature=0.8, seed=11)
     configs = [greedy, sampled, greedy, greedy, sampled, greedy]
     rows = [SamplingRow(c, [1, 2, 3], [], RequestRNG(c.seed, i)) for i, c in enumerate(configs)]
-    with_kernel = Sampler(vocab).sample(logits.clone(), rows)
-    plain = Sampler(vocab)
-    plain._row_argmax = None
-    without = plain.sample(logits.clone(), rows)
+    fast = Sampler(vocab)
+    assert fast.has_row_argmax
+    with_kernel = fast.sample(logits.clone(), rows)
+    without = Sampler(vocab, row_argmax=False).sample(logits.clone(), rows)
     assert with_kernel == without
     assert with_kernel[2].error is not None and with_kernel[3].error is not None
     assert with_kernel[0].token_id == int(logits[0].argmax())
