@@ -12,8 +12,8 @@ SmolLM2-135M's gate and up halves, RMSNorm with the residual add, the rotary emb
 the four projections of ``--layers`` layers with weights of their own (so that, as in a forward, each call
 reads its weights from memory, not from a cache the previous call warmed) -- over bfloat16 tiles and, for
 up to 32 rows, over Q4_1 blocks expanded into the tiles as a decode step reads them, and the output head over
-Q8_0 blocks (each side packs the blocks with its own commit's ``amx_qgemm.pack`` and binds its kernel with
-that commit's ``AmxQGemm``); for more, SwiGLU's gate and
+Q8_0 blocks to float32 logits (each side packs the blocks with its own commit's ``amx_qgemm.pack`` and binds
+its kernel with that commit's ``AmxQGemm``); for more, SwiGLU's gate and
 up projections and gate (one call where the side has ``AmxGemm.swiglu``) --, and the decode attention of
 ``--layers`` layers' caches (each row ``--context`` tokens, its pages scattered over the cache) for up to 64
 rows, the prefill attention of prompts of ``--prompt-len`` tokens (``rows`` tokens in all) for more. Prints each
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import itertools
 import statistics
 import subprocess
@@ -205,14 +206,17 @@ def qmatmul_case(qgemm: AmxQGemm, pack: Pack, rows: int, layers: int) -> Callabl
 
 
 def head_case(qgemm: AmxQGemm, pack: Pack, rows: int) -> Callable[[], torch.Tensor]:
-    """SmolLM2-135M's output head (49,152 x 576) over Q8_0 blocks, on ``rows`` rows."""
+    """SmolLM2-135M's output head (49,152 x 576) over Q8_0 blocks, on ``rows`` rows, to float32 logits as the
+    model takes them: written as float32 by a kernel that can (``out_dtype``), else bfloat16 widened after."""
     gen = torch.Generator().manual_seed(rows)
     scales = torch.randint(1, 64, (VOCAB, HIDDEN // 32), generator=gen).float() * 2.0**-12
     codes = torch.randint(-128, 128, (VOCAB, HIDDEN), generator=gen, dtype=torch.int8)
     packed = pack(BlockCodes(codes, scales))
     assert packed is not None and not packed[1], "the AMX kernel takes these blocks"
     x = torch.randn(rows, HIDDEN, generator=gen).bfloat16()
-    return lambda: qgemm.linear(x, packed[0], False, VOCAB, None)
+    if "out_dtype" in inspect.signature(qgemm.linear).parameters:
+        return lambda: qgemm.linear(x, packed[0], False, VOCAB, None, out_dtype=torch.float32)
+    return lambda: qgemm.linear(x, packed[0], False, VOCAB, None).float()
 
 
 def attention_case(

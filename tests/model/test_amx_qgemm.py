@@ -74,6 +74,8 @@ def test_the_bits_of_the_bfloat16_tiles_within_rounding_of_float64(
         ours = qgemm.linear(x, packed[0], packed[1], n, b)
         assert_within_rounding(ours, x, w, b)
         assert torch.equal(ours, tiles.linear(x, tiles.pack(w), n, b)), m
+        widened = qgemm.linear(x, packed[0], packed[1], n, b, torch.float32)  # written as float32 by the kernel
+        assert widened.dtype == torch.float32 and torch.equal(widened, ours.float()), m
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -136,6 +138,8 @@ def test_refuses_what_it_cannot_compute(kernels: tuple[AmxQGemm, AmxGemm]) -> No
         qgemm.linear(torch.zeros(2, 96, dtype=torch.bfloat16), packed, four, 64, None)
     with pytest.raises(ValueError, match="does not fit"):
         qgemm.linear(torch.zeros(2, 64, dtype=torch.bfloat16), packed, not four, 64, None)
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        qgemm.linear(torch.zeros(2, 64, dtype=torch.bfloat16), packed, four, 64, None, torch.float16)
 
 
 # ------------------------------------------------------------------ the default model in bfloat16

@@ -119,7 +119,7 @@ class AmxQGemm:
             raise RuntimeError("amx_qgemm.c and amx_qgemm.py disagree on the packed layout")
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._gemm = lib.cbserve_amx_qgemm
-        self._gemm.argtypes = [ptr, i64, ptr, i64, ptr, ctypes.c_int, ptr, i64, i64, i64]
+        self._gemm.argtypes = [ptr, i64, ptr, i64, ptr, ctypes.c_int, ptr, i64, i64, i64, ctypes.c_int]
         self._gemm.restype = ctypes.c_int
 
     def linear(
@@ -129,8 +129,11 @@ class AmxQGemm:
         four_bit: bool,
         out_features: int,
         bias: torch.Tensor | None,
+        out_dtype: torch.dtype = torch.bfloat16,
     ) -> torch.Tensor:
-        """``x W^T + b`` for ``x`` ``[..., K]`` bfloat16 of at most ``MAX_ROWS`` rows, ``packed`` from ``pack``."""
+        """``x W^T + b`` for ``x`` ``[..., K]`` bfloat16 of at most ``MAX_ROWS`` rows, ``packed`` from ``pack``;
+        ``out_dtype`` float32: the same bfloat16 values widened, written so by the kernel (an output head's
+        logits, which the sampler reads as float32, without a second pass)."""
         rows = x.reshape(-1, x.shape[-1])
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
@@ -143,10 +146,12 @@ class AmxQGemm:
             raise ValueError(f"packed weight {tuple(packed.shape)} does not fit x {tuple(x.shape)}")
         if bias is not None and (bias.shape != (out_features,) or bias.dtype != torch.bfloat16):
             raise ValueError(f"bias {bias.dtype} {tuple(bias.shape)} for {out_features} bfloat16 outputs")
-        out = torch.empty(m, out_features, dtype=torch.bfloat16)
+        if out_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"the outputs are bfloat16 or float32, not {out_dtype}")
+        out = torch.empty(m, out_features, dtype=out_dtype)
         b = None if bias is None else bias.contiguous().data_ptr()
         args = (rows.data_ptr(), rows.stride(0), packed.data_ptr(), int(four_bit), b, m, out_features, k)
-        if m and self._gemm(out.data_ptr(), out_features, *args):
+        if m and self._gemm(out.data_ptr(), out_features, *args, int(out_dtype == torch.float32)):
             raise MemoryError("AMX matmul: out of memory for a scratch block")
         return out.view(*x.shape[:-1], out_features)
 

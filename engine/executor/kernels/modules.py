@@ -174,6 +174,15 @@ class QuantAmxLinear(_BlocksInFront[AmxLinear]):
             return self.qgemm.linear(x, self.qtiles, self.four_bit, self.out_features, self.bias)
         return self.rest(x)
 
+    def forward_float(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward(x).float()``, written as float32 by the kernel where it takes the rows: an output head's
+        logits without a second pass over them (``DecoderOnlyLM.compute_logits``)."""
+        if x.numel() <= amx_qgemm.MAX_ROWS * self.in_features:
+            return self.qgemm.linear(
+                x, self.qtiles, self.four_bit, self.out_features, self.bias, torch.float32
+            )
+        return self.rest(x).float()
+
 
 class FusedRMSNorm(RMSNorm):
     """``RMSNorm`` of rows in one C call, and ``add_and_norm`` with the residual updated in place. Per-head

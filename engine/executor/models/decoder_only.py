@@ -90,7 +90,11 @@ class DecoderOnlyLM(nn.Module):
         return h
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.transform_logits(self.lm_head(h).float())  # [num_logits, vocab]
+        # NOTE: a head that writes its outputs as float32 itself (the AMX kernel over a GGUF's blocks:
+        # engine/executor/kernels/modules.py) saves the pass that widens them
+        forward_float = getattr(self.lm_head, "forward_float", None)
+        logits = forward_float(h) if forward_float is not None else self.lm_head(h).float()
+        return self.transform_logits(logits)  # [num_logits, vocab]
 
     def transform_logits(self, logits: torch.Tensor) -> torch.Tensor:
         return logits

@@ -122,17 +122,23 @@ static inline void expand(uint16_t *dst, const uint8_t *src, int offsets) {
 }
 
 /* out[r, n0 + i] = round(t[i][r] + bias[n0 + i]) for outputs i < n and rows r < rows: a C tile (16 outputs x 16
- * rows, float32, stored at t) rounded out as amx_gemm.c's store_rows rounds */
-static void store_transposed(uint16_t *out, int64_t ldo, const float *t, const uint16_t *bias, int64_t n0, int64_t n,
-                             int64_t rows) {
+ * rows, float32, stored at t) rounded out as amx_gemm.c's store_rows rounds; with `out_f32` the rounded values
+ * stored widened to float32 (out a float array: a step's logits, which the sampler reads as float32) */
+static void store_transposed(void *out, int64_t ldo, const float *t, const uint16_t *bias, int64_t n0, int64_t n,
+                             int64_t rows, int out_f32) {
     const __mmask16 keep = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
     __m512 b = _mm512_setzero_ps();
     if (bias) b = widen(_mm256_maskz_loadu_epi16(keep, bias + n0)); /* amx_gemm.c's bfloat16 -> float32 */
     __m512 v[16];
     for (int i = 0; i < 16; i++) v[i] = _mm512_load_ps(t + 16 * i);
     transpose16(v);
-    for (int64_t r = 0; r < rows; r++)
-        _mm256_mask_storeu_epi16(out + r * ldo + n0, keep, to_bf16_x16(_mm512_add_ps(v[r], b)));
+    for (int64_t r = 0; r < rows; r++) {
+        const __m256i rounded = to_bf16_x16(_mm512_add_ps(v[r], b));
+        if (out_f32)
+            _mm512_mask_storeu_ps((float *)out + r * ldo + n0, keep, widen(rounded));
+        else
+            _mm256_mask_storeu_epi16((uint16_t *)out + r * ldo + n0, keep, rounded);
+    }
 }
 
 /* The C tiles (16 outputs x 16 rows each, float32) of `ntiles` consecutive 16-output tiles of weights at q
@@ -191,8 +197,9 @@ static inline __attribute__((always_inline)) void qtiles_times(float *t, const u
 }
 
 /* outputs [i * width, i * width + width) of the M <= 32 rows, given as B tiles (rows_as_b_tiles) */
-static void qrows_times_item(uint16_t *out, int64_t ldo, const uint16_t *rows, const uint8_t *q, int offsets,
-                             const uint16_t *bias, int64_t M, int64_t N, int64_t K, int64_t i, int64_t width) {
+static void qrows_times_item(void *out, int64_t ldo, const uint16_t *rows, const uint8_t *q, int offsets,
+                             const uint16_t *bias, int64_t M, int64_t N, int64_t K, int64_t i, int64_t width,
+                             int out_f32) {
     const int64_t kblocks = K / TILE_K, n0 = i * width;
     if (n0 >= N) return; /* the zero outputs past N of the last group */
     float t[4 * 256] __attribute__((aligned(64)));
@@ -209,9 +216,10 @@ static void qrows_times_item(uint16_t *out, int64_t ldo, const uint16_t *rows, c
     for (int j = 0; j < tiles; j++) {
         const int64_t group = M > TILE_ROWS && j >= 2, first = n0 + TILE_N * (M > TILE_ROWS ? j & 1 : j);
         const int64_t rows_left = M - TILE_ROWS * group;
+        const int64_t offset = group * TILE_ROWS * ldo * (out_f32 ? 4 : 2); /* bytes to the row group */
         if (first < N)
-            store_transposed(out + group * TILE_ROWS * ldo, ldo, t + 256 * j, bias, first, N - first,
-                             rows_left < TILE_ROWS ? rows_left : TILE_ROWS);
+            store_transposed((char *)out + offset, ldo, t + 256 * j, bias, first, N - first,
+                             rows_left < TILE_ROWS ? rows_left : TILE_ROWS, out_f32);
     }
 }
 
@@ -219,8 +227,9 @@ static void qrows_times_item(uint16_t *out, int64_t ldo, const uint16_t *rows, c
  * every thread of an OpenMP region that has configured its tiles, no barrier after it. `scratch`:
  * amx_scratch_bytes(M, K), this thread's (room for the rows as B tiles: 1 KB per 32 k of each 16 rows, as for
  * amx_gemm.c's zero-padded A tiles). Returns 0, -1 where it is NULL. */
-static int amx_qgemm_share(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx, const uint8_t *q,
-                           int offsets, const uint16_t *bias, int64_t M, int64_t N, int64_t K, void *scratch) {
+static int amx_qgemm_share(void *out, int64_t ldo, const uint16_t *x, int64_t ldx, const uint8_t *q,
+                           int offsets, const uint16_t *bias, int64_t M, int64_t N, int64_t K, void *scratch,
+                           int out_f32) {
     const int64_t threads = omp_get_num_threads();
     const int64_t width = M <= TILE_ROWS ? rows16_item_outputs(N, threads) : PAIR_N;
     const int64_t items = (N + GROUP_N - 1) / GROUP_N * GROUP_N / width;
@@ -233,7 +242,7 @@ static int amx_qgemm_share(uint16_t *out, int64_t ldo, const uint16_t *x, int64_
 #pragma omp for schedule(guided) nowait
     for (int64_t i = 0; i < items; i++) {
         if (scratch)
-            qrows_times_item(out, ldo, scratch, q, offsets, bias, M, N, K, i, width);
+            qrows_times_item(out, ldo, scratch, q, offsets, bias, M, N, K, i, width, out_f32);
         else
             failed = 1;
     }
@@ -243,10 +252,11 @@ static int amx_qgemm_share(uint16_t *out, int64_t ldo, const uint16_t *x, int64_
 int cbserve_amx_qgemm_available(void) { return amx_permitted(); }
 
 /* out [M, N] bfloat16 (row stride ldo) = x [M, K] bfloat16 (row stride ldx) W^T (+ bias [N]), W in quantized
- * tiles (`offsets` 1: 4-bit tiles, 0: 8-bit); M <= QROWS. Returns 0, -1 when a scratch block cannot be
- * allocated, -2 for more than QROWS rows. */
-int cbserve_amx_qgemm(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx, const uint8_t *q, int offsets,
-                      const uint16_t *bias, int64_t M, int64_t N, int64_t K) {
+ * tiles (`offsets` 1: 4-bit tiles, 0: 8-bit); M <= QROWS. With `out_f32`, out is float32: the same bfloat16
+ * values widened (an output head's logits, without a second pass to widen them). Returns 0, -1 when a scratch
+ * block cannot be allocated, -2 for more than QROWS rows. */
+int cbserve_amx_qgemm(void *out, int64_t ldo, const uint16_t *x, int64_t ldx, const uint8_t *q, int offsets,
+                      const uint16_t *bias, int64_t M, int64_t N, int64_t K, int out_f32) {
     if (M > QROWS) return -2;
     const int one_group = M <= TILE_ROWS && N <= GROUP_N;
     int failed = 0;
@@ -254,7 +264,7 @@ int cbserve_amx_qgemm(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx
     {
         void *scratch = kept_alloc(&thread_scratch, amx_scratch_bytes(M, K));
         configure_tiles();
-        failed = amx_qgemm_share(out, ldo, x, ldx, q, offsets, bias, M, N, K, scratch) != 0;
+        failed = amx_qgemm_share(out, ldo, x, ldx, q, offsets, bias, M, N, K, scratch, out_f32) != 0;
         _tile_release();
     }
     return failed ? -1 : 0;
@@ -263,9 +273,10 @@ int cbserve_amx_qgemm(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx
 #define HAVE_AMX_Q 0
 int cbserve_amx_qgemm_available(void) { return 0; }
 
-int cbserve_amx_qgemm(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx, const uint8_t *q, int offsets,
-                      const uint16_t *bias, int64_t M, int64_t N, int64_t K) {
+int cbserve_amx_qgemm(void *out, int64_t ldo, const uint16_t *x, int64_t ldx, const uint8_t *q, int offsets,
+                      const uint16_t *bias, int64_t M, int64_t N, int64_t K, int out_f32) {
     (void)out, (void)ldo, (void)x, (void)ldx, (void)q, (void)offsets, (void)bias, (void)M, (void)N, (void)K;
+    (void)out_f32;
     return -1;
 }
 #endif

@@ -222,7 +222,7 @@ static inline void rotate(const step *st, void *x, const void *c, const void *s,
 static void amx_q_shared(uint16_t *out, const uint16_t *x, const uint8_t *q, int offsets, const uint16_t *bias,
                          int64_t Mp, int64_t N, int64_t K, uint16_t *scratch) {
 #if HAVE_AMX_Q
-    (void)amx_qgemm_share(out, N, x, K, q, offsets, bias, Mp, N, K, scratch); /* the scratch is there: allocate() */
+    (void)amx_qgemm_share(out, N, x, K, q, offsets, bias, Mp, N, K, scratch, 0); /* the scratch is there: allocate() */
 #pragma omp barrier
 #else
     (void)out, (void)x, (void)q, (void)offsets, (void)bias, (void)Mp, (void)N, (void)K, (void)scratch;
