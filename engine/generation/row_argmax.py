@@ -3,7 +3,8 @@ sampler's greedy pick and its checks for NaN and infinite rows, on CPU float32 l
 
 Why: ``torch.argmax`` on the CPU tracks its index a lane at a time (~1 ms for 16 rows of SmolLM2's 49,152
 logits on the benchmark machine); the sampler's blocked ``amax`` + ``argmax`` in PyTorch took 0.35-0.6 ms a
-step of 16 rows; this takes a few tens of microseconds (docs/BENCHMARKS.md). The results are those of
+step of 16 rows; this pass takes ~0.1 ms for them, ~20 us for one row (``python -m bench.sampler``;
+docs/BENCHMARKS.md). The results are those of
 ``logits.amax(dim=1)`` (NaN where a row has one) and ``logits.argmax(dim=1)`` (the first maximum; -1 for a
 row with a NaN), bit for bit.
 

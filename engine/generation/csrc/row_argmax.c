@@ -5,7 +5,7 @@
  *   first[r]  = min { j : x[r, j] == maxima[r] }  (-0.0 == +0.0, as torch.argmax compares); -1 with a NaN
  *
  * torch.argmax is an index-tracking reduction that runs a lane at a time (~1 ms for 16 rows of a 49,152-token
- * vocabulary on the benchmark machine); this is ~16x less. Each lane of a LANES-wide block keeps its running
+ * vocabulary on the benchmark machine); this pass takes ~0.1 ms for them, ~20 us for one row. Each lane of a LANES-wide block keeps its running
  * maximum and the first column that held it, compared as integers (a float's bits mapped to an integer of
  * the same order), so the loop vectorises to integer compares and selects and does not depend on how the
  * compiler treats NaN and infinities under -ffast-math (the kernels' flags); the lanes' winners are then
@@ -54,7 +54,7 @@ static void row_argmax(const float *x, int64_t cols, float *maximum, int64_t *fi
         const int l = (int)(j % LANES);
         if (key > best[l]) best[l] = key, where[l] = (int32_t)j;
     }
-    if (any_nan || !cols) { /* (no row has no columns: the vocabulary) */
+    if (any_nan || !cols) { /* a NaN in the row (or no columns, which the sampler never passes) */
         const uint32_t quiet_nan = 0x7FC00000u;
         memcpy(maximum, &quiet_nan, sizeof quiet_nan);
         *first = -1;
