@@ -109,8 +109,8 @@ class Sampler:
         if row_argmax and self.device.type == "cpu":
             try:
                 self._row_argmax = load_row_argmax()
-            except KernelUnavailable:  # the PyTorch path (row_maxima) instead
-                self._row_argmax = None
+            except KernelUnavailable:
+                pass  # the PyTorch path (row_maxima) instead
 
     @property
     def has_row_argmax(self) -> bool:
