@@ -95,6 +95,26 @@ def test_silu_and_mul_matches_pytorch(ops: CpuOps, dtype: torch.dtype, inter: in
     _close(ops.silu_and_mul(gate_up), F.silu(gate) * up, dtype)
 
 
+@pytest.mark.parametrize("inter", [65536, 65536 - 7])  # the vector lanes and the scalar tail
+def test_bfloat16_silu_of_every_gate_is_the_float64_silu_rounded(ops: CpuOps, inter: int) -> None:
+    """bfloat16 SiLU is looked up in a table of all 65,536 gates (csrc/silu_table.h): every gate's entry is
+    silu computed in float64, rounded to float32 then to bfloat16 (times an up of 1, rounded again: where
+    that product is a float32 denormal the rounding flushes it to zero), -inf -> NaN, NaN -> NaN."""
+    bits = torch.arange(65536, dtype=torch.int32)[-inter:]
+    gate = (bits - 65536 * (bits >= 32768)).to(torch.int16).view(torch.bfloat16)  # every bit pattern
+    gate_up = torch.cat([gate, torch.ones(inter, dtype=torch.bfloat16)]).unsqueeze(0)
+    out = ops.silu_and_mul(gate_up)[0].float()
+    g = gate.double()
+    ref = (g / (1 + torch.exp(-g))).float()
+    want = ref.bfloat16().float()
+    normal = want.abs() >= torch.finfo(torch.float32).tiny
+    finite = torch.isfinite(g)
+    assert torch.equal(out[finite & normal], want[finite & normal])
+    assert (out[finite & ~normal] == 0).all()  # zero, or a denormal flushed by the product's rounding
+    assert torch.isnan(out[torch.isnan(g) | (g == float("-inf"))]).all()
+    assert (out[g == float("inf")] == float("inf")).all()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inter", [96, 21])
 def test_gelu_tanh_and_mul_matches_pytorch(ops: CpuOps, dtype: torch.dtype, inter: int) -> None:
