@@ -10,10 +10,9 @@ The real model (each session-scoped: each costs seconds):
   (converting it from the GGUF takes seconds; later runs read the saved ``tokenizer.json``).
 - ``oracle_gguf_weights``: transformers' dequantized (and q/k un-permuted) state dict of that GGUF, read
   without building the model (cheaper than ``oracle_model`` when only the tensors are needed).
-- ``default_model``: cbserve's own load of it (CPU, float32, the fast paths in), once for the session: a module
-  builds its engine on it with tests/default_engine.py's ``engine_on`` (its own KV cache, same weights).
-- ``invariant_model``: the same load with ``batch_invariant=True`` (the small kernel for every matmul), once
-  for the session: the speculative and batch-invariance tests build their engines on it.
+- ``default_model``: cbserve's own load of it (CPU, float32, the fast paths in: the small kernel for every
+  matmul, so its engines are batch-invariant), once for the session: a module builds its engine on it with
+  tests/default_engine.py's ``engine_on`` (its own KV cache, same weights).
 
 The live server (tests/server_fixtures.py):
 - ``live_server``: the default model (``default_model``) behind the real app on a free local port, one for
@@ -100,13 +99,6 @@ def default_model(smollm2_gguf_path: Path) -> LoadedModel:
     from default_engine import load_default
 
     return load_default()
-
-
-@pytest.fixture(scope="session")
-def invariant_model(smollm2_gguf_path: Path) -> LoadedModel:
-    from default_engine import load_default
-
-    return load_default(batch_invariant=True)
 
 
 @pytest.fixture(scope="session")

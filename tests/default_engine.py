@@ -20,10 +20,10 @@ from engine.loader.model_loader import LoadedModel, resolve_device
 LOAD_OPTIONS: dict[str, Any] = dict(device="cpu", dtype="float32")
 
 
-def load_default(batch_invariant: bool = False) -> LoadedModel:
-    """The default model as ``Engine.from_pretrained("default", **LOAD_OPTIONS)`` loads it (with
-    ``batch_invariant``: as ``batch_invariant=True`` loads it; its engines promise it, ``Engine.batch_invariant``)."""
-    engine = Engine.from_pretrained("default", num_blocks=1, batch_invariant=batch_invariant, **LOAD_OPTIONS)
+def load_default() -> LoadedModel:
+    """The default model as ``Engine.from_pretrained("default", **LOAD_OPTIONS)`` loads it (its engines are
+    batch-invariant: ``Engine.batch_invariant``)."""
+    engine = Engine.from_pretrained("default", num_blocks=1, **LOAD_OPTIONS)
     return engine.loaded
 
 

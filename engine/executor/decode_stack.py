@@ -261,8 +261,8 @@ class CpuDecodeStack:
 
     def can_run(self, inputs: BatchInputs, decode_kernel: DecodeKernel | None) -> bool:
         """Every sequence computes one token, decode attention is the CPU kernel's, and every projection
-        would take cbserve's kernel (the output head decides: all of them where oneDNN holds no copy of the
-        weights, else at most ``small_gemm.MAX_ROWS`` rows; bfloat16's AMX tiles take every call)."""
+        would take cbserve's kernel (the output head decides: the small kernel's panels and the AMX tiles
+        take every call)."""
         num_seqs = inputs.num_seqs
         return (
             decode_kernel is not None

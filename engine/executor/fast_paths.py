@@ -3,8 +3,7 @@ as gpt-fast's ``replace_linear_int4`` does: the model's code stays the architect
 
     apply_cpu_fast_paths(model, blocks):
         every Linear (the output head included) ->
-            float32, the small kernel built:  SmallGemmLinear (+ PackedLinear for more than MAX_ROWS rows,
-                                              unless the kernel takes every batch), wrapped in a
+            float32, the small kernel built:  SmallGemmLinear for every call, wrapped in a
                                               QuantPanelLinear where the checkpoint's blocks give W exactly
             bfloat16, AMX:                    AmxLinear for every call (every K a multiple of 32; else
                                               PackedLinear), wrapped in a QuantAmxLinear where the
@@ -83,9 +82,9 @@ def apply_cpu_fast_paths(
     dense projections are freed; the embedding stays dense). ``blocks``: the checkpoint's block-quantized
     tensors by Hugging Face name (the GGUF loader's), kept as quantized panels where they give the loaded
     weight bit for bit. ``batch_invariant``: matmuls of every size on cbserve's kernels, never on oneDNN
-    (whose kernel, and rounding, depend on the call's row count): float32 on the small kernel (bfloat16 on
-    a CPU with AMX-BF16 takes the AMX kernel for every call with or without the flag; without AMX, with the
-    flag, float32 chains on the small kernel over the bfloat16 weights)."""
+    (whose kernel, and rounding, depend on the call's row count): float32 takes the small kernel for every
+    call and bfloat16 on a CPU with AMX-BF16 the AMX kernel, with or without the flag; bfloat16 without AMX,
+    with the flag, float32 chains on the small kernel over the bfloat16 weights."""
     small, invariant = swap_linears(model, blocks or {}, batch_invariant)
     ops = swap_fused_ops(model)
     swap_swiglu_mlps(model)
@@ -111,8 +110,7 @@ def swap_linears(
         try:
             small = small_gemm.load()
         except KernelUnavailable as e:
-            logger.warning("the small-batch matmul kernel is not used (%s); oneDNN runs decode steps", e)
-    onednn = small is None or not (batch_invariant or small_gemm.takes_every_batch())
+            logger.warning("the small-batch matmul kernel is not used (%s); oneDNN runs the matmuls", e)
     places = [
         (parent, name) for parent, name, m in _children(model) if isinstance(m, Linear)
     ]  # the head last
@@ -128,8 +126,8 @@ def swap_linears(
     )  # NOTE: each dense weight is freed as soon as its module is swapped, as it was when packed in place
     for (parent, name), out, c, qout in zip(places, panels, codes, qpanels, strict=True):
         linear = getattr(parent, name)
-        setattr(parent, name, _fast_linear(linear, small, onednn, out, c, qout))
-    return small, not onednn
+        setattr(parent, name, _fast_linear(linear, small, out, c, qout))
+    return small, small is not None
 
 
 def swap_amx_linears(model: NativeModel, amx: AmxGemm, blocks: Mapping[str, BlockCodes]) -> bool:
@@ -212,18 +210,16 @@ def _amx_linear(
 def _fast_linear(
     linear: Linear,
     small: SmallGemm | None,
-    onednn: bool,
     out: torch.Tensor | None,
     codes: BlockCodes | None,
     qout: torch.Tensor | None,
 ) -> nn.Module:
-    """``linear``'s replacement: oneDNN's copy (where ``onednn`` or without ``small``), the small kernel's
-    panels (into ``out``) and the blocks' quantized panels (``codes``, into ``qout``)."""
+    """``linear``'s replacement: oneDNN's copy (without ``small``), else the small kernel's panels (into
+    ``out``) and the blocks' quantized panels (``codes``, into ``qout``)."""
     weight, bias = linear.weight.detach(), linear.bias
     if small is None:
         return PackedLinear(weight, bias)
-    large = PackedLinear(weight, bias) if onednn else None
-    fast = SmallGemmLinear(small, weight, bias, large, out)
+    fast = SmallGemmLinear(small, weight, bias, out)
     return fast if codes is None else QuantPanelLinear(small.pack_blocks(codes, qout), fast)
 
 

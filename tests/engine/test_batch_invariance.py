@@ -1,9 +1,9 @@
 """A request's logits do not depend on what shares its steps: through the continuous-batching manager on
 the default model, two prompts' logprobs (a short greedy one, a long seeded one) alone are the same bits as
 side by side beside long prefill chunks, inside a decode batch of 16 rows, and when the long one is split
-into chunks by an earlier long prompt (docs/GENERATION.md, "Batch invariance"): float32 on every CPU with
-``batch_invariant=True`` (the small kernel for every call); bfloat16 where the CPU has AMX-BF16 by default
-(the AMX kernel takes every call), and with ``batch_invariant=True`` on the path of CPUs without it (float32
+into chunks by an earlier long prompt (docs/GENERATION.md, "Batch invariance"): float32 on every CPU by
+default (the small kernel takes every call); bfloat16 where the CPU has AMX-BF16 by default (the AMX kernel
+takes every call), and with ``batch_invariant=True`` on the path of CPUs without it (float32
 chains on the small kernel over the bfloat16 weights; on an AMX CPU its tiles are hidden from the loader).
 
 The prompts are sized against the engine's step budget: float32's steps hold ``STEP_TOKENS`` tokens, so a
@@ -30,7 +30,7 @@ from engine.outputs import GenerationOutput
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 12
-STEP_TOKENS = 512  # max_batch_tokens: well past the 64 rows where float32's default path leaves its kernel
+STEP_TOKENS = 512  # max_batch_tokens: prefill calls of hundreds of rows beside the decode rows
 BF16_STEP_TOKENS = 2048
 
 
@@ -40,10 +40,8 @@ def _random_prompt(rng: random.Random, length: int) -> list[int]:
 
 def _engine(dtype: str, request: pytest.FixtureRequest) -> tuple[Engine, int]:
     """The engine and its step budget."""
-    if dtype == "float32":  # the session's batch-invariant float32 load
-        return engine_on(
-            request.getfixturevalue("invariant_model"), max_batch_tokens=STEP_TOKENS
-        ), STEP_TOKENS
+    if dtype == "float32":  # the session's default float32 load: no batch_invariant, it promises it
+        return engine_on(request.getfixturevalue("default_model"), max_batch_tokens=STEP_TOKENS), STEP_TOKENS
     if dtype == "bfloat16-widened":  # what a CPU without AMX-BF16 runs with batch_invariant
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(fast_paths, "_amx", lambda model: None)

@@ -36,8 +36,8 @@ CODE = (
 
 
 @pytest.fixture(scope="module")
-def engine(invariant_model: LoadedModel) -> Engine:
-    engine = engine_on(invariant_model, num_blocks=512)
+def engine(default_model: LoadedModel) -> Engine:
+    engine = engine_on(default_model, num_blocks=512)
     assert engine.batch_invariant
     return engine
 

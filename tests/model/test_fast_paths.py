@@ -76,10 +76,9 @@ def test_a_float32_model_gets_the_kernels_modules(kernel: SmallGemm, batch_invar
     assert _types(model, Linear) == {SmallGemmLinear}
     head = model.lm_head
     assert isinstance(head, SmallGemmLinear)
-    # with AVX-512, calls of more than 64 rows go to a oneDNN copy, unless every row must take one path
-    onednn_copy = not small_gemm.takes_every_batch() and not batch_invariant
-    assert isinstance(head.large, PackedLinear) == onednn_copy
-    assert paths.batch_invariant == (not onednn_copy)
+    # calls of every size on the panels, with or without the flag: no oneDNN copy of a weight
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    assert paths.batch_invariant
     if paths.fused_ops is None:
         pytest.skip("the fused CPU ops cannot be built here")
     assert _types(model, RMSNorm) == {FusedRMSNorm}
@@ -193,55 +192,25 @@ def _count_kernel_calls(kernel: SmallGemm, monkeypatch: pytest.MonkeyPatch) -> l
     return calls
 
 
-def test_the_kernel_takes_few_rows_and_onednn_the_rest(
-    kernel: SmallGemm, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    if not prepacked.can_prepack(CPU, torch.float32):
-        pytest.skip("this torch build cannot prepack weights (no oneDNN)")
+def test_every_call_goes_to_the_kernel(kernel: SmallGemm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The module keeps only the panels and serves any row count (a prefill's too), 3-D inputs and strided
+    ones."""
     w, b = _loaded_weights()
-    lin = SmallGemmLinear(kernel, w, b, PackedLinear(w, b))
-    calls = _count_kernel_calls(kernel, monkeypatch)
-    for m in (1, small_gemm.MAX_ROWS, small_gemm.MAX_ROWS + 1):
-        x = torch.randn(m, 32)
-        torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
-    assert calls == [1, small_gemm.MAX_ROWS]  # more rows than MAX_ROWS go to oneDNN
-
-
-def test_without_onednn_every_call_goes_to_the_kernel(
-    kernel: SmallGemm, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Where the kernel takes every batch, its module keeps only the panels and serves any row count, 3-D
-    inputs and strided ones."""
-    w, b = _loaded_weights()
-    lin = SmallGemmLinear(kernel, w, b, None)
+    lin = SmallGemmLinear(kernel, w, b)
     calls = _count_kernel_calls(kernel, monkeypatch)
     for x in (torch.randn(1, 32), torch.randn(300, 32), torch.randn(3, 5, 32), torch.randn(32, 7).T):
         torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
     assert calls == [1, 300, 15, 7]
 
 
-def _onednn_only(model: nn.Module) -> None:
-    """Every SmallGemmLinear in ``model`` replaced by its oneDNN copy."""
-    for name, module in list(model.named_modules()):
-        if isinstance(module, SmallGemmLinear) and module.large is not None:
-            parent, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent), attr, module.large)
-
-
-@pytest.mark.parametrize("onednn_copy", [True, False], ids=["with-onednn", "kernel-only"])
-def test_model_logits_with_and_without_the_kernel(
-    kernel: SmallGemm, monkeypatch: pytest.MonkeyPatch, onednn_copy: bool
-) -> None:
-    """A float32 model uses the kernel for a decode step (and its output head): prefill and decode logits
-    equal the dense model's up to float rounding, and with oneDNN's copy kept (AVX-512 CPUs) the same step
-    through oneDNN alone gives them too. NOTE: within rounding, not bits: oneDNN's kernels differ by CPU."""
+def test_model_logits_on_the_kernel(kernel: SmallGemm) -> None:
+    """A float32 model runs every matmul on the kernel, its output head's too: prefill (more rows than
+    MAX_ROWS) and decode logits equal the dense model's up to float rounding."""
     if not prepacked.can_prepack(CPU, torch.float32):
         pytest.skip("this torch build cannot prepack weights (no oneDNN)")
-    monkeypatch.setattr(small_gemm, "takes_every_batch", lambda: not onednn_copy)
     model, dense = _pair(torch.float32)
     assert apply_cpu_fast_paths(model).small_gemm is not None
-    head = model.lm_head
-    assert isinstance(head, SmallGemmLinear) and (head.large is None) == (not onednn_copy)
+    assert isinstance(model.lm_head, SmallGemmLinear)
     cfg = TINY
     cache = KVCache(cfg.num_hidden_layers, 16, 16, cfg.num_key_value_heads, cfg.head_dim, torch.float32, CPU)
     dense_cache = KVCache(
@@ -251,10 +220,4 @@ def test_model_logits_with_and_without_the_kernel(
     prefill = BatchInputs.build(prompts, [0, 0], [[1, 3, 4, 5, 6], [2]], [True, True], 16)
     torch.testing.assert_close(model(prefill, cache), dense(prefill, dense_cache), rtol=1e-4, atol=1e-4)
     decode = BatchInputs.build([[12], [13]], [70, 3], [[1, 3, 4, 5, 6], [2]], [True, True], 16)
-    with_kernel = model(decode, cache)
-    torch.testing.assert_close(with_kernel, dense(decode, dense_cache), rtol=1e-4, atol=1e-4)
-    if not onednn_copy:
-        return
-    _onednn_only(model)
-    assert not any(isinstance(m, SmallGemmLinear) for m in model.modules())
-    torch.testing.assert_close(model(decode, cache), with_kernel, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(model(decode, cache), dense(decode, dense_cache), rtol=1e-4, atol=1e-4)

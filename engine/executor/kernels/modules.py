@@ -3,7 +3,7 @@
 ``forward``. engine/executor/fast_paths.py decides which go where; the model never learns they exist.
 
     PackedLinear          oneDNN over a weight reordered once into its blocked layout (prepacked.py)
-    SmallGemmLinear       the float32 small-batch kernel's panels (small_gemm.py), oneDNN for larger calls
+    SmallGemmLinear       float32 on the small kernel's panels (small_gemm.py), for calls of every size
     WidenedLinear         bfloat16 rows in float32 on those panels, rounded once (batch invariance without AMX)
     QuantPanelLinear      a quantized checkpoint's blocks, expanded in registers, for calls of a few rows
     AmxLinear             bfloat16 on AMX tiles (amx_gemm.py), oneDNN for larger calls unless it takes them all
@@ -45,15 +45,13 @@ class PackedLinear(nn.Module):
 
 class SmallGemmLinear(nn.Module):
     """``x W^T + b`` with ``W`` in the small kernel's 16-output panels (``SmallGemm.pack``; into ``out`` if
-    given). With ``large`` (the weights also in oneDNN's layout), calls of more than ``small_gemm.MAX_ROWS``
-    rows go there; without, the kernel takes every call (``small_gemm.takes_every_batch``)."""
+    given), for calls of every size: a row's bits never depend on its batch."""
 
     def __init__(
         self,
         small: SmallGemm,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        large: PackedLinear | None,
         out: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
@@ -61,18 +59,13 @@ class SmallGemmLinear(nn.Module):
         self.small = small
         self.panels = small.pack(weight.detach(), out)  # [ceil(out / 16), in, 16]
         self.bias = bias
-        self.large = large
 
     def takes(self, num_rows: int) -> bool:
-        """Whether a call of ``num_rows`` contiguous float32 rows runs on the panels."""
-        return self.large is None or num_rows <= small_gemm.MAX_ROWS
+        """Whether a call of ``num_rows`` rows runs on the panels: every call does."""
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.large is None:
-            return self.small.matmul(x, self.panels, self.out_features, self.bias)  # [..., out_features]
-        if small_gemm.fits(x):
-            return self.small.linear(x, self.panels, self.out_features, self.bias)  # [rows, out_features]
-        return self.large(x)
+        return self.small.matmul(x, self.panels, self.out_features, self.bias)  # [..., out_features]
 
 
 class WidenedLinear(nn.Module):
@@ -92,7 +85,7 @@ class WidenedLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         wide_bias = None if bias is None else bias.detach().float().contiguous()
-        self.wide = SmallGemmLinear(small, weight.detach().float(), wide_bias, None, out)
+        self.wide = SmallGemmLinear(small, weight.detach().float(), wide_bias, out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.wide(x.float()).to(x.dtype)  # [..., out_features]

@@ -3,14 +3,14 @@
 
 Why: at 16 rows oneDNN's prepacked float32 kernels reach well under the machine's FMA peak and memory
 bandwidth (docs/BENCHMARKS.md); streaming one panel per block of 16 rows, with every row's accumulator in
-a register, is compute-bound instead. The kernel computes on 8-float (AVX2) vectors: on a CPU whose widest
-vectors are those it also beats oneDNN at prefill sizes (``python -m bench.cpu_matmul``), so there it takes
-every batch and the weights are not kept in oneDNN's layout at all (``takes_every_batch``). With AVX-512,
-calls of 12 rows or more run on 16-float vectors (two panels x 12 rows of chains in registers, the rows
-packed k-major): the same bits; up to ``MAX_ROWS`` rows (a decode step's output head: 16 rows 12.4 -> 8.0 ms)
-the threads share out the panels, past it they split the rows, within 5-10% of oneDNN's speed at prefill
-sizes, so by default those stay on oneDNN and with ``batch_invariant`` take the kernel
-(engine/executor/fast_paths.py).
+a register, is compute-bound instead. The kernel computes on 8-float (AVX2) vectors; with AVX-512, calls of
+12 rows or more run on 16-float vectors (two panels x 12 rows of chains in registers, the rows packed
+k-major): the same bits. Up to ``MAX_ROWS`` rows (a decode step's output head: 16 rows 12.4 -> 8.0 ms) the
+threads share out the panels, past it they split the rows. It takes every call of a float32 model, prefill
+included (engine/executor/fast_paths.py), and oneDNN's copy of the weights is not made: at prefill sizes it
+is as fast as oneDNN's (``python -m bench.cpu_matmul --dtype float32``: 1.01-1.03x at 128 to 2,048 rows on
+Sapphire Rapids; faster on an AVX2-only CPU), and a row's result is one chain per output whatever else the
+call holds (batch invariance).
 
 Each output is one fused multiply-add chain over ``k`` in order, then the bias.
 
@@ -33,7 +33,7 @@ from engine.executor.kernels.block_codes import BLOCK, BlockCodes
 
 SOURCE = Path(__file__).with_name("csrc") / "small_gemm.c"
 PANEL = 16
-MAX_ROWS = 64  # calls of at most this many rows use the kernel (faster than oneDNN up to here: docs/BENCHMARKS.md)
+MAX_ROWS = 64  # calls of at most this many rows share out the panels over the threads, more split the rows
 # calls of at most this many rows use a weight's quantized panels where it has them: one register block of
 # rows, each weight expanded in registers; more rows pay more for expanding than the bytes save (docs/MODEL.md)
 QUANTIZED_MAX_ROWS = 6
@@ -43,23 +43,10 @@ def supports(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32
 
 
-def fits(x: torch.Tensor) -> bool:
-    """Whether ``x`` goes to the small kernel when oneDNN holds the weights too: 2-D float32 rows,
-    contiguous, at most ``MAX_ROWS`` of them."""
-    return x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 and x.stride(1) == 1
-
-
 def fits_quantized(x: torch.Tensor) -> bool:
     """Whether ``x`` goes to a weight's quantized panels: 2-D float32 rows, contiguous, at most
     ``QUANTIZED_MAX_ROWS`` of them."""
     return x.dim() == 2 and x.shape[0] <= QUANTIZED_MAX_ROWS and x.dtype == torch.float32 and x.stride(1) == 1
-
-
-def takes_every_batch() -> bool:
-    """Whether the kernel serves every call, prefill included, and oneDNN's copy of the weights is not
-    made: on CPUs without AVX-512, where it is the faster of the two at every row count (``python -m
-    bench.cpu_matmul``; docs/BENCHMARKS.md)."""
-    return not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 class SmallGemm:
@@ -77,11 +64,16 @@ class SmallGemm:
         self._qgemm.restype = ctypes.c_int
         if int(lib.cbserve_small_gemm_panel()) != PANEL:
             raise RuntimeError("small_gemm.c and small_gemm.py disagree on the panel width")
-        if int(lib.cbserve_small_gemm_rows()) != QUANTIZED_MAX_ROWS:  # the rows whose weights stay in registers
+        if (
+            int(lib.cbserve_small_gemm_rows()) != QUANTIZED_MAX_ROWS
+        ):  # the rows whose weights stay in registers
             raise RuntimeError("small_gemm.c's register block and QUANTIZED_MAX_ROWS disagree")
         lib.cbserve_small_gemm_qblock_bytes.argtypes = [ctypes.c_int]
         lib.cbserve_small_gemm_qblock_bytes.restype = i64
-        if [lib.cbserve_small_gemm_qblock_bytes(o) for o in (0, 1)] != [qblock_bytes(False), qblock_bytes(True)]:
+        if [lib.cbserve_small_gemm_qblock_bytes(o) for o in (0, 1)] != [
+            qblock_bytes(False),
+            qblock_bytes(True),
+        ]:
             raise RuntimeError("small_gemm.c and small_gemm.py disagree on the quantized block layout")
 
     @staticmethod
@@ -128,7 +120,9 @@ class SmallGemm:
         def panel_major(t: torch.Tensor, width: int) -> torch.Tensor:
             """[N, blocks * width] -> [panels, blocks, width * 16]: per block, width k-rows of 16 outputs"""
             t = torch.nn.functional.pad(t, (0, 0, 0, pad)) if pad else t
-            return t.view(panels, PANEL, blocks, width).permute(0, 2, 3, 1).contiguous().view(panels, blocks, -1)
+            return (
+                t.view(panels, PANEL, blocks, width).permute(0, 2, 3, 1).contiguous().view(panels, blocks, -1)
+            )
 
         code_bytes = BLOCK * PANEL
         out[..., :code_bytes].copy_(panel_major(codes.codes, BLOCK).view(torch.uint8))
@@ -137,7 +131,9 @@ class SmallGemm:
             out[..., code_bytes + 4 * PANEL :].copy_(panel_major(codes.offsets, 1).view(torch.uint8))
         return out
 
-    def matmul(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    def matmul(
+        self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         """``linear`` for ``x`` of any shape ``[..., K]`` and any strides (copied to contiguous rows first if
         need be): ``[..., out_features]``."""
         rows = x.reshape(-1, x.shape[-1])
@@ -145,7 +141,9 @@ class SmallGemm:
             rows = rows.contiguous()
         return self.linear(rows, packed, out_features, bias).view(*x.shape[:-1], out_features)
 
-    def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         """``x W^T + b`` for ``x`` ``[M, K]`` float32 (rows contiguous) and ``packed`` from ``pack`` or
         ``pack_blocks``."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or x.device.type != "cpu":
@@ -162,7 +160,17 @@ class SmallGemm:
         out = torch.empty(m, out_features, dtype=torch.float32)
         b = None if bias is None else bias.data_ptr()
         if not quantized:
-            self._gemm(out.data_ptr(), out_features, x.data_ptr(), x.stride(0), packed.data_ptr(), b, m, out_features, k)
+            self._gemm(
+                out.data_ptr(),
+                out_features,
+                x.data_ptr(),
+                x.stride(0),
+                packed.data_ptr(),
+                b,
+                m,
+                out_features,
+                k,
+            )
         elif self._qgemm(
             out.data_ptr(), out_features, x.data_ptr(), x.stride(0), packed.data_ptr(), int(offsets), b, m,
             out_features, k,
