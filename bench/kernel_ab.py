@@ -8,7 +8,7 @@ decode-sized calls.
 
 The before side's kernel sources come from ``git archive`` of ``--before`` (run from the repository), built
 as the engine builds its own (engine/cpu/native_build.py). Per row count: SiLU-and-multiply over
-SmolLM2-135M's gate and up halves, RMSNorm with the residual add, the rotary embedding of the queries, and
+SmolLM2-135M's gate and up halves (and Gemma's GELU-tanh-and-multiply over them), RMSNorm with the residual add, the rotary embedding of the queries, and
 the four projections of ``--layers`` layers with weights of their own (so that, as in a forward, each call
 reads its weights from memory, not from a cache the previous call warmed) -- over bfloat16 tiles and, for
 up to 32 rows, over Q4_1 blocks expanded into the tiles as a decode step reads them, and the output head over
@@ -106,7 +106,12 @@ def op_cases(ops: CpuOps, rows: int, dtype: torch.dtype) -> dict[str, Callable[[
         ops.rotary(q, positions, cos, sin)
         return q
 
-    return {"silu_and_mul": lambda: ops.silu_and_mul(gate_up), "add_rms_norm": norm, "rotary": rotary}
+    return {
+        "silu_and_mul": lambda: ops.silu_and_mul(gate_up),
+        "gelu_tanh_and_mul": lambda: ops.gelu_tanh_and_mul(gate_up),
+        "add_rms_norm": norm,
+        "rotary": rotary,
+    }
 
 
 def matmul_case(gemm: AmxGemm, rows: int, layers: int) -> Callable[[], torch.Tensor]:

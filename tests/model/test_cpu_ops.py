@@ -95,17 +95,31 @@ def test_silu_and_mul_matches_pytorch(ops: CpuOps, dtype: torch.dtype, inter: in
     _close(ops.silu_and_mul(gate_up), F.silu(gate) * up, dtype)
 
 
+def _silu64(g: torch.Tensor) -> torch.Tensor:
+    return g / (1 + torch.exp(-g))
+
+
+def _gelu_tanh64(g: torch.Tensor) -> torch.Tensor:
+    """g / 2 * (1 + tanh(u)) as g / (1 + exp(-2u)): no cancellation where tanh(u) is near -1"""
+    return g / (1 + torch.exp(-1.5957691216057308 * (g + 0.044715 * g**3)))
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("inter", [65536, 65536 - 7])  # the vector lanes and the scalar tail
-def test_bfloat16_silu_of_every_gate_is_the_float64_silu_rounded(ops: CpuOps, inter: int) -> None:
-    """bfloat16 SiLU is looked up in a table of all 65,536 gates (csrc/silu_table.h): every gate's entry is
-    silu computed in float64, rounded to float32 then to bfloat16 (times an up of 1, rounded again: where
-    that product is a float32 denormal the rounding flushes it to zero), -inf -> NaN, NaN -> NaN."""
+def test_bfloat16_activation_of_every_gate_is_the_float64_one_rounded(
+    ops: CpuOps, act: str, inter: int
+) -> None:
+    """bfloat16 SiLU and GELU-tanh are looked up in tables of all 65,536 gates (csrc/activation_tables.h):
+    every gate's entry is the activation computed in float64, rounded to float32 then to bfloat16 (times an
+    up of 1, rounded again: where that product is a float32 denormal the rounding flushes it to zero);
+    +inf -> +inf, -inf -> NaN, NaN -> NaN."""
     bits = torch.arange(65536, dtype=torch.int32)[-inter:]
     gate = (bits - 65536 * (bits >= 32768)).to(torch.int16).view(torch.bfloat16)  # every bit pattern
     gate_up = torch.cat([gate, torch.ones(inter, dtype=torch.bfloat16)]).unsqueeze(0)
-    out = ops.silu_and_mul(gate_up)[0].float()
+    out = (ops.silu_and_mul if act == "silu" else ops.gelu_tanh_and_mul)(gate_up)[0].float()
     g = gate.double()
-    ref = (g / (1 + torch.exp(-g))).float()
+    with torch.no_grad():
+        ref = (_silu64 if act == "silu" else _gelu_tanh64)(g).float()
     want = ref.bfloat16().float()
     normal = want.abs() >= torch.finfo(torch.float32).tiny
     finite = torch.isfinite(g)

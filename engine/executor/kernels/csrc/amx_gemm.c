@@ -52,7 +52,7 @@
 #include "amx_tiles.h"
 #include "bf16_round.h" /* to_bf16_x16: as to_bf16 below where there are no such vectors */
 #include "kept_buffer.h"
-#include "silu_table.h" /* the gate's silu, as cpu_ops.c's silu_and_mul looks it up */
+#include "activation_tables.h" /* the gate's silu, as cpu_ops.c's silu_and_mul looks it up */
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
 #define VECTOR_ROUNDING 1
 #include <immintrin.h>
@@ -116,7 +116,7 @@ static void stream_rows(uint16_t *out, int64_t ldo, const float *c, int64_t ldc,
 
 /* SwiGLU's gate of a block whose 16 + 16 outputs are gate and up columns (cbserve_amx_gemm_swiglu):
  * out[m, n0 .. n0 + 16) = silu(g) * u, g and u the block's sums rounded as the matmul rounds its outputs
- * (to_bf16_x16's rounding, kept in float32 lanes), silu(g) looked up in silu_table.h's table as cpu_ops.c's
+ * (to_bf16_x16's rounding, kept in float32 lanes), silu(g) looked up in activation_tables.h's table as cpu_ops.c's
  * silu_and_mul looks it up, the product rounded as it rounds it (to_bf16_x16_ftz): the bits of the matmul
  * then that op. */
 static inline __m512 widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }

@@ -11,8 +11,8 @@
  * engine/executor/models/layers.py up to the order of the float32 sums (and libm's expf against torch's exp):
  *   rms_norm:     residual = bf16(residual + x); out = bf16(weight * bf16(h * inv_rms))
  *                 with a float32 weight (Gemma's 1 + w): out = bf16(weight * (h * inv_rms)), rounded once
- *   silu_and_mul: out = bf16(bf16(silu(gate)) * up)      (gelu_tanh_and_mul likewise; bf16(silu(gate))
- *                 looked up: silu_table.h)
+ *   silu_and_mul: out = bf16(bf16(silu(gate)) * up)      (gelu_tanh_and_mul likewise; bf16(act(gate))
+ *                 looked up: activation_tables.h)
  *   rotary:       out = bf16(bf16(x * cos) + rolled * sin_signed)     (torch.addcmul rounds once)
  * Rows are split over threads with OpenMP when there are enough of them to pay for it.
  */
@@ -138,24 +138,24 @@ INLINE void store16(void *p, int64_t i, v16f f, const int bf16) {
 }
 
 #include "exp16.h"
-#include "silu_table.h" /* silu of a bfloat16 gate, looked up */
+#include "activation_tables.h" /* silu and gelu_tanh of a bfloat16 gate, looked up */
 
-/* silu of 16 bfloat16 gates (bits at gate), from silu_table.h's table: one gather */
-INLINE v16f silu16_looked_up(const uint16_t *gate) {
+/* an activation of 16 bfloat16 gates (bits at gate), from one of activation_tables.h's tables: one gather */
+INLINE v16f act16_looked_up(const uint16_t *table, const uint16_t *gate) {
 #if HAVE_AVX512
     const __m512i index = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)gate));
-    return (v16f)_mm512_slli_epi32(_mm512_i32gather_epi32(index, silu_bf16_table, 2), 16);
+    return (v16f)_mm512_slli_epi32(_mm512_i32gather_epi32(index, table, 2), 16);
 #else
     v16u u;
-    for (int j = 0; j < LANES; j++) u[j] = (uint32_t)silu_bf16_table[gate[j]] << 16;
+    for (int j = 0; j < LANES; j++) u[j] = (uint32_t)table[gate[j]] << 16;
     v16f f;
     memcpy(&f, &u, sizeof f);
     return f;
 #endif
 }
 
-INLINE float silu_looked_up(uint16_t gate) {
-    const uint32_t u = (uint32_t)silu_bf16_table[gate] << 16;
+INLINE float act_looked_up(const uint16_t *table, uint16_t gate) {
+    const uint32_t u = (uint32_t)table[gate] << 16;
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
@@ -200,12 +200,12 @@ INLINE void silu_and_mul_row(void *out, const void *gate, const void *up, int64_
     const int64_t vec_end = inter - inter % LANES;
     for (int64_t i = 0; i < vec_end; i += LANES) {
         v16f g = load16(gate, i, bf16);
-        v16f silu = bf16 ? silu16_looked_up((const uint16_t *)gate + i) : g / (1.0f + exp16(-g));
+        v16f silu = bf16 ? act16_looked_up(silu_bf16_table, (const uint16_t *)gate + i) : g / (1.0f + exp16(-g));
         store16(out, i, silu * load16(up, i, bf16), bf16);
     }
     for (int64_t i = vec_end; i < inter; i++) {
         float g = load(gate, i, bf16);
-        float silu = bf16 ? silu_looked_up(((const uint16_t *)gate)[i]) : g / (1.0f + expf(-g));
+        float silu = bf16 ? act_looked_up(silu_bf16_table, ((const uint16_t *)gate)[i]) : g / (1.0f + expf(-g));
         store(out, i, silu * load(up, i, bf16), bf16);
     }
 }
@@ -233,11 +233,15 @@ INLINE v16f gelu_tanh16(v16f g) {
 INLINE void gelu_tanh_and_mul_row(void *out, const void *gate, const void *up, int64_t inter, const int bf16) {
     const int64_t vec_end = inter - inter % LANES;
     for (int64_t i = 0; i < vec_end; i += LANES) {
-        v16f act = round16(gelu_tanh16(load16(gate, i, bf16)), bf16);
+        v16f act = bf16 ? act16_looked_up(gelu_tanh_bf16_table, (const uint16_t *)gate + i)
+                        : gelu_tanh16(load16(gate, i, bf16));
         store16(out, i, act * load16(up, i, bf16), bf16);
     }
-    for (int64_t i = vec_end; i < inter; i++)
-        store(out, i, round_to(gelu_tanh(load(gate, i, bf16)), bf16) * load(up, i, bf16), bf16);
+    for (int64_t i = vec_end; i < inter; i++) {
+        float act = bf16 ? act_looked_up(gelu_tanh_bf16_table, ((const uint16_t *)gate)[i])
+                         : gelu_tanh(load(gate, i, bf16));
+        store(out, i, act * load(up, i, bf16), bf16);
+    }
 }
 
 /* one head: x[0:half] and x[half:] against cos/sin rows c, s */
