@@ -6,18 +6,18 @@ decode-sized calls.
 
     python -m bench.kernel_ab --before f4cf4a7 [--rows 16 2048] [--rounds 15] [--dtype bfloat16]
 
-The before side's kernel sources come from ``git archive`` of ``--before`` (run from the repository), built
-as the engine builds its own (engine/cpu/native_build.py). Per row count: SiLU-and-multiply over
-SmolLM2-135M's gate and up halves (and Gemma's GELU-tanh-and-multiply over them), RMSNorm with the residual add, the rotary embedding of the queries, and
-the four projections of ``--layers`` layers with weights of their own (so that, as in a forward, each call
-reads its weights from memory, not from a cache the previous call warmed) -- over bfloat16 tiles and, for
-up to 32 rows, over Q4_1 blocks expanded into the tiles as a decode step reads them, and the output head over
-Q8_0 blocks to float32 logits (each side packs the blocks with its own commit's ``amx_qgemm.pack`` and binds
-its kernel with that commit's ``AmxQGemm``); for more, SwiGLU's gate and
-up projections and gate (one call where the side has ``AmxGemm.swiglu``) --, and the decode attention of
+The before side's kernel sources come from ``git archive`` of ``--before`` (run from the repository), built as
+the engine builds its own (engine/cpu/native_build.py). Per row count: SiLU-and-multiply over SmolLM2-135M's
+gate and up halves (and Gemma's GELU-tanh-and-multiply over them), RMSNorm with the residual add, the rotary
+embedding of the queries, and the four projections of ``--layers`` layers with weights of their own (so that,
+as in a forward, each call reads its weights from memory, not from a cache the previous call warmed) -- over
+bfloat16 tiles and, for up to 32 rows, over Q4_1 blocks expanded into the tiles as a decode step reads them,
+and the output head over Q8_0 blocks to float32 logits (each side packs the blocks with its own commit's
+``amx_qgemm.pack`` and binds its kernel with that commit's ``AmxQGemm``); for more, SwiGLU's gate and up
+projections and gate (one call where the side has ``AmxGemm.swiglu``) --, and the decode attention of
 ``--layers`` layers' caches (each row ``--context`` tokens, its pages scattered over the cache) for up to 64
-rows, the prefill attention of prompts of ``--prompt-len`` tokens (``rows`` tokens in all) for more. Prints each
-side's best and median over the rounds, and whether both sides give the same bits.
+rows, the prefill attention of prompts of ``--prompt-len`` tokens (``rows`` tokens in all) for more. Prints
+each side's best and median over the rounds, and whether both sides give the same bits.
 """
 
 from __future__ import annotations
