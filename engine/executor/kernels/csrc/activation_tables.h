@@ -46,9 +46,9 @@ static void fill_activation_tables(void) {
         float g;
         memcpy(&g, &bits, sizeof g);
         if ((h & 0x7f80u) == 0x7f80u) { /* inf or NaN (tested on the bits: -ffast-math assumes neither) */
-            const uint16_t nan = (uint16_t)(h | 0x40u), neg_inf = h == 0xff80u;
-            silu_bf16_table[h] = (h & 0x7fu) ? nan : neg_inf ? 0x7fc0u : (uint16_t)h;
-            gelu_tanh_bf16_table[h] = (h & 0x7fu) ? nan : neg_inf ? 0x7fc0u : (uint16_t)h;
+            /* NaN stays NaN (quieted), -inf gives NaN, +inf stays +inf: both activations alike */
+            const uint16_t special = (h & 0x7fu) ? (uint16_t)(h | 0x40u) : h == 0xff80u ? 0x7fc0u : (uint16_t)h;
+            silu_bf16_table[h] = gelu_tanh_bf16_table[h] = special;
             continue;
         }
         const double x = g;
@@ -56,7 +56,8 @@ static void fill_activation_tables(void) {
         silu_bf16_table[h] = x < -700.0 ? 0x8000u : activation_table_round((float)(x / (1.0 + exp(-x))));
         /* (1 + tanh(u)) / 2 = 1 / (1 + exp(-2u)): no cancellation where tanh(u) is near -1 */
         const double e = -1.5957691216057308 * (x + 0.044715 * x * x * x);
-        gelu_tanh_bf16_table[h] = e > 700.0 ? (x < 0 ? 0x8000u : 0u) : activation_table_round((float)(x / (1.0 + exp(e))));
+        /* past 700 (x far below zero) exp(e) leaves double's range: gelu_tanh is -0 in float32 */
+        gelu_tanh_bf16_table[h] = e > 700.0 ? 0x8000u : activation_table_round((float)(x / (1.0 + exp(e))));
     }
 }
 

@@ -116,21 +116,16 @@ static void stream_rows(uint16_t *out, int64_t ldo, const float *c, int64_t ldc,
 
 /* SwiGLU's gate of a block whose 16 + 16 outputs are gate and up columns (cbserve_amx_gemm_swiglu):
  * out[m, n0 .. n0 + 16) = silu(g) * u, g and u the block's sums rounded as the matmul rounds its outputs
- * (to_bf16_x16's rounding, kept in float32 lanes), silu(g) looked up in activation_tables.h's table as cpu_ops.c's
+ * (to_bf16_x16's rounding, bf16_rounded_x16, kept in float32 lanes), silu(g) looked up in activation_tables.h's table as cpu_ops.c's
  * silu_and_mul looks it up, the product rounded as it rounds it (to_bf16_x16_ftz): the bits of the matmul
  * then that op. */
 static inline __m512 widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
-static inline __m512i rounded_to_bf16(__m512i u) { /* to_bf16_x16's rounding, the bits still at 16-31 */
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    return _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-}
-
 static void gate_rows(uint16_t *out, int64_t ldo, const float *c, int64_t ldc, int64_t n0, int64_t M) {
     const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
     for (int64_t m = 0; m < M; m++) {
-        const __m512i g = rounded_to_bf16(_mm512_castps_si512(_mm512_loadu_ps(c + m * ldc)));
-        const __m512i u = _mm512_and_si512(rounded_to_bf16(_mm512_castps_si512(_mm512_loadu_ps(c + m * ldc + 16))), high);
+        const __m512i g = bf16_rounded_x16(_mm512_castps_si512(_mm512_loadu_ps(c + m * ldc)));
+        const __m512i u = _mm512_and_si512(bf16_rounded_x16(_mm512_castps_si512(_mm512_loadu_ps(c + m * ldc + 16))), high);
         const __m512i silu = _mm512_slli_epi32(_mm512_i32gather_epi32(_mm512_srli_epi32(g, 16), silu_bf16_table, 2), 16);
         const __m512 product = _mm512_mul_ps(_mm512_castsi512_ps(silu), _mm512_castsi512_ps(u));
         _mm256_storeu_si256((__m256i *)(out + m * ldo + n0), to_bf16_x16_ftz(product));

@@ -8,11 +8,14 @@
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 
-static inline __m256i to_bf16_x16(__m512 f) {
-    const __m512i u = _mm512_castps_si512(f);
+/* float32 bits rounded to nearest even at bit 16, the bfloat16 still in bits 16-31 (the low half garbage) */
+static inline __m512i bf16_rounded_x16(__m512i u) {
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+    return _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+}
+
+static inline __m256i to_bf16_x16(__m512 f) {
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rounded_x16(_mm512_castps_si512(f)), 16));
 }
 
 /* float32 -> bfloat16 on 16 lanes in one VCVTNEPS2BF16 where the CPU has AVX512-BF16 (every one with
