@@ -2,7 +2,7 @@
 of several rounds (robust to a noisy VM). float32: oneDNN's prepacked kernels (what prefill runs on AVX-512),
 cbserve's small-batch kernel (engine/executor/kernels/small_gemm.py) and ``F.linear`` (MKL). bfloat16:
 oneDNN's prepacked kernels, cbserve's AMX kernel (engine/executor/kernels/amx_gemm.py, where the CPU has
-AMX) and ``F.linear``.
+AMX, else its AVX512-BF16 kernel, bf16_gemm.py) and ``F.linear``.
 
     python -m bench.cpu_matmul                 # SmolLM2-135M's shapes, rows 16 64 256 2048
     python -m bench.cpu_matmul --dtype bfloat16 --rows 1 16 64 2048
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.cpu.native_build import KernelUnavailable
-from engine.executor.kernels import amx_gemm, prepacked, small_gemm
+from engine.executor.kernels import amx_gemm, bf16_gemm, prepacked, small_gemm
 
 
 def layer_shapes(hidden: int, intermediate: int, q_heads: int, kv_heads: int) -> list[tuple[int, int]]:
@@ -50,10 +50,18 @@ def best_seconds(fns: dict[str, Callable[[], object]], reps: int, rounds: int) -
     return best
 
 
-def own_kernel(dtype: torch.dtype) -> small_gemm.SmallGemm | amx_gemm.AmxGemm:
-    """cbserve's kernel for ``dtype``: the small float32 kernel, or the AMX kernel for bfloat16."""
+def own_kernel(
+    dtype: torch.dtype,
+) -> tuple[str, small_gemm.SmallGemm | amx_gemm.AmxGemm | bf16_gemm.Bf16Gemm]:
+    """cbserve's kernel for ``dtype`` and its name: the small float32 kernel; for bfloat16 the AMX kernel,
+    else the AVX512-BF16 one (engine/executor/fast_paths.py's choice)."""
     try:
-        return small_gemm.load() if dtype == torch.float32 else amx_gemm.load()
+        if dtype == torch.float32:
+            return "small-kernel", small_gemm.load()
+        try:
+            return "amx-kernel", amx_gemm.load()
+        except KernelUnavailable:
+            return "bf16-dot-kernel", bf16_gemm.load()
     except KernelUnavailable as e:
         raise SystemExit(f"cbserve's {dtype} kernel is not available here: {e}") from e
 
@@ -73,8 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     if not prepacked.can_prepack(cpu, dtype):
         raise SystemExit(f"this torch build or CPU cannot prepack {args.dtype} weights (no oneDNN)")
-    ours = own_kernel(dtype)
-    ours_name = "small-kernel" if dtype == torch.float32 else "amx-kernel"
+    ours_name, ours = own_kernel(dtype)
     gen = torch.Generator().manual_seed(0)
     shapes = layer_shapes(args.hidden, args.intermediate, args.q_heads, args.kv_heads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; shapes (in, out): {shapes}")

@@ -9,7 +9,8 @@ layer in one parallel region: the result is that of the layer-by-layer path (tes
 
 It reads its weights from the model's flat table (``decoder_table`` of the Llama or Gemma model) once the
 CPU fast paths are in (engine/executor/fast_paths.py): float32 with every projection in the small kernel's
-panels, or bfloat16 with every projection in the AMX kernel's tiles (CPUs with AMX-BF16), and the fused ops
+panels, or bfloat16 with every projection in the AMX kernel's tiles (CPUs with AMX-BF16) or the AVX512-BF16
+kernel's panels (CPUs with those dot products but no AMX), and the fused ops
 (per-head q/k norms and each layer's rotary table included: Qwen3, Gemma 3). It runs steps where every
 sequence computes one token with the CPU decode kernel (``CpuDecodeStack.can_run``); everything else runs
 layer by layer.
@@ -31,6 +32,7 @@ from engine.executor.attention.decode_kernel import DecodeKernel
 from engine.executor.inputs import BatchInputs
 from engine.executor.kernels.modules import (
     AmxLinear,
+    Bf16PanelLinear,
     FusedGeluTanhMul,
     FusedRMSNorm,
     FusedRotaryEmbedding,
@@ -83,6 +85,7 @@ class _Model(ctypes.Structure):
         ("final_norm", _ptr),
         ("bf16", _i64),
         ("f32_norms", _i64),
+        ("bf16_dot", _i64),
     ]
 
 
@@ -91,7 +94,8 @@ def _ptr_of(t: torch.Tensor | None) -> int | None:
 
 
 def _packed(m: Panels) -> torch.Tensor:
-    """A projection's weights as the stack's matmuls read them: float32 panels or bfloat16 AMX tiles."""
+    """A projection's weights as the stack's matmuls read them: float32 panels, bfloat16 AMX tiles or
+    bfloat16 panels of k-pairs."""
     if isinstance(m, AmxLinear):
         return m.tiles
     if isinstance(m, QuantAmxLinear):
@@ -114,11 +118,12 @@ def _weight(norm: nn.Module | None) -> torch.Tensor | None:
     return None if norm is None else cast(torch.Tensor, norm.weight)
 
 
-Panels = SmallGemmLinear | QuantPanelLinear | AmxLinear | QuantAmxLinear
-# the projections the stack's matmuls read, per dtype
-_MATMULS: dict[torch.dtype, tuple[type, ...]] = {
-    torch.float32: (SmallGemmLinear, QuantPanelLinear),
-    torch.bfloat16: (AmxLinear, QuantAmxLinear),
+Panels = SmallGemmLinear | QuantPanelLinear | AmxLinear | QuantAmxLinear | Bf16PanelLinear
+# the projections the stack's matmuls read, per dtype: float32 panels; bfloat16 AMX tiles, or panels of
+# k-pairs (AVX512-BF16, CPUs without AMX), all the model's of one kind
+_MATMULS: dict[torch.dtype, tuple[tuple[type, ...], ...]] = {
+    torch.float32: ((SmallGemmLinear, QuantPanelLinear),),
+    torch.bfloat16: ((AmxLinear, QuantAmxLinear), (Bf16PanelLinear,)),
 }
 
 
@@ -232,8 +237,8 @@ class CpuDecodeStack:
     @staticmethod
     def for_model(model: nn.Module) -> CpuDecodeStack | None:
         """The stack for ``model``, or None where it does not apply (not a Llama-family or Gemma model with
-        the CPU fast paths in: float32 on the small kernel's panels, bfloat16 on AMX tiles) or cannot be
-        built (the reason is logged)."""
+        the CPU fast paths in: float32 on the small kernel's panels, bfloat16 on AMX tiles or the AVX512-BF16
+        kernel's panels) or cannot be built (the reason is logged)."""
         if not isinstance(model, LlamaForCausalLM | GemmaForCausalLM) or model.dtype not in _MATMULS:
             return None
         table = model.decoder_table()
@@ -246,9 +251,11 @@ class CpuDecodeStack:
         ):
             return None
         stack_layers = [layer for layer in layers if layer is not None]
-        matmuls = _MATMULS[model.dtype]
         projections = [p for layer in stack_layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        if len(stack_layers) < len(layers) or not all(isinstance(p, matmuls) for p in [*projections, head]):
+        projections.append(head)
+        if len(stack_layers) < len(layers) or not any(
+            all(isinstance(p, kind) for p in projections) for kind in _MATMULS[model.dtype]
+        ):
             return None
         if any(layer.norm_dtypes != {norm.weight.dtype} for layer in stack_layers):
             return None  # NOTE: the C step takes one dtype for every norm's weight (the final norm's)
@@ -308,7 +315,7 @@ class CpuDecodeStack:
             cfg.head_dim, cfg.intermediate_size, kv_cache.num_blocks, kv_cache.block_size,
             self.rotary.cos.shape[0], cfg.rms_norm_eps, cfg.attention_scale, cfg.attn_logit_softcapping or 0.0,
             self.final_norm.weight.data_ptr(), int(dtype == torch.bfloat16),
-            int(self.final_norm.weight.dtype == torch.float32),
+            int(self.final_norm.weight.dtype == torch.float32), int(isinstance(self.head, Bf16PanelLinear)),
         )  # fmt: skip
         self._tables = (kv_cache, desc, layers)
         return desc, layers

@@ -8,7 +8,8 @@ as gpt-fast's ``replace_linear_int4`` does: the model's code stays the architect
             bfloat16, AMX:                    AmxLinear for every call (every K a multiple of 32; else
                                               PackedLinear), wrapped in a QuantAmxLinear where the
                                               checkpoint's blocks round to W exactly
-            bfloat16, no AMX, batch_invariant: WidenedLinear (float32 on the small kernel's panels)
+            bfloat16, AVX512-BF16 (no AMX):  Bf16PanelLinear for every call (every K)
+            bfloat16, AVX2, batch_invariant: WidenedLinear (float32 on the small kernel's panels)
             otherwise, where oneDNN packs:    PackedLinear
         RMSNorm -> FusedRMSNorm, RotaryEmbedding -> FusedRotaryEmbedding, SiluAndMul -> FusedSiLUMul,
         GeluTanhAndMul -> FusedGeluTanhMul
@@ -31,14 +32,16 @@ from torch import nn
 
 from engine.cpu import huge_pages
 from engine.cpu.native_build import KernelUnavailable
-from engine.executor.kernels import amx_gemm, amx_qgemm, cpu_ops, prepacked, small_gemm
+from engine.executor.kernels import amx_gemm, amx_qgemm, bf16_gemm, cpu_ops, prepacked, small_gemm
 from engine.executor.kernels.amx_gemm import AmxGemm
 from engine.executor.kernels.amx_qgemm import AmxQGemm
+from engine.executor.kernels.bf16_gemm import Bf16Gemm
 from engine.executor.kernels.block_codes import BlockCodes
 from engine.executor.kernels.cpu_ops import CpuOps
 from engine.executor.kernels.modules import (
     AmxLinear,
     AmxSwiGLUMLP,
+    Bf16PanelLinear,
     FusedGeluTanhMul,
     FusedRMSNorm,
     FusedRotaryEmbedding,
@@ -83,8 +86,9 @@ def apply_cpu_fast_paths(
     tensors by Hugging Face name (the GGUF loader's), kept as quantized panels where they give the loaded
     weight bit for bit. ``batch_invariant``: matmuls of every size on cbserve's kernels, never on oneDNN
     (whose kernel, and rounding, depend on the call's row count): float32 takes the small kernel for every
-    call and bfloat16 on a CPU with AMX-BF16 the AMX kernel, with or without the flag; bfloat16 without AMX,
-    with the flag, float32 chains on the small kernel over the bfloat16 weights."""
+    call and bfloat16 on a CPU with AMX-BF16 the AMX kernel, else with AVX512-BF16 the dot-product kernel, with
+    or without the flag; bfloat16 on an AVX2 CPU, with the flag, float32 chains on the small kernel over the
+    bfloat16 weights."""
     small, invariant = swap_linears(model, blocks or {}, batch_invariant)
     ops = swap_fused_ops(model)
     swap_swiglu_mlps(model)
@@ -98,10 +102,12 @@ def swap_linears(
     batch-invariant (else none is); returns the small kernel where it serves them, and whether every row
     takes one kernel whatever its batch."""
     amx = _amx(model) if prepacked.can_prepack(model.device, model.dtype) else None
-    bf16_invariant = batch_invariant and model.dtype == torch.bfloat16 and model.device.type == "cpu"
-    if amx is not None and (_tiles_fit(model) or not bf16_invariant):  # bfloat16 on AMX tiles, every call
+    if amx is not None and _tiles_fit(model):  # bfloat16 on AMX tiles, every call
         return None, swap_amx_linears(model, amx, blocks)
-    if bf16_invariant:  # no AMX (or a K the tiles do not take)
+    dot = _bf16_dot(model)
+    if dot is not None:  # bfloat16 without AMX (or a K the tiles do not take): AVX512-BF16, every call
+        return None, swap_bf16_panel_linears(model, dot)
+    if batch_invariant and model.dtype == torch.bfloat16 and model.device.type == "cpu":  # AVX2 only
         return swap_widened_linears(model)
     if not prepacked.can_prepack(model.device, model.dtype):
         return None, False
@@ -131,20 +137,28 @@ def swap_linears(
 
 
 def swap_amx_linears(model: NativeModel, amx: AmxGemm, blocks: Mapping[str, BlockCodes]) -> bool:
-    """bfloat16 with AMX: every ``Linear`` on the tiles for calls of every size (where every K is a
-    multiple of 32; else all on oneDNN), behind the checkpoint's blocks where they round to the weight;
-    returns whether every row takes one kernel whatever its batch."""
-    fits = _tiles_fit(model)
+    """bfloat16 with AMX (every K a multiple of 32): every ``Linear`` on the tiles for calls of every size,
+    behind the checkpoint's blocks where they round to the weight; returns True (every row takes one kernel
+    whatever its batch)."""
     places = [(parent, name) for parent, name, m in _children(model) if isinstance(m, Linear)]
-    qgemm = _amx_quantized() if fits and blocks else None
+    qgemm = _amx_quantized() if blocks else None
     linears = [getattr(parent, name) for parent, name in places]
     codes = _block_codes(model, linears, blocks) if qgemm is not None else [None] * len(linears)
     del linears
     for (parent, name), c in zip(places, codes, strict=True):
         m = getattr(parent, name)
-        w = m.weight.detach()
-        setattr(parent, name, _amx_linear(amx, qgemm, w, m.bias, c) if fits else PackedLinear(w, m.bias))
-    return fits
+        setattr(parent, name, _amx_linear(amx, qgemm, m.weight.detach(), m.bias, c))
+    return True
+
+
+def swap_bf16_panel_linears(model: NativeModel, dot: Bf16Gemm) -> bool:
+    """bfloat16 with AVX512-BF16 and no AMX: every ``Linear`` on the dot-product kernel's panels, for calls of
+    every size; returns True (every row takes one kernel whatever its batch)."""
+    places = [(parent, name) for parent, name, m in _children(model) if isinstance(m, Linear)]
+    for parent, name in places:
+        m = getattr(parent, name)
+        setattr(parent, name, Bf16PanelLinear(dot, m.weight.detach(), m.bias))
+    return True
 
 
 def _tiles_fit(model: NativeModel) -> bool:
@@ -179,6 +193,18 @@ def _amx(model: NativeModel) -> AmxGemm | None:
         return amx_gemm.load()
     except KernelUnavailable as e:
         logger.info("the AMX matmul kernel is not used (%s); oneDNN runs bfloat16 matmuls", e)
+        return None
+
+
+def _bf16_dot(model: NativeModel) -> Bf16Gemm | None:
+    """The AVX512-BF16 kernel for a bfloat16 CPU model, where the CPU has those dot products and it could be
+    built."""
+    if not bf16_gemm.supports(model.device, model.dtype):
+        return None
+    try:
+        return bf16_gemm.load()
+    except KernelUnavailable as e:
+        logger.info("the AVX512-BF16 matmul kernel is not used (%s)", e)
         return None
 
 

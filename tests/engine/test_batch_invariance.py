@@ -2,9 +2,10 @@
 the default model, two prompts' logprobs (a short greedy one, a long seeded one) alone are the same bits as
 side by side beside long prefill chunks, inside a decode batch of 16 rows, and when the long one is split
 into chunks by an earlier long prompt (docs/GENERATION.md, "Batch invariance"): float32 on every CPU by
-default (the small kernel takes every call); bfloat16 where the CPU has AMX-BF16 by default (the AMX kernel
-takes every call), and with ``batch_invariant=True`` on the path of CPUs without it (float32
-chains on the small kernel over the bfloat16 weights; on an AMX CPU its tiles are hidden from the loader).
+default (the small kernel takes every call); bfloat16 where the CPU has AMX-BF16 or AVX512-BF16 by default
+(the AMX kernel, else the dot-product kernel, takes every call), and with ``batch_invariant=True`` on the
+path of AVX2-only CPUs (float32 chains on the small kernel over the bfloat16 weights; those kernels are
+hidden from the loader here).
 
 The prompts are sized against the engine's step budget: float32's steps hold ``STEP_TOKENS`` tokens, so a
 step still mixes prefill chunks of hundreds of rows with decode rows and a prompt is still split by one
@@ -23,7 +24,7 @@ from default_engine import engine_on
 from engine.cpu.native_build import KernelUnavailable
 from engine.engine import Engine
 from engine.executor import fast_paths
-from engine.executor.kernels import amx_gemm
+from engine.executor.kernels import amx_gemm, bf16_gemm
 from engine.executor.kernels.modules import WidenedLinear
 from engine.outputs import GenerationOutput
 
@@ -42,9 +43,10 @@ def _engine(dtype: str, request: pytest.FixtureRequest) -> tuple[Engine, int]:
     """The engine and its step budget."""
     if dtype == "float32":  # the session's default float32 load: no batch_invariant, it promises it
         return engine_on(request.getfixturevalue("default_model"), max_batch_tokens=STEP_TOKENS), STEP_TOKENS
-    if dtype == "bfloat16-widened":  # what a CPU without AMX-BF16 runs with batch_invariant
+    if dtype == "bfloat16-widened":  # what an AVX2-only CPU runs with batch_invariant
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(fast_paths, "_amx", lambda model: None)
+            patch.setattr(fast_paths, "_bf16_dot", lambda model: None)
             engine = Engine.from_pretrained(
                 "default", device="cpu", dtype="bfloat16", batch_invariant=True, max_batch_tokens=STEP_TOKENS
             )
@@ -53,8 +55,11 @@ def _engine(dtype: str, request: pytest.FixtureRequest) -> tuple[Engine, int]:
     try:
         amx_gemm.load()
     except KernelUnavailable as e:
-        pytest.skip(f"batch-invariant bfloat16 needs AMX-BF16: {e}")
-    # NOTE: no batch_invariant: the default bfloat16 kernels on AMX promise it
+        try:
+            bf16_gemm.load()
+        except KernelUnavailable as e2:
+            pytest.skip(f"batch-invariant bfloat16 by default needs AMX-BF16 ({e}) or AVX512-BF16 ({e2})")
+    # NOTE: no batch_invariant: the default bfloat16 kernels on AMX or AVX512-BF16 promise it
     engine = Engine.from_pretrained("default", device="cpu", dtype=dtype, max_batch_tokens=BF16_STEP_TOKENS)
     return engine, BF16_STEP_TOKENS
 

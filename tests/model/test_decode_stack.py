@@ -1,5 +1,7 @@
 """The decode stack (engine/executor/decode_stack.py): every decoder layer of a CPU decode step in one C call
-(float32; bfloat16 where the CPU has AMX-BF16) gives the bits of the layer-by-layer path (the same kernels in the same order), writes the same K/V,
+(float32; bfloat16 where the CPU has AMX-BF16 or AVX512-BF16: on AMX tiles, or on the dot-product kernel's
+panels, also on an AMX CPU with its tiles hidden) gives the bits of the layer-by-layer path (the same kernels
+in the same order), writes the same K/V,
 keeps the caller's logits order, refuses bad slots and positions before writing anything, and runs
 exactly the steps it can: pure decode batches with the CPU decode kernel and the CPU fast paths in.
 Gemma 2's layers (four norms, GELU-tanh, soft caps, per-layer windows), Gemma 3's and Qwen3's per-head q/k
@@ -11,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +25,12 @@ from model_harness import cpu_kernel_or_skip
 from engine.cpu import native_build
 from engine.cpu.native_build import KernelUnavailable
 from engine.engine import Engine
+from engine.executor import fast_paths
 from engine.executor.attention.cpu_kernel import PagedDecodeKernel
 from engine.executor.decode_stack import CpuDecodeStack
 from engine.executor.fast_paths import apply_cpu_fast_paths
 from engine.executor.inputs import BatchInputs
-from engine.executor.kernels import amx_gemm
+from engine.executor.kernels import amx_gemm, bf16_gemm
 from engine.executor.kv_cache import KVCache
 from engine.executor.models import LlamaForCausalLM, build_model
 from engine.executor.models.registry import NativeModel
@@ -40,17 +43,24 @@ BLOCK = 16
 NUM_BLOCKS = 48
 
 
-def _model(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> CpuDecodeStack:
-    """``cfg`` with random weights, set up as the engine sets up a CPU model: its decode stack."""
+def _model(cfg: ModelConfig, seed: int = 0, kind: str = "float32") -> CpuDecodeStack:
+    """``cfg`` with random weights, set up as the engine sets up a CPU model: its decode stack. ``kind``:
+    float32; bfloat16 (AMX tiles, else the AVX512-BF16 kernel); bfloat16-dot (the AVX512-BF16 kernel on a
+    CPU with AMX, its tiles hidden)."""
+    dtype = torch.float32 if kind == "float32" else torch.bfloat16
+    hide_amx = kind == "bfloat16-dot"
     if dtype == torch.bfloat16:
-        _amx_or_skip()
+        _bf16_kernel_or_skip(hide_amx)
     model = build_model(cfg, dtype, CPU)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             scale = 1.0 if "norm" in name else 0.05
             p.copy_(torch.randn(p.shape, generator=gen) * scale + (1.0 if "norm" in name else 0.0))
-    paths = apply_cpu_fast_paths(model)
+    with pytest.MonkeyPatch.context() as patch:
+        if hide_amx:
+            patch.setattr(fast_paths, "_amx", lambda model: None)
+        paths = apply_cpu_fast_paths(model)
     if paths.small_gemm is None and dtype == torch.float32:
         pytest.skip("this torch build cannot prepack weights (no oneDNN) or the small kernel cannot be built")
     if paths.fused_ops is None:
@@ -61,11 +71,25 @@ def _model(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) 
     return stack
 
 
-def _amx_or_skip() -> None:
+def _has(kernel: Callable[[], object]) -> bool:
     try:
-        amx_gemm.load()
-    except KernelUnavailable as e:
-        pytest.skip(f"the bfloat16 stack runs on AMX tiles: {e}")
+        kernel()
+        return True
+    except KernelUnavailable:
+        return False
+
+
+def _bf16_kernel_or_skip(hide_amx: bool) -> None:
+    """Skip where the bfloat16 stack has no kernel; with ``hide_amx``, also where the CPU has no AMX (its
+    plain bfloat16 case runs the AVX512-BF16 kernel already)."""
+    amx, dot = _has(amx_gemm.load), _has(bf16_gemm.load)
+    if hide_amx and not (amx and dot):
+        pytest.skip("the AVX512-BF16 kernel with AMX hidden: needs a CPU with both")
+    if not (amx or dot):
+        pytest.skip("the bfloat16 stack runs on AMX tiles or AVX512-BF16 dot products: neither here")
+
+
+KINDS = ["float32", "bfloat16", "bfloat16-dot"]
 
 
 # SmolLM2-135M's layer shapes (9 query heads over 3 KV heads of 64: the kernel's unrolled attention), 2 layers
@@ -174,19 +198,19 @@ def _count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 @pytest.mark.parametrize(
     "lengths", [[7], [150], [1, 15, 16, 17, 40, 33, 90, 2]], ids=["one", "one-of-ten-pages", "eight"]
 )
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_the_same_bits_as_layer_by_layer(
     kernel: PagedDecodeKernel,
     monkeypatch: pytest.MonkeyPatch,
     cfg: ModelConfig,
     lengths: list[int],
-    dtype: torch.dtype,
+    kind: str,
 ) -> None:
     """Logits and both caches' K/V are equal bit for bit; the sequences come in unsorted, so the batch is
     reordered by length and the logits must come back in the caller's order. A lone row's attention runs
     split over the threads (its pages' scores, its heads' softmax, its output lanes) in the stack, whole in
     the layer-by-layer kernel."""
-    stack = _model(cfg, dtype=dtype)
+    stack = _model(cfg, kind=kind)
     state = _prefilled(stack.model, kernel, lengths, seed=len(lengths))
     stacked_cache, layered_cache = state["caches"]
     calls = _count_calls(monkeypatch)
@@ -198,10 +222,11 @@ def test_the_same_bits_as_layer_by_layer(
     assert stacked.shape == (len(lengths), cfg.vocab_size)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_a_step_past_one_tile_of_rows_is_the_same_bits(kernel: PagedDecodeKernel, dtype: torch.dtype) -> None:
-    """20 sequences: in bfloat16 past one AMX tile of 16 rows (the matmuls run blocks of 32, zero-padded)."""
-    stack = _model(SMOL, dtype=dtype)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_step_past_one_tile_of_rows_is_the_same_bits(kernel: PagedDecodeKernel, kind: str) -> None:
+    """20 sequences: in bfloat16 past one AMX tile of 16 rows (the matmuls run blocks of 32, zero-padded),
+    past one block of 12 rows of the AVX512-BF16 kernel."""
+    stack = _model(SMOL, kind=kind)
     state = _prefilled(stack.model, kernel, [3 + (7 * i) % 12 for i in range(20)], seed=20)
     stacked_cache, layered_cache = state["caches"]
     assert stack.can_run(state["decode"], kernel)
@@ -234,14 +259,14 @@ class _RowByRow(PagedDecodeKernel):
 
 
 @pytest.mark.parametrize("cfg", [SMOL, GEMMA2, ODD], ids=["smollm2-shapes", "gemma2-softcap-windows", "odd"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_verify_chunk_is_the_same_bits_as_its_rows_attended_alone(
-    kernel: PagedDecodeKernel, monkeypatch: pytest.MonkeyPatch, cfg: ModelConfig, dtype: torch.dtype
+    kernel: PagedDecodeKernel, monkeypatch: pytest.MonkeyPatch, cfg: ModelConfig, kind: str
 ) -> None:
     """Verify chunks of 5 and 3 tokens beside ordinary decode rows: the stack attends each chunk's rows as
     one verify run (paged_decode.c), and its logits and K/V are the layer-by-layer path's with every row
     attended alone."""
-    stack = _model(cfg, dtype=dtype)
+    stack = _model(cfg, kind=kind)
     state = _prefilled(stack.model, kernel, [30, 17, 9, 44], seed=7, new_tokens=[5, 1, 3, 1])
     stacked_cache, layered_cache = state["caches"]
     decode: BatchInputs = state["decode"]
@@ -313,12 +338,8 @@ def test_only_pure_decode_steps_with_the_cpu_kernel_and_fast_paths_take_it(
     assert calls == [2]
     bf16 = build_model(SMOL, torch.bfloat16, CPU)
     apply_cpu_fast_paths(bf16)
-    try:
-        amx_gemm.load()
-        amx = True
-    except KernelUnavailable:
-        amx = False
-    assert (CpuDecodeStack.for_model(bf16) is not None) == amx  # bfloat16: on AMX tiles only
+    # bfloat16: on AMX tiles or the AVX512-BF16 kernel's panels
+    assert (CpuDecodeStack.for_model(bf16) is not None) == (_has(amx_gemm.load) or _has(bf16_gemm.load))
     assert CpuDecodeStack.for_model(build_model(SMOL, torch.float32, CPU)) is None  # no fast paths swapped in
 
 

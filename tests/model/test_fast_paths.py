@@ -7,6 +7,7 @@ model's logits are the plain model's up to float rounding."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, cast
 
 import pytest
@@ -18,10 +19,11 @@ from engine.cpu.native_build import KernelUnavailable
 from engine.executor import fast_paths
 from engine.executor.fast_paths import apply_cpu_fast_paths
 from engine.executor.inputs import BatchInputs
-from engine.executor.kernels import amx_gemm, prepacked, small_gemm
+from engine.executor.kernels import amx_gemm, bf16_gemm, prepacked, small_gemm
 from engine.executor.kernels.modules import (
     AmxLinear,
     AmxSwiGLUMLP,
+    Bf16PanelLinear,
     FusedRMSNorm,
     FusedRotaryEmbedding,
     FusedSiLUMul,
@@ -86,23 +88,42 @@ def test_a_float32_model_gets_the_kernels_modules(kernel: SmallGemm, batch_invar
     assert isinstance(model.rotary, FusedRotaryEmbedding)
 
 
+def _loads(kernel: Callable[[], object]) -> bool:
+    try:
+        kernel()
+        return True
+    except KernelUnavailable:
+        return False
+
+
 @pytest.mark.parametrize("batch_invariant", [False, True])
-def test_a_bfloat16_model_gets_onednn_or_the_amx_kernel_and_the_fused_ops(batch_invariant: bool) -> None:
+def test_a_bfloat16_model_gets_onednn_or_the_amx_or_dot_kernel_and_the_fused_ops(
+    batch_invariant: bool,
+) -> None:
     model, _ = _pair(torch.bfloat16)
     paths = apply_cpu_fast_paths(model, batch_invariant=batch_invariant)
     onednn = prepacked.can_prepack(CPU, torch.bfloat16)
-    try:
-        amx = onednn and bool(amx_gemm.load())
-    except KernelUnavailable:
-        amx = False
-    widened = batch_invariant and not amx and paths.small_gemm is not None  # no AMX: float32 chains
+    amx = onednn and _loads(amx_gemm.load)
+    dot = not amx and _loads(bf16_gemm.load)  # AVX512-BF16 without AMX
+    widened = batch_invariant and not (amx or dot) and paths.small_gemm is not None  # AVX2: float32 chains
     assert paths.small_gemm is None or widened  # else the small kernel is float32 only
-    assert paths.prepacked == (onednn or widened)
-    expected = AmxLinear if amx else WidenedLinear if widened else PackedLinear if onednn else Linear
+    assert paths.prepacked == (onednn or dot or widened)
+    expected = (
+        AmxLinear
+        if amx
+        else Bf16PanelLinear
+        if dot
+        else WidenedLinear
+        if widened
+        else PackedLinear
+        if onednn
+        else Linear
+    )
     assert _types(model, Linear) == {expected}
-    assert paths.batch_invariant == (amx or widened)  # the tiles take every call, with or without the flag
-    if amx:
-        head = cast(AmxLinear, model.lm_head)
+    # the tiles and the dot kernel's panels take every call, with or without the flag
+    assert paths.batch_invariant == (amx or dot or widened)
+    if amx or dot:
+        head = cast(AmxLinear | Bf16PanelLinear, model.lm_head)
         assert head.takes(1) and head.takes(8192)
         assert not any(isinstance(m, PackedLinear) for m in model.modules())  # no oneDNN copy of a weight
     if paths.fused_ops is not None:
@@ -111,13 +132,15 @@ def test_a_bfloat16_model_gets_onednn_or_the_amx_kernel_and_the_fused_ops(batch_
     assert _types(model, GatedMLP) == {AmxSwiGLUMLP if amx and paths.fused_ops is not None else GatedMLP}
 
 
-def test_bfloat16_without_amx_is_batch_invariant_on_float32_chains(
+def test_bfloat16_on_avx2_is_batch_invariant_on_float32_chains(
     kernel: SmallGemm, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """What a CPU without AMX-BF16 runs with ``batch_invariant`` (its tiles hidden here where it has them):
-    each projection in float32 over the bfloat16 weights, rounded once -- a float64 reference's output
-    rounded to bfloat16 within one bfloat16 step -- and a row's bits the same alone and among 300 rows."""
+    """What a CPU without AMX-BF16 and AVX512-BF16 runs with ``batch_invariant`` (those kernels hidden here
+    where it has them): each projection in float32 over the bfloat16 weights, rounded once -- a float64
+    reference's output rounded to bfloat16 within one bfloat16 step -- and a row's bits the same alone and
+    among 300 rows."""
     monkeypatch.setattr(fast_paths, "_amx", lambda model: None)
+    monkeypatch.setattr(fast_paths, "_bf16_dot", lambda model: None)
     model, plain = _pair(torch.bfloat16)
     paths = apply_cpu_fast_paths(model, batch_invariant=True)
     assert paths.batch_invariant and _types(model, Linear) == {WidenedLinear}
@@ -132,16 +155,18 @@ def test_bfloat16_without_amx_is_batch_invariant_on_float32_chains(
         assert torch.equal(layer(x[row : row + 1]), out[row : row + 1])
 
 
-def test_bfloat16_weights_the_tiles_cannot_pack_take_the_float32_chains_when_invariant(
+def test_bfloat16_weights_the_tiles_cannot_pack_take_the_dot_kernel_or_float32_chains_when_invariant(
     kernel: SmallGemm,
 ) -> None:
     """A K that is not a multiple of 32 (the down projection of 168 inputs): no AMX tiles for the model, so
-    with ``batch_invariant`` every projection takes the float32 chains, on every CPU."""
+    every projection takes the AVX512-BF16 kernel's panels where the CPU has it (flag or not), else with
+    ``batch_invariant`` the float32 chains."""
     model = build_model(dataclasses.replace(TINY, intermediate_size=168), torch.bfloat16, CPU)
     paths = apply_cpu_fast_paths(model, batch_invariant=True)
     assert paths.batch_invariant
-    projections = {type(m) for m in model.modules() if isinstance(m, WidenedLinear | Linear | AmxLinear)}
-    assert projections == {WidenedLinear}
+    kinds = WidenedLinear | Linear | AmxLinear | Bf16PanelLinear
+    projections = {type(m) for m in model.modules() if isinstance(m, kinds)}
+    assert projections == {Bf16PanelLinear if _loads(bf16_gemm.load) else WidenedLinear}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

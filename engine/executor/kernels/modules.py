@@ -4,7 +4,8 @@
 
     PackedLinear          oneDNN over a weight reordered once into its blocked layout (prepacked.py)
     SmallGemmLinear       float32 on the small kernel's panels (small_gemm.py), for calls of every size
-    WidenedLinear         bfloat16 rows in float32 on those panels, rounded once (batch invariance without AMX)
+    WidenedLinear         bfloat16 rows in float32 on those panels, rounded once (batch invariance, AVX2 CPUs)
+    Bf16PanelLinear       bfloat16 on AVX512-BF16 dot products (bf16_gemm.py), for calls of every size
     QuantPanelLinear      a quantized checkpoint's blocks, expanded in registers, for calls of a few rows
     AmxLinear             bfloat16 on AMX tiles (amx_gemm.py), oneDNN for larger calls unless it takes them all
     QuantAmxLinear        a quantized checkpoint's blocks expanded into AMX tiles, for calls of up to 32 rows
@@ -25,6 +26,7 @@ from torch import nn
 from engine.executor.kernels import amx_qgemm, prepacked, small_gemm
 from engine.executor.kernels.amx_gemm import AmxGemm
 from engine.executor.kernels.amx_qgemm import AmxQGemm
+from engine.executor.kernels.bf16_gemm import Bf16Gemm
 from engine.executor.kernels.cpu_ops import CpuOps
 from engine.executor.kernels.small_gemm import SmallGemm
 from engine.executor.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, RotaryInputs
@@ -89,6 +91,31 @@ class WidenedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.wide(x.float()).to(x.dtype)  # [..., out_features]
+
+
+class Bf16PanelLinear(nn.Module):
+    """``x W^T + b`` in bfloat16 with ``W`` in the AVX512-BF16 kernel's panels of k-pairs (``Bf16Gemm.pack``),
+    for calls of every size (CPUs without AMX: AMD Zen 4 and later), so a row's bits never depend on its
+    batch."""
+
+    def __init__(self, gemm: Bf16Gemm, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.gemm = gemm
+        self.panels = gemm.pack(weight)  # [ceil(out / 16), ceil(in / 2), 16, 2]
+        self.bias = bias
+
+    def takes(self, num_rows: int) -> bool:
+        """Whether a call of ``num_rows`` rows runs on the panels: every call does."""
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gemm.linear(x, self.panels, self.out_features, self.bias)  # [..., out_features]
+
+    def forward_float(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward(x).float()``, written as float32 by the kernel: an output head's logits without a
+        second pass over them (``DecoderOnlyLM.compute_logits``)."""
+        return self.gemm.linear(x, self.panels, self.out_features, self.bias, torch.float32)
 
 
 class AmxLinear(nn.Module):

@@ -1,6 +1,7 @@
 /* A decode step's decoder layers in one call: every layer of a Llama-family (or Gemma) model for a batch of
  * sequences that each compute one new token, inside one OpenMP parallel region. float32 (the matmuls on
- * small_gemm.c's panels) or bfloat16 (on amx_gemm.c's AMX tiles, where the CPU has them).
+ * small_gemm.c's panels) or bfloat16 (on amx_gemm.c's AMX tiles, where the CPU has them, else on
+ * bf16_gemm.c's panels of k-pairs, where it has AVX512-BF16).
  *
  * Why: run layer by layer from Python, a decode step makes hundreds of calls into C (a matmul, an
  * attention, a norm...); between them the main thread runs Python and PyTorch glue while the other
@@ -34,6 +35,7 @@
 #include "small_gemm.c"
 #include "cpu_ops.c"
 #include "amx_qgemm.c" /* and amx_gemm.c */
+#include "bf16_gemm.c"
 #include "../../attention/csrc/paged_decode.c"
 
 #include <omp.h>
@@ -106,6 +108,7 @@ typedef struct {
     const void *final_norm;        /* [hidden] */
     int64_t bf16;                  /* 1: weights, activations and the KV cache in bfloat16; 0: float32 */
     int64_t f32_norms;             /* 1: every norm's weight float32, scaling before the rounding (Gemma) */
+    int64_t bf16_dot;              /* 1: the bfloat16 matmuls on bf16_gemm.c's panels, not AMX tiles */
 } cbserve_model;
 
 /* y[:, 0:N] = x W^T (+ b) for M rows: the output panels shared out among the threads of the region; from
@@ -155,8 +158,8 @@ typedef struct {
 
 /* The step's buffers, one allocation (`base`, kept for the next step): the activations in the model's dtype,
  * `padded_rows` each (the matmuls' inputs with zero rows past the sequences); then float32: the queries and
- * the attention's output (bfloat16 only), each thread's scores; then each thread's AMX scratch block
- * (bfloat16 only). The attention's tiles (paged_decode.c's plan_tiles: one plan for every layer) are planned
+ * the attention's output (bfloat16 only), each thread's scores; then each thread's AMX scratch block or
+ * (bf16_gemm.c) packed rows (bfloat16 only). The attention's tiles (paged_decode.c's plan_tiles: one plan for every layer) are planned
  * before, in their own allocation. */
 typedef struct {
     char *base;
@@ -184,11 +187,12 @@ typedef struct {
     const batch *in;
     const buffers *b;
     int bf16;
+    int dot;           /* bfloat16 on bf16_gemm.c's panels (AVX512-BF16), not AMX tiles */
     int64_t es;        /* bytes per element: 2 or 4 */
     int64_t rows;      /* the sequences */
     int64_t padded;    /* rows the bfloat16 matmuls compute (zero rows past `rows`); `rows` in float32 */
     float *scores;     /* this thread's attention scores */
-    uint16_t *scratch; /* this thread's AMX scratch block (bfloat16) */
+    uint16_t *scratch; /* this thread's AMX scratch block, or its packed rows for bf16_gemm.c (bfloat16) */
 } step;
 
 #define ROW(p, r, width) ((char *)(p) + ((r) * (width)) * st->es)
@@ -233,7 +237,9 @@ static void amx_q_shared(uint16_t *out, const uint16_t *x, const uint8_t *q, int
  * stored them so (float32: up to ROWS rows; bfloat16: up to QROWS) */
 static inline void project(const step *st, void *out, const void *x, const void *w, const uint8_t *q, int64_t offsets,
                            const void *bias, int64_t N, int64_t K) {
-    if (st->bf16 && q != NULL && st->padded <= QROWS)
+    if (st->dot) /* the scratch: allocate()'s */
+        bf16_gemm_share(out, NULL, N, x, K, w, bias, st->rows, N, K, (uint32_t *)st->scratch);
+    else if (st->bf16 && q != NULL && st->padded <= QROWS)
         amx_q_shared(out, x, q, (int)offsets, bias, st->padded, N, K, st->scratch);
     else if (st->bf16)
         amx_shared(out, x, w, bias, st->padded, N, K, st->scratch);
@@ -241,9 +247,10 @@ static inline void project(const step *st, void *out, const void *x, const void 
         gemm_shared(out, N, x, K, w, q, offsets, bias, st->rows, N, K);
 }
 
-/* The rows of `m` that a bfloat16 step computes for S sequences: one AMX tile of 16, or blocks of 32. */
-static int64_t padded_rows(int64_t S, int bf16) {
-    if (!bf16) return S;
+/* The rows of `m` that a bfloat16 step computes for S sequences on AMX tiles: one tile of 16, or blocks of
+ * 32 (`amx` 0: S). */
+static int64_t padded_rows(int64_t S, int amx) {
+    if (!amx) return S;
     return S <= 16 ? 16 : (S + 31) / 32 * 32;
 }
 
@@ -251,7 +258,8 @@ static int64_t padded_rows(int64_t S, int bf16) {
 static int check_inputs(const cbserve_model *m, const cbserve_layer *layers, const batch *in, int64_t S) {
     const int64_t H = m->hidden, I = m->intermediate, bs = m->block_size, q_size = m->num_heads * m->head_dim;
     if (!supported(m->num_heads, m->num_kv_heads, m->head_dim, bs) ||
-        (m->bf16 && (!HAVE_AMX || H % TILE_K || q_size % TILE_K || I % TILE_K)))
+        (m->bf16 && !m->bf16_dot && (!HAVE_AMX || H % TILE_K || q_size % TILE_K || I % TILE_K)) ||
+        (m->bf16_dot && (!m->bf16 || !HAVE_BF16_DOT)))
         return -2;
     for (int64_t s = 0; s < S; s++) {
         const int64_t len = in->seq_lens[s], *table = in->block_tables + s * in->table_stride;
@@ -275,13 +283,13 @@ static __thread kept_buffer step_buffers;
 /* The buffers of a step of S sequences on `threads` threads, `scores` floats of attention scores each; 0: out
  * of memory. */
 static int allocate(buffers *b, const cbserve_model *m, int64_t S, int64_t scores, int threads) {
-    const int bf16 = m->bf16 != 0;
+    const int bf16 = m->bf16 != 0, amx = bf16 && !m->bf16_dot;
     const int64_t H = m->hidden, I = m->intermediate, q_size = m->num_heads * m->head_dim;
     const int64_t qkv_size = q_size + 2 * m->num_kv_heads * m->head_dim;
-    const int64_t Sp = padded_rows(S, bf16), es = bf16 ? 2 : 4;
+    const int64_t Sp = padded_rows(S, amx), es = bf16 ? 2 : 4;
     const int64_t widest = H > I ? (H > q_size ? H : q_size) : (I > q_size ? I : q_size);
     b->scores_per_thread = scores;
-    b->amx_scratch = bf16 ? (amx_scratch_bytes(Sp, widest) + 63) / 64 * 64 : 0;
+    b->amx_scratch = bf16 ? ((amx ? amx_scratch_bytes(Sp, widest) : bf16_packed_rows_bytes(S, widest)) + 63) / 64 * 64 : 0;
     const size_t activations = (size_t)(Sp * (3 * H + qkv_size + q_size + 3 * I) * es);
     const size_t floats = (size_t)((bf16 ? 2 * S * q_size : 0) + threads * b->scores_per_thread);
     const size_t scratches = (activations + sizeof(float) * floats + 63) / 64 * 64; /* tiles load 64-byte rows */
@@ -531,20 +539,20 @@ int cbserve_decode_stack(const cbserve_model *m, const cbserve_layer *layers,
         return -1;
     }
     b.row_ids = plan, b.tile_starts = plan + num_seqs, b.tiles = tiles, b.split_item = split_item;
-    const int bf16 = m->bf16 != 0;
+    const int bf16 = m->bf16 != 0, dot = bf16 && m->bf16_dot, amx = bf16 && !dot;
 
 #pragma omp parallel num_threads(threads)
     {
         const int me = omp_get_thread_num();
-        const step st = {m, &in, &b, bf16, bf16 ? 2 : 4, num_seqs, padded_rows(num_seqs, bf16),
+        const step st = {m, &in, &b, bf16, dot, bf16 ? 2 : 4, num_seqs, padded_rows(num_seqs, amx),
                          b.scores + me * b.scores_per_thread, (uint16_t *)(b.amx_scratches + me * b.amx_scratch)};
 #if HAVE_AMX
-        if (bf16) configure_tiles();
+        if (amx) configure_tiles();
 #endif
         for (int64_t l = 0; l < m->num_layers; l++) decoder_layer(&st, &layers[l], l == 0 ? x : NULL);
         add_and_norm(&st, out, m->num_layers == 0 ? x : NULL, m->final_norm); /* the rows the head takes */
 #if HAVE_AMX
-        if (bf16) _tile_release();
+        if (amx) _tile_release();
 #endif
     }
     free(plan);
