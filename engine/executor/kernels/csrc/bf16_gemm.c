@@ -30,11 +30,17 @@
 #include "transpose16.h"
 
 #define BF16_PANEL 16   /* outputs per panel: one vector of float32 accumulators */
+#ifndef BROWS
 #define BROWS 12        /* rows a register block */
+#endif
+#ifndef BPANELS
 #define BPANELS 2       /* panels a register block */
+#endif
 #define SHARE_MAX 64    /* calls of at most this many rows share out the panels; more split the rows */
 #define BMACRO 240      /* rows a thread packs at a time when the threads split the rows */
+#ifndef BAHEAD
 #define BAHEAD 16       /* k-pairs (64-byte lines of a panel) asked for ahead */
+#endif
 #define BGROUP_BYTES (1 << 19) /* the panels of a group, read from L2 by every block of a macro block */
 #define BF16_INLINE static inline __attribute__((always_inline))
 
@@ -117,8 +123,8 @@ BF16_INLINE void block_times_panels(uint16_t *out, float *out32, int64_t ldo, co
 
 #define BF16_CASE(r)                                                                 \
     case r:                                                                          \
-        if (np == 2)                                                                 \
-            block_times_panels(o16, o32, ldo, xp, p0, KP * BF16_PANEL, b, KP, n, 2, r); \
+        if (np == 2 && BPANELS == 2)                                                 \
+            block_times_panels(o16, o32, ldo, xp, p0, KP * BF16_PANEL, b, KP, n, BPANELS, r); \
         else                                                                         \
             block_times_panels(o16, o32, ldo, xp, p0, KP * BF16_PANEL, b, KP, n, 1, r); \
         break;
@@ -136,6 +142,12 @@ static void block_times_pair(uint16_t *out, float *out32, int64_t ldo, const uin
     switch (R) {
         BF16_CASE(1) BF16_CASE(2) BF16_CASE(3) BF16_CASE(4) BF16_CASE(5) BF16_CASE(6)
         BF16_CASE(7) BF16_CASE(8) BF16_CASE(9) BF16_CASE(10) BF16_CASE(11) BF16_CASE(12)
+#if BROWS > 12
+        BF16_CASE(13) BF16_CASE(14)
+#endif
+#if BROWS > 14
+        BF16_CASE(15) BF16_CASE(16)
+#endif
         default: break;
     }
 }
