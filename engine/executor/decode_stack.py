@@ -38,6 +38,7 @@ from engine.executor.kernels.modules import (
     FusedRotaryEmbedding,
     FusedSiLUMul,
     QuantAmxLinear,
+    QuantBf16PanelLinear,
     QuantPanelLinear,
     SmallGemmLinear,
 )
@@ -100,16 +101,18 @@ def _packed(m: Panels) -> torch.Tensor:
         return m.tiles
     if isinstance(m, QuantAmxLinear):
         return m.rest.tiles
-    return m.rest.panels if isinstance(m, QuantPanelLinear) else m.panels
+    return m.rest.panels if isinstance(m, QuantPanelLinear | QuantBf16PanelLinear) else m.panels
 
 
 def _quantized(m: Panels) -> tuple[torch.Tensor | None, int]:
-    """A projection's blocks as the stack's matmuls read them (float32 panels' or bfloat16 tiles'), or None;
-    and 1 where they hold offsets (the bfloat16 tiles' 4-bit codes), 0 where not."""
+    """A projection's blocks as the stack's matmuls read them (float32 panels', bfloat16 tiles' or bfloat16
+    panels'), or None; and 1 where they hold offsets (the bfloat16 kernels' 4-bit codes), 0 where not."""
     if isinstance(m, QuantPanelLinear):
         return m.qpanels, int(has_offsets(m.qpanels))
     if isinstance(m, QuantAmxLinear):
         return m.qtiles, int(m.four_bit)
+    if isinstance(m, QuantBf16PanelLinear):
+        return m.qpanels, int(m.four_bit)
     return None, 0
 
 
@@ -118,12 +121,14 @@ def _weight(norm: nn.Module | None) -> torch.Tensor | None:
     return None if norm is None else cast(torch.Tensor, norm.weight)
 
 
-Panels = SmallGemmLinear | QuantPanelLinear | AmxLinear | QuantAmxLinear | Bf16PanelLinear
+Panels = (
+    SmallGemmLinear | QuantPanelLinear | AmxLinear | QuantAmxLinear | Bf16PanelLinear | QuantBf16PanelLinear
+)
 # the projections the stack's matmuls read, per dtype: float32 panels; bfloat16 AMX tiles, or panels of
 # k-pairs (AVX512-BF16, CPUs without AMX), all the model's of one kind
 _MATMULS: dict[torch.dtype, tuple[tuple[type, ...], ...]] = {
     torch.float32: ((SmallGemmLinear, QuantPanelLinear),),
-    torch.bfloat16: ((AmxLinear, QuantAmxLinear), (Bf16PanelLinear,)),
+    torch.bfloat16: ((AmxLinear, QuantAmxLinear), (Bf16PanelLinear, QuantBf16PanelLinear)),
 }
 
 
@@ -315,7 +320,7 @@ class CpuDecodeStack:
             cfg.head_dim, cfg.intermediate_size, kv_cache.num_blocks, kv_cache.block_size,
             self.rotary.cos.shape[0], cfg.rms_norm_eps, cfg.attention_scale, cfg.attn_logit_softcapping or 0.0,
             self.final_norm.weight.data_ptr(), int(dtype == torch.bfloat16),
-            int(self.final_norm.weight.dtype == torch.float32), int(isinstance(self.head, Bf16PanelLinear)),
+            int(self.final_norm.weight.dtype == torch.float32), int(isinstance(self.head, Bf16PanelLinear | QuantBf16PanelLinear)),
         )  # fmt: skip
         self._tables = (kv_cache, desc, layers)
         return desc, layers

@@ -8,7 +8,8 @@ as gpt-fast's ``replace_linear_int4`` does: the model's code stays the architect
             bfloat16, AMX:                    AmxLinear for every call (every K a multiple of 32; else
                                               PackedLinear), wrapped in a QuantAmxLinear where the
                                               checkpoint's blocks round to W exactly
-            bfloat16, AVX512-BF16 (no AMX):  Bf16PanelLinear for every call (every K)
+            bfloat16, AVX512-BF16 (no AMX):  Bf16PanelLinear for every call (every K), wrapped in a
+                                              QuantBf16PanelLinear where the checkpoint's blocks round to W
             bfloat16, AVX2, batch_invariant: WidenedLinear (float32 on the small kernel's panels)
             otherwise, where oneDNN packs:    PackedLinear
         RMSNorm -> FusedRMSNorm, RotaryEmbedding -> FusedRotaryEmbedding, SiluAndMul -> FusedSiLUMul,
@@ -48,6 +49,7 @@ from engine.executor.kernels.modules import (
     FusedSiLUMul,
     PackedLinear,
     QuantAmxLinear,
+    QuantBf16PanelLinear,
     QuantPanelLinear,
     SmallGemmLinear,
     WidenedLinear,
@@ -106,7 +108,7 @@ def swap_linears(
         return None, swap_amx_linears(model, amx, blocks)
     dot = _bf16_dot(model)
     if dot is not None:  # bfloat16 without AMX (or a K the tiles do not take): AVX512-BF16, every call
-        return None, swap_bf16_panel_linears(model, dot)
+        return None, swap_bf16_panel_linears(model, dot, blocks)
     if batch_invariant and model.dtype == torch.bfloat16 and model.device.type == "cpu":  # AVX2 only
         return swap_widened_linears(model)
     if not prepacked.can_prepack(model.device, model.dtype):
@@ -151,13 +153,21 @@ def swap_amx_linears(model: NativeModel, amx: AmxGemm, blocks: Mapping[str, Bloc
     return True
 
 
-def swap_bf16_panel_linears(model: NativeModel, dot: Bf16Gemm) -> bool:
+def swap_bf16_panel_linears(model: NativeModel, dot: Bf16Gemm, blocks: Mapping[str, BlockCodes]) -> bool:
     """bfloat16 with AVX512-BF16 and no AMX: every ``Linear`` on the dot-product kernel's panels, for calls of
-    every size; returns True (every row takes one kernel whatever its batch)."""
+    every size, behind the checkpoint's blocks where they round to the weight; returns True (every row takes
+    one kernel whatever its batch)."""
     places = [(parent, name) for parent, name, m in _children(model) if isinstance(m, Linear)]
-    for parent, name in places:
+    linears = [getattr(parent, name) for parent, name in places]
+    codes = _block_codes(model, linears, blocks) if blocks else [None] * len(linears)
+    del linears
+    for (parent, name), c in zip(places, codes, strict=True):
         m = getattr(parent, name)
-        setattr(parent, name, Bf16PanelLinear(dot, m.weight.detach(), m.bias))
+        panels = Bf16PanelLinear(dot, m.weight.detach(), m.bias)
+        packed = None if c is None else dot.pack_blocks(c)
+        setattr(
+            parent, name, panels if packed is None else QuantBf16PanelLinear(packed[0], packed[1], panels)
+        )
     return True
 
 

@@ -21,7 +21,7 @@ import torch
 
 from engine.cpu.native_build import BuildOnce, KernelUnavailable
 from engine.executor.kernels.amx_gemm import GROUP_N, TILE_K, TILE_N
-from engine.executor.kernels.block_codes import BlockCodes
+from engine.executor.kernels.block_codes import BlockCodes, as_four_bit
 
 SOURCE = Path(__file__).with_name("csrc") / "amx_qgemm.c"
 MAX_ROWS = 32  # two A tiles: decode steps of up to 32 sequences
@@ -30,17 +30,6 @@ MAX_ROWS = 32  # two A tiles: decode steps of up to 32 sequences
 def tile_bytes(four_bit: bool) -> int:
     """Bytes of one quantized tile (16 outputs x 32 k): codes, then float16 scales (and offsets)."""
     return TILE_K * TILE_N // 2 + 4 * TILE_N if four_bit else TILE_K * TILE_N + 2 * TILE_N
-
-
-def _as_four_bit(codes: BlockCodes) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Codes 0..15 and offsets giving the same weights (Q4_0's -8..7 as code + 8 with offset -8 d: exact,
-    as d * code is), or None where the codes need 8 bits."""
-    lo, hi = (int(v) for v in torch.aminmax(codes.codes))
-    if codes.offsets is not None:
-        return (codes.codes, codes.offsets) if lo >= 0 and hi <= 15 else None
-    if lo >= -8 and hi <= 7:
-        return codes.codes + 8, codes.scales * -8.0
-    return None
 
 
 def _half_exact(t: torch.Tensor) -> torch.Tensor | None:
@@ -63,7 +52,7 @@ def _stored(codes: BlockCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     scales = _half_exact(codes.scales)
     if scales is None or codes.shape[-1] % TILE_K:
         return None
-    four = _as_four_bit(codes)
+    four = as_four_bit(codes)
     if four is None:  # 8-bit codes, which the tiles keep without offsets
         return None if codes.offsets is not None else (codes.codes.to(torch.int16) + 128, scales, None)
     offsets = _half_exact(four[1])

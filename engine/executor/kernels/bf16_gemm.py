@@ -19,9 +19,13 @@ from pathlib import Path
 import torch
 
 from engine.cpu.native_build import BuildOnce, KernelUnavailable
+from engine.executor.kernels.block_codes import BLOCK, BlockCodes, as_four_bit
 
 SOURCE = Path(__file__).with_name("csrc") / "bf16_gemm.c"
 PANEL = 16
+# calls of at most this many rows read a weight's blocks where it has them (a decode step: bound by reading
+# the weights; docs/BENCHMARKS.md)
+QUANTIZED_MAX_ROWS = 32
 
 
 def supports(device: torch.device, dtype: torch.dtype) -> bool:
@@ -42,6 +46,15 @@ class Bf16Gemm:
         self._gemm = lib.cbserve_bf16_gemm
         self._gemm.argtypes = [ptr, i64, ctypes.c_int, ptr, i64, ptr, ptr, i64, i64, i64]
         self._gemm.restype = ctypes.c_int
+        self._qgemm = lib.cbserve_bf16_qgemm
+        self._qgemm.argtypes = [ptr, i64, ctypes.c_int, ptr, i64, ptr, ctypes.c_int, ptr, i64, i64, i64]
+        self._qgemm.restype = ctypes.c_int
+        lib.cbserve_bf16_gemm_qblock_bytes.argtypes = [ctypes.c_int]
+        layout = [lib.cbserve_bf16_gemm_qblock_bytes(o) for o in (True, False)]
+        if lib.cbserve_bf16_gemm_qmax() != QUANTIZED_MAX_ROWS or layout != [
+            qblock_bytes(o) for o in (True, False)
+        ]:
+            raise RuntimeError("bf16_gemm.c and bf16_gemm.py disagree on the blocks' layout")
 
     @staticmethod
     def packed_shape(out_features: int, in_features: int) -> tuple[int, int, int, int]:
@@ -58,6 +71,68 @@ class Bf16Gemm:
         w = torch.nn.functional.pad(weight.detach(), (0, 2 * pairs - k, 0, panels * PANEL - n))
         return w.view(panels, PANEL, pairs, 2).permute(0, 2, 1, 3).contiguous()
 
+    @staticmethod
+    def pack_blocks(codes: BlockCodes) -> tuple[torch.Tensor, bool] | None:
+        """``codes`` of an ``[N, K]`` weight -> (uint8 ``[ceil(N / 16), K / 32, block bytes]``, whether
+        4-bit: the layout of csrc/bf16_gemm.c), or None where the kernel cannot give their weights bit for bit:
+        ``K`` not a multiple of 32, scales that are not float16 values (a code times one is then not exact in
+        float32, and the kernel's one rounding of ``d * code + m`` would not be the loader's two), codes of
+        8 bits beside offsets."""
+        n, k = codes.shape
+        if k % BLOCK or not torch.equal(codes.scales.half().float(), codes.scales):
+            return None
+        four = as_four_bit(codes)
+        if four is None and codes.offsets is not None:
+            return None
+        panels, kb = -(-n // PANEL), k // BLOCK
+
+        def by_panel(t: torch.Tensor) -> torch.Tensor:  # [n, kb, ...] -> [panels, kb, ..., 16 outputs]
+            t = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, panels * PANEL - n))
+            t = t.view(panels, PANEL, kb, *t.shape[2:])
+            return t.permute(0, 2, *range(3, t.dim()), 1)
+
+        def floats(t: torch.Tensor) -> torch.Tensor:  # [n, kb] float32 -> [panels, kb, 64] bytes
+            return by_panel(t.float().view(n, kb)).contiguous().view(torch.uint8)
+
+        if four is not None:  # a byte per (pair, output): the even k's code low, the odd k's high
+            pairs = by_panel(four[0].to(torch.uint8).view(n, kb, BLOCK // 2, 2))  # [p, kb, 16, 2, 16]
+            code_bytes = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).reshape(panels, kb, -1)
+            parts = [code_bytes, floats(codes.scales), floats(four[1])]
+        else:  # per pair, the 16 outputs' even k, then their odd k
+            pairs = by_panel(codes.codes.view(n, kb, BLOCK // 2, 2))  # [p, kb, 16 pairs, 2, 16 outputs]
+            parts = [pairs.reshape(panels, kb, -1).view(torch.uint8), floats(codes.scales)]
+        packed = torch.cat(parts, dim=-1).contiguous()
+        assert packed.shape[-1] == qblock_bytes(four is not None)
+        return packed, four is not None
+
+    def qlinear(
+        self,
+        x: torch.Tensor,
+        qpacked: torch.Tensor,
+        four_bit: bool,
+        out_features: int,
+        bias: torch.Tensor | None,
+        out_dtype: torch.dtype = torch.bfloat16,
+    ) -> torch.Tensor:
+        """``linear`` for at most ``QUANTIZED_MAX_ROWS`` rows over ``pack_blocks``' blocks: the same bits as
+        over the bfloat16 panels of the weights they give."""
+        rows = _rows(x)
+        m, k = rows.shape
+        if m > QUANTIZED_MAX_ROWS:
+            raise ValueError(f"at most {QUANTIZED_MAX_ROWS} rows read the blocks, got {m}")
+        if (
+            qpacked.shape[1:] != (k // BLOCK, qblock_bytes(four_bit))
+            or qpacked.shape[0] * PANEL < out_features
+        ):
+            raise ValueError(f"packed blocks {tuple(qpacked.shape)} do not fit x {tuple(x.shape)}")
+        out = _output(m, out_features, bias, out_dtype)
+        b = None if bias is None else bias.contiguous().data_ptr()
+        f32 = int(out_dtype == torch.float32)
+        args = (rows.data_ptr(), rows.stride(0), qpacked.data_ptr(), int(four_bit), b, m, out_features, k)
+        if m and self._qgemm(out.data_ptr(), out_features, f32, *args):
+            raise MemoryError("bfloat16 matmul: out of memory for a scratch block")
+        return out.view(*x.shape[:-1], out_features)
+
     def linear(
         self,
         x: torch.Tensor,
@@ -68,25 +143,40 @@ class Bf16Gemm:
     ) -> torch.Tensor:
         """``x W^T + b`` for ``x`` ``[..., K]`` bfloat16 and ``packed`` from ``pack``: ``[..., out_features]``,
         rounded to bfloat16 (``out_dtype`` float32: those values widened, written by the kernel)."""
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
+        rows = _rows(x)
         m, k = rows.shape
-        if x.dtype != torch.bfloat16 or x.device.type != "cpu":
-            raise ValueError(f"expected bfloat16 CPU rows, got {x.dtype} on {x.device}")
         if packed.shape[1:] != (-(-k // 2), PANEL, 2) or packed.shape[0] * PANEL < out_features:
             raise ValueError(f"packed weight {tuple(packed.shape)} does not fit x {tuple(x.shape)}")
-        if bias is not None and (bias.shape != (out_features,) or bias.dtype != torch.bfloat16):
-            raise ValueError(f"bias {bias.dtype} {tuple(bias.shape)} for {out_features} bfloat16 outputs")
-        if out_dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
-        out = torch.empty(m, out_features, dtype=out_dtype)
+        out = _output(m, out_features, bias, out_dtype)
         b = None if bias is None else bias.contiguous().data_ptr()
         f32 = int(out_dtype == torch.float32)
         args = (rows.data_ptr(), rows.stride(0), packed.data_ptr(), b, m, out_features, k)
         if m and self._gemm(out.data_ptr(), out_features, f32, *args):
             raise MemoryError("bfloat16 matmul: out of memory for a scratch block")
         return out.view(*x.shape[:-1], out_features)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[..., K]`` as rows ``[M, K]`` whose elements are contiguous, checked to be bfloat16 on the CPU."""
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        raise ValueError(f"expected bfloat16 CPU rows, got {x.dtype} on {x.device}")
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _output(m: int, out_features: int, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """The ``[m, out_features]`` output of a call, after checking its bias and dtype."""
+    if bias is not None and (bias.shape != (out_features,) or bias.dtype != torch.bfloat16):
+        raise ValueError(f"bias {bias.dtype} {tuple(bias.shape)} for {out_features} bfloat16 outputs")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
+    return torch.empty(m, out_features, dtype=out_dtype)
+
+
+def qblock_bytes(four_bit: bool) -> int:
+    """Bytes of one (panel, 32-k block) of ``pack_blocks``: 4-bit codes two to a byte with float32 scales
+    and offsets, or 8-bit codes with float32 scales."""
+    return BLOCK * PANEL // 2 + 2 * PANEL * 4 if four_bit else BLOCK * PANEL + PANEL * 4
 
 
 # Built once per process; raises ``KernelUnavailable`` with the reason when it cannot be.

@@ -67,3 +67,14 @@ class BlockCodes:
             return None
         offsets = None if kinds == {True} else torch.cat([p.offsets for p in parts if p.offsets is not None])
         return BlockCodes(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), offsets)
+
+
+def as_four_bit(codes: BlockCodes) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Codes 0..15 and offsets giving the same weights (Q4_0's -8..7 as code + 8 with offset -8 d: exact,
+    as d * code is), or None where the codes need 8 bits."""
+    lo, hi = (int(v) for v in torch.aminmax(codes.codes))
+    if codes.offsets is not None:
+        return (codes.codes, codes.offsets) if lo >= 0 and hi <= 15 else None
+    if lo >= -8 and hi <= 7:
+        return codes.codes + 8, codes.scales * -8.0
+    return None

@@ -6,6 +6,7 @@
     SmallGemmLinear       float32 on the small kernel's panels (small_gemm.py), for calls of every size
     WidenedLinear         bfloat16 rows in float32 on those panels, rounded once (batch invariance, AVX2 CPUs)
     Bf16PanelLinear       bfloat16 on AVX512-BF16 dot products (bf16_gemm.py), for calls of every size
+    QuantBf16PanelLinear  a quantized checkpoint's blocks expanded into those panels' pairs, up to 32 rows
     QuantPanelLinear      a quantized checkpoint's blocks, expanded in registers, for calls of a few rows
     AmxLinear             bfloat16 on AMX tiles (amx_gemm.py), oneDNN for larger calls unless it takes them all
     QuantAmxLinear        a quantized checkpoint's blocks expanded into AMX tiles, for calls of up to 32 rows
@@ -23,7 +24,7 @@ from typing import Generic, TypeVar
 import torch
 from torch import nn
 
-from engine.executor.kernels import amx_qgemm, prepacked, small_gemm
+from engine.executor.kernels import amx_qgemm, bf16_gemm, prepacked, small_gemm
 from engine.executor.kernels.amx_gemm import AmxGemm
 from engine.executor.kernels.amx_qgemm import AmxQGemm
 from engine.executor.kernels.bf16_gemm import Bf16Gemm
@@ -138,7 +139,7 @@ class AmxLinear(nn.Module):
         return self.amx.linear(x, self.tiles, self.out_features, self.bias)  # [..., out_features]
 
 
-Rest = TypeVar("Rest", SmallGemmLinear, AmxLinear)
+Rest = TypeVar("Rest", SmallGemmLinear, AmxLinear, Bf16PanelLinear)
 
 
 class _BlocksInFront(nn.Module, Generic[Rest]):
@@ -202,6 +203,33 @@ class QuantAmxLinear(_BlocksInFront[AmxLinear]):
                 x, self.qtiles, self.four_bit, self.out_features, self.bias, torch.float32
             )
         return self.rest(x).float()
+
+
+class QuantBf16PanelLinear(_BlocksInFront[Bf16PanelLinear]):
+    """``x W^T + b`` in bfloat16 for a ``W`` that the checkpoint stored in blocks of codes, each rounding to
+    the loaded bfloat16 weight (engine/executor/fast_paths.py checks), on AVX512-BF16 without AMX: calls of
+    at most ``bf16_gemm.QUANTIZED_MAX_ROWS`` rows read the blocks (``qpanels``, from
+    ``Bf16Gemm.pack_blocks``), expanded into the panels' k-pairs as they are used -- the bits of ``rest``'s
+    panels from 0.75 or 1.125 bytes a weight instead of 2; other calls go to ``rest``."""
+
+    def __init__(self, qpanels: torch.Tensor, four_bit: bool, rest: Bf16PanelLinear) -> None:
+        super().__init__(rest)
+        self.qpanels = qpanels  # uint8 [ceil(out / 16), in / 32, block bytes]
+        self.four_bit = four_bit
+        self.gemm = rest.gemm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() <= bf16_gemm.QUANTIZED_MAX_ROWS * self.in_features:
+            return self.gemm.qlinear(x, self.qpanels, self.four_bit, self.out_features, self.bias)
+        return self.rest(x)
+
+    def forward_float(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward(x).float()``, written as float32 by the kernel (``DecoderOnlyLM.compute_logits``)."""
+        if x.numel() <= bf16_gemm.QUANTIZED_MAX_ROWS * self.in_features:
+            return self.gemm.qlinear(
+                x, self.qpanels, self.four_bit, self.out_features, self.bias, torch.float32
+            )
+        return self.rest.forward_float(x)
 
 
 class FusedRMSNorm(RMSNorm):

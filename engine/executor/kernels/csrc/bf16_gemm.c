@@ -38,11 +38,20 @@
 #endif
 #define SHARE_MAX 64    /* calls of at most this many rows share out the panels; more split the rows */
 #define BMACRO 240      /* rows a thread packs at a time when the threads split the rows */
+#ifndef BLOCALITY
+#define BLOCALITY 3
+#endif
 #ifndef BAHEAD
 #define BAHEAD 16       /* k-pairs (64-byte lines of a panel) asked for ahead */
 #endif
 #define BGROUP_BYTES (1 << 19) /* the panels of a group, read from L2 by every block of a macro block */
 #define BF16_INLINE static inline __attribute__((always_inline))
+
+#define QMAX 32 /* rows a call over a checkpoint's blocks takes at most (bf16_gemm.py's QUANTIZED_MAX_ROWS) */
+#define QK 32   /* k a block */
+
+/* bytes of one (panel, block) of the blocks: 4-bit codes with offsets, or 8-bit (below) */
+static int64_t bf16_qblock_bytes(int offsets) { return offsets ? 16 * 16 + 2 * 16 * 4 : 32 * 16 + 16 * 4; }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define HAVE_BF16_DOT 1
@@ -91,7 +100,7 @@ BF16_INLINE void block_times_panels(uint16_t *out, float *out32, int64_t ldo, co
         __m512bh w[BPANELS];
 #pragma GCC unroll 2
         for (int j = 0; j < np; j++) {
-            __builtin_prefetch(p0 + j * stride + (i + BAHEAD) * BF16_PANEL, 0, 3);
+            __builtin_prefetch(p0 + j * stride + (i + BAHEAD) * BF16_PANEL, 0, BLOCALITY);
             w[j] = (__m512bh)_mm512_loadu_si512(p0 + j * stride + i * BF16_PANEL);
             __asm__("" : "+v"(w[j])); /* in a register: one load for every row's dot product */
         }
@@ -124,18 +133,17 @@ BF16_INLINE void block_times_panels(uint16_t *out, float *out32, int64_t ldo, co
 #define BF16_CASE(r)                                                                 \
     case r:                                                                          \
         if (np == 2 && BPANELS == 2)                                                 \
-            block_times_panels(o16, o32, ldo, xp, p0, KP * BF16_PANEL, b, KP, n, BPANELS, r); \
+            block_times_panels(o16, o32, ldo, xp, p0, stride, b, KP, n, BPANELS, r); \
         else                                                                         \
-            block_times_panels(o16, o32, ldo, xp, p0, KP * BF16_PANEL, b, KP, n, 1, r); \
+            block_times_panels(o16, o32, ldo, xp, p0, stride, b, KP, n, 1, r); \
         break;
 
-/* R <= BROWS rows of one packed block (xp) times the panels from p (two, or the last one): the block's rows
- * of out, its columns from 16 p */
-static void block_times_pair(uint16_t *out, float *out32, int64_t ldo, const uint32_t *xp, const uint32_t *packed,
-                             const uint16_t *bias, int64_t N, int64_t KP, int64_t p, int64_t R) {
+/* R <= BROWS rows of one packed block (xp) times the panels from p (two, or the last one), read from p0
+ * (`stride` pairs apart): the block's rows of out, its columns from 16 p */
+static void block_times_pair(uint16_t *out, float *out32, int64_t ldo, const uint32_t *xp, const uint32_t *p0,
+                             int64_t stride, const uint16_t *bias, int64_t N, int64_t KP, int64_t p, int64_t R) {
     const int64_t panels = (N + BF16_PANEL - 1) / BF16_PANEL, np = panels - p < BPANELS ? panels - p : BPANELS;
     const int n = (int)(N - (p + np - 1) * BF16_PANEL < BF16_PANEL ? N - (p + np - 1) * BF16_PANEL : BF16_PANEL);
-    const uint32_t *p0 = packed + p * KP * BF16_PANEL;
     const uint16_t *b = bias ? bias + p * BF16_PANEL : NULL;
     uint16_t *o16 = out32 ? NULL : out + p * BF16_PANEL;
     float *o32 = out32 ? out32 + p * BF16_PANEL : NULL;
@@ -166,7 +174,7 @@ static void rows_times_panel_pairs(uint16_t *out, float *out32, int64_t ldo, con
             const int64_t row = (m0 + i * BROWS) * ldo;
             for (int64_t q = g0; q < g1; q++)
                 block_times_pair(out32 ? NULL : out + row, out32 ? out32 + row : NULL, ldo, xp + i * KP * BROWS,
-                                 packed, bias, N, KP, BPANELS * q, r);
+                                 packed + BPANELS * q * KP * BF16_PANEL, KP * BF16_PANEL, bias, N, KP, BPANELS * q, r);
         }
     }
 }
@@ -215,6 +223,97 @@ static int bf16_gemm_split(uint16_t *out, float *out32, int64_t ldo, const uint1
     return failed ? -1 : 0;
 }
 
+/* ---- a checkpoint's blocks (Q4_0, Q4_1, Q8_0: block_codes.py), expanded to the panels' pairs as used ----
+ *
+ *   qpacked W: [ceil(N / 16)][K / 32][block]
+ *     4-bit block (codes 0..15 and offsets):  16 pairs x 16 outputs bytes (the even k's code in the low
+ *                                             nibble, the odd k's in the high), 16 float32 d, 16 float32 m
+ *     8-bit block (codes -128..127):          16 pairs x (16 outputs' even k, 16 odd k) int8, 16 float32 d
+ *
+ * A weight is round_to_bfloat16(d * code + m) (8-bit: d * code): the product of a float16 d and a code of at
+ * most 8 bits is exact in float32, so one rounding of the multiply-add gives block_codes.py's float32 weight
+ * and rounding it to nearest even the bfloat16 weight the model loaded (fast_paths.py checks that they agree
+ * before it keeps the blocks; the values are never float32 denormals, where VCVTNE2PS2BF16 would flush).
+ * A call of at most QMAX rows expands a pair of panels at a time into this thread's scratch (K x 64 bytes,
+ * in L2) and runs the same chains over it as over the bfloat16 panels: the same bits, from 0.75 (4-bit) or
+ * 1.125 (8-bit) bytes a weight instead of 2. */
+
+/* the blocks of one panel (src: its first, kblocks of them) as its k-pairs: dst[(b * 16 + i) * 16 + j] */
+static void expand_qpanel_pairs(uint32_t *restrict dst, const uint8_t *restrict src, int64_t kblocks, int offsets) {
+    uint16_t order[32] __attribute__((aligned(64))); /* lane 2j: the even k of output j, 2j + 1: its odd k */
+    for (int j = 0; j < 16; j++) order[2 * j] = (uint16_t)j, order[2 * j + 1] = (uint16_t)(16 + j);
+    const __m512i interleave = _mm512_load_si512(order), low = _mm512_set1_epi32(0x0F);
+    const int64_t bytes = bf16_qblock_bytes(offsets);
+    for (int64_t b = 0; b < kblocks; b++, dst += QK / 2 * BF16_PANEL) {
+        const uint8_t *block = src + b * bytes;
+        if (offsets) {
+            const __m512 d = _mm512_loadu_ps(block + 256), m = _mm512_loadu_ps(block + 320);
+            for (int i = 0; i < QK / 2; i++) {
+                const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 16 * i)));
+                const __m512 even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(c, low)), d, m);
+                const __m512 odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)), d, m);
+                _mm512_storeu_si512(dst + i * BF16_PANEL,
+                                    _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even)));
+            }
+        } else {
+            const __m512 d = _mm512_loadu_ps(block + 512);
+            for (int i = 0; i < QK / 2; i++) {
+                const __m128i *codes = (const __m128i *)(block + 32 * i);
+                const __m512 even = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(codes))), d);
+                const __m512 odd = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(codes + 1))), d);
+                _mm512_storeu_si512(dst + i * BF16_PANEL,
+                                    _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even)));
+            }
+        }
+    }
+}
+
+/* The bytes of a thread's scratch for bf16_qgemm_share: M rows of K packed, then a pair of panels expanded */
+static size_t bf16_qscratch_bytes(int64_t M, int64_t K) {
+    return (bf16_packed_rows_bytes(M, K) + 63) / 64 * 64 + sizeof(uint32_t) * (size_t)(BPANELS * K / 2 * BF16_PANEL);
+}
+
+/* bf16_gemm_share over the blocks (M <= QMAX, K a multiple of 32): per pair of panels, both expanded into
+ * the thread's scratch (bf16_qscratch_bytes(M, K); NULL: it takes no pairs), then every block of rows. */
+static void bf16_qgemm_share(uint16_t *out, float *out32, int64_t ldo, const uint16_t *x, int64_t ldx,
+                             const uint8_t *qpacked, int offsets, const uint16_t *bias, int64_t M, int64_t N,
+                             int64_t K, uint8_t *scratch) {
+    const int64_t KP = K / 2, kblocks = K / QK, panels = (N + BF16_PANEL - 1) / BF16_PANEL;
+    const int64_t pairs = (panels + BPANELS - 1) / BPANELS, panel_bytes = kblocks * bf16_qblock_bytes(offsets);
+    uint32_t *xp = (uint32_t *)scratch;
+    uint32_t *w = scratch ? (uint32_t *)(scratch + (bf16_packed_rows_bytes(M, K) + 63) / 64 * 64) : NULL;
+    if (xp != NULL) pack_pairs(xp, x, ldx, M, K);
+#pragma omp for schedule(guided)
+    for (int64_t q = 0; q < pairs; q++) {
+        if (xp == NULL) continue;
+        const int64_t p = BPANELS * q, np = panels - p < BPANELS ? panels - p : BPANELS;
+        for (int64_t j = 0; j < np; j++)
+            expand_qpanel_pairs(w + j * KP * BF16_PANEL, qpacked + (p + j) * panel_bytes, kblocks, offsets);
+        for (int64_t i = 0; i * BROWS < M; i++) {
+            const int64_t r = M - i * BROWS < BROWS ? M - i * BROWS : BROWS, row = i * BROWS * ldo;
+            block_times_pair(out32 ? NULL : out + row, out32 ? out32 + row : NULL, ldo, xp + i * KP * BROWS, w,
+                             KP * BF16_PANEL, bias, N, KP, p, r);
+        }
+    }
+}
+
+static __thread kept_buffer qpairs_scratch; /* a thread's scratch for calls over the blocks */
+
+int cbserve_bf16_qgemm(void *out, int64_t ldo, int out_f32, const uint16_t *x, int64_t ldx, const uint8_t *qpacked,
+                       int offsets, const uint16_t *bias, int64_t M, int64_t N, int64_t K) {
+    if (M > QMAX || K % QK) return -2;
+    const int64_t panels = (N + BF16_PANEL - 1) / BF16_PANEL;
+    int failed = 0;
+#pragma omp parallel if (panels > BPANELS && M * N * K >= (1 << 18)) reduction(| : failed)
+    {
+        uint8_t *scratch = kept_alloc(&qpairs_scratch, bf16_qscratch_bytes(M, K));
+        failed = scratch == NULL;
+        bf16_qgemm_share(out_f32 ? NULL : out, out_f32 ? out : NULL, ldo, x, ldx, qpacked, offsets, bias, M, N, K,
+                         scratch);
+    }
+    return failed ? -1 : 0;
+}
+
 int cbserve_bf16_gemm_available(void) { return __builtin_cpu_supports("avx512bf16"); }
 
 /* out [M, N] (row stride ldo; bfloat16, or float32 holding the rounded values where out_f32) = x [M, K]
@@ -244,12 +343,28 @@ static __attribute__((unused)) void bf16_gemm_share(uint16_t *out, float *out32,
                                                     int64_t M, int64_t N, int64_t K, uint32_t *xp) {
     (void)out, (void)out32, (void)ldo, (void)x, (void)ldx, (void)packed, (void)bias, (void)M, (void)N, (void)K, (void)xp;
 }
+static __attribute__((unused)) size_t bf16_qscratch_bytes(int64_t M, int64_t K) { return (void)M, (void)K, 0; }
+static __attribute__((unused)) void bf16_qgemm_share(uint16_t *out, float *out32, int64_t ldo, const uint16_t *x,
+                                                     int64_t ldx, const uint8_t *qpacked, int offsets,
+                                                     const uint16_t *bias, int64_t M, int64_t N, int64_t K,
+                                                     uint8_t *scratch) {
+    (void)out, (void)out32, (void)ldo, (void)x, (void)ldx, (void)qpacked, (void)offsets, (void)bias, (void)M, (void)N,
+        (void)K, (void)scratch;
+}
 int cbserve_bf16_gemm_available(void) { return 0; }
 int cbserve_bf16_gemm(void *out, int64_t ldo, int out_f32, const uint16_t *x, int64_t ldx, const uint32_t *packed,
                       const uint16_t *bias, int64_t M, int64_t N, int64_t K) {
     (void)out, (void)ldo, (void)out_f32, (void)x, (void)ldx, (void)packed, (void)bias, (void)M, (void)N, (void)K;
     return -2;
 }
+int cbserve_bf16_qgemm(void *out, int64_t ldo, int out_f32, const uint16_t *x, int64_t ldx, const uint8_t *qpacked,
+                       int offsets, const uint16_t *bias, int64_t M, int64_t N, int64_t K) {
+    (void)out, (void)ldo, (void)out_f32, (void)x, (void)ldx, (void)qpacked, (void)offsets, (void)bias, (void)M,
+        (void)N, (void)K;
+    return -2;
+}
 #endif
 
 int cbserve_bf16_gemm_panel(void) { return BF16_PANEL; }
+int cbserve_bf16_gemm_qmax(void) { return QMAX; }
+int cbserve_bf16_gemm_qblock_bytes(int offsets) { return (int)bf16_qblock_bytes(offsets); }
