@@ -23,9 +23,10 @@ from engine.executor.kernels.block_codes import BLOCK, BlockCodes, as_four_bit
 
 SOURCE = Path(__file__).with_name("csrc") / "bf16_gemm.c"
 PANEL = 16
-# calls of at most this many rows read a weight's blocks where it has them (a decode step: bound by reading
-# the weights; docs/BENCHMARKS.md)
-QUANTIZED_MAX_ROWS = 32
+# calls of at most this many rows (one register block) read a weight's blocks where it has them: a decode
+# step of a few rows is bound by reading the weights; with more, expanding them costs more than the bytes
+# save (docs/BENCHMARKS.md)
+QUANTIZED_MAX_ROWS = 12
 
 
 def supports(device: torch.device, dtype: torch.dtype) -> bool:
@@ -86,21 +87,25 @@ class Bf16Gemm:
             return None
         panels, kb = -(-n // PANEL), k // BLOCK
 
-        def by_panel(t: torch.Tensor) -> torch.Tensor:  # [n, kb, ...] -> [panels, kb, ..., 16 outputs]
-            t = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, panels * PANEL - n))
-            t = t.view(panels, PANEL, kb, *t.shape[2:])
-            return t.permute(0, 2, *range(3, t.dim()), 1)
+        def padded(t: torch.Tensor) -> torch.Tensor:  # [n, ...] -> [panels * 16, ...], zeros past n
+            return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, panels * PANEL - n))
+
+        def halves(c: torch.Tensor) -> torch.Tensor:
+            """[n, K] codes -> [panels, kb, 16 pairs, 2 halves, 16 lanes]: lane t of half h the code of output
+            8 h + t / 2 at k = 2i + t % 2 (csrc/bf16_gemm.c's lane order)"""
+            c = padded(c).view(panels, 2, 8, kb, BLOCK // 2, 2)  # [p, half, output, kb, pair, k % 2]
+            return c.permute(0, 3, 4, 1, 2, 5).reshape(panels, kb, BLOCK // 2, 2, PANEL)
 
         def floats(t: torch.Tensor) -> torch.Tensor:  # [n, kb] float32 -> [panels, kb, 64] bytes
-            return by_panel(t.float().view(n, kb)).contiguous().view(torch.uint8)
+            per_output = padded(t.float().view(n, kb)).view(panels, PANEL, kb).transpose(1, 2)
+            return per_output.contiguous().view(torch.uint8)
 
-        if four is not None:  # a byte per (pair, output): the even k's code low, the odd k's high
-            pairs = by_panel(four[0].to(torch.uint8).view(n, kb, BLOCK // 2, 2))  # [p, kb, 16, 2, 16]
-            code_bytes = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).reshape(panels, kb, -1)
+        if four is not None:  # a byte per (pair, lane): the first half's code low, the second's high
+            lanes = halves(four[0].to(torch.uint8))
+            code_bytes = (lanes[:, :, :, 0] | (lanes[:, :, :, 1] << 4)).reshape(panels, kb, -1)
             parts = [code_bytes, floats(codes.scales), floats(four[1])]
-        else:  # per pair, the 16 outputs' even k, then their odd k
-            pairs = by_panel(codes.codes.view(n, kb, BLOCK // 2, 2))  # [p, kb, 16 pairs, 2, 16 outputs]
-            parts = [pairs.reshape(panels, kb, -1).view(torch.uint8), floats(codes.scales)]
+        else:  # per pair, the first half's 16 codes, then the second's
+            parts = [halves(codes.codes).reshape(panels, kb, -1).view(torch.uint8), floats(codes.scales)]
         packed = torch.cat(parts, dim=-1).contiguous()
         assert packed.shape[-1] == qblock_bytes(four is not None)
         return packed, four is not None

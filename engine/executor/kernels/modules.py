@@ -6,7 +6,7 @@
     SmallGemmLinear       float32 on the small kernel's panels (small_gemm.py), for calls of every size
     WidenedLinear         bfloat16 rows in float32 on those panels, rounded once (batch invariance, AVX2 CPUs)
     Bf16PanelLinear       bfloat16 on AVX512-BF16 dot products (bf16_gemm.py), for calls of every size
-    QuantBf16PanelLinear  a quantized checkpoint's blocks expanded into those panels' pairs, up to 32 rows
+    QuantBf16PanelLinear  a quantized checkpoint's blocks expanded into those panels' pairs, up to 12 rows
     QuantPanelLinear      a quantized checkpoint's blocks, expanded in registers, for calls of a few rows
     AmxLinear             bfloat16 on AMX tiles (amx_gemm.py), oneDNN for larger calls unless it takes them all
     QuantAmxLinear        a quantized checkpoint's blocks expanded into AMX tiles, for calls of up to 32 rows

@@ -47,7 +47,8 @@
 #define BGROUP_BYTES (1 << 19) /* the panels of a group, read from L2 by every block of a macro block */
 #define BF16_INLINE static inline __attribute__((always_inline))
 
-#define QMAX 32 /* rows a call over a checkpoint's blocks takes at most (bf16_gemm.py's QUANTIZED_MAX_ROWS) */
+#define QMAX 12 /* rows a call over a checkpoint's blocks takes at most: one register block of BROWS (bf16_gemm.py's
+                 * QUANTIZED_MAX_ROWS) */
 #define QK 32   /* k a block */
 
 /* bytes of one (panel, block) of the blocks: 4-bit codes with offsets, or 8-bit (below) */
@@ -87,6 +88,28 @@ static void pack_pairs(uint32_t *restrict xp, const uint16_t *x, int64_t ldx, in
     }
 }
 
+/* out[m, 16 j : 16 j + 16] = bfloat16(acc[m * stride + j] + bias) for R rows and np panels (the last one's n
+ * outputs); as float32 (the rounded values) into out32 instead where it is not NULL */
+BF16_INLINE void store_block(uint16_t *out, float *out32, int64_t ldo, const __m512 *acc, const int stride,
+                             const uint16_t *bias, int n, const int np, const int R) {
+    for (int j = 0; j < np; j++) {
+        const __mmask16 keep = j == np - 1 ? (__mmask16)((1u << n) - 1) : (__mmask16)0xFFFF;
+        const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                    _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + j * BF16_PANEL)), 16))
+                              : _mm512_setzero_ps();
+        for (int m = 0; m < R; m++) {
+            const __m512 o = bias ? _mm512_add_ps(acc[m * stride + j], b) : acc[m * stride + j];
+            if (out32 != NULL) {
+                const __m512i kept = _mm512_and_si512(bf16_rounded_x16(_mm512_castps_si512(o)),
+                                                      _mm512_set1_epi32((int)0xFFFF0000u));
+                _mm512_mask_storeu_ps(out32 + m * ldo + j * BF16_PANEL, keep, _mm512_castsi512_ps(kept));
+            } else {
+                _mm256_mask_storeu_epi16(out + m * ldo + j * BF16_PANEL, keep, to_bf16_x16(o));
+            }
+        }
+    }
+}
+
 /* out[m, 0:16 np] = bfloat16(sum over pairs of x[m] . (np panels) + bias) for R rows of a packed block (xp);
  * the panels from p0, `stride` 32-bit pairs apart; n: the outputs of the last panel; as float32 (the rounded
  * values) into out32 instead where it is not NULL. R and np are literals at each call site. */
@@ -112,22 +135,7 @@ BF16_INLINE void block_times_panels(uint16_t *out, float *out32, int64_t ldo, co
             for (int j = 0; j < np; j++) acc[m * BPANELS + j] = _mm512_dpbf16_ps(acc[m * BPANELS + j], w[j], xb);
         }
     }
-    for (int j = 0; j < np; j++) {
-        const __mmask16 keep = j == np - 1 ? (__mmask16)((1u << n) - 1) : (__mmask16)0xFFFF;
-        const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                    _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + j * BF16_PANEL)), 16))
-                              : _mm512_setzero_ps();
-        for (int m = 0; m < R; m++) {
-            const __m512 o = bias ? _mm512_add_ps(acc[m * BPANELS + j], b) : acc[m * BPANELS + j];
-            if (out32 != NULL) {
-                const __m512i kept = _mm512_and_si512(bf16_rounded_x16(_mm512_castps_si512(o)),
-                                                      _mm512_set1_epi32((int)0xFFFF0000u));
-                _mm512_mask_storeu_ps(out32 + m * ldo + j * BF16_PANEL, keep, _mm512_castsi512_ps(kept));
-            } else {
-                _mm256_mask_storeu_epi16(out + m * ldo + j * BF16_PANEL, keep, to_bf16_x16(o));
-            }
-        }
-    }
+    store_block(out, out32, ldo, acc, BPANELS, bias, n, np, R);
 }
 
 #define BF16_CASE(r)                                                                 \
@@ -223,93 +231,109 @@ static int bf16_gemm_split(uint16_t *out, float *out32, int64_t ldo, const uint1
     return failed ? -1 : 0;
 }
 
-/* ---- a checkpoint's blocks (Q4_0, Q4_1, Q8_0: block_codes.py), expanded to the panels' pairs as used ----
+/* ---- a checkpoint's blocks (Q4_0, Q4_1, Q8_0: block_codes.py), expanded in registers as they are used ----
  *
  *   qpacked W: [ceil(N / 16)][K / 32][block]
- *     4-bit block (codes 0..15 and offsets):  16 pairs x 16 outputs bytes (the even k's code in the low
- *                                             nibble, the odd k's in the high), 16 float32 d, 16 float32 m
- *     8-bit block (codes -128..127):          16 pairs x (16 outputs' even k, 16 odd k) int8, 16 float32 d
+ *     4-bit block (codes 0..15 and offsets):  16 pairs x 16 bytes, then 16 float32 d and 16 float32 m
+ *     8-bit block (codes -128..127):          16 pairs x 32 int8, then 16 float32 d
+ *   pair i's codes in lane order: lane t of the first 16 the code of output t / 2 at k = 2i + t % 2, lane t
+ *   of the second 16 that of output 8 + t / 2 (4-bit: the first 16 in the low nibbles, the second in the high)
  *
  * A weight is round_to_bfloat16(d * code + m) (8-bit: d * code): the product of a float16 d and a code of at
  * most 8 bits is exact in float32, so one rounding of the multiply-add gives block_codes.py's float32 weight
  * and rounding it to nearest even the bfloat16 weight the model loaded (fast_paths.py checks that they agree
- * before it keeps the blocks; the values are never float32 denormals, where VCVTNE2PS2BF16 would flush).
- * A call of at most QMAX rows expands a pair of panels at a time into this thread's scratch (K x 64 bytes,
- * in L2) and runs the same chains over it as over the bfloat16 panels: the same bits, from 0.75 (4-bit) or
- * 1.125 (8-bit) bytes a weight instead of 2. */
+ * before it keeps the blocks; the values are never float32 denormals, where VCVTNE2PS2BF16 would flush). In
+ * lane order the two halves' 16 floats each round (VCVTNE2PS2BF16) into one vector of the panel's k-pairs,
+ * with no permute. A call of at most QMAX rows (one register block) expands each pair of a panel in
+ * registers and runs the rows' chains over it right away: the chains of the bfloat16 panels, so the same
+ * bits, from 0.75 (4-bit) or 1.125 (8-bit) bytes a weight instead of 2. */
 
-/* the blocks of one panel (src: its first, kblocks of them) as its k-pairs: dst[(b * 16 + i) * 16 + j] */
-static void expand_qpanel_pairs(uint32_t *restrict dst, const uint8_t *restrict src, int64_t kblocks, int offsets) {
-    uint16_t order[32] __attribute__((aligned(64))); /* lane 2j: the even k of output j, 2j + 1: its odd k */
-    for (int j = 0; j < 16; j++) order[2 * j] = (uint16_t)j, order[2 * j + 1] = (uint16_t)(16 + j);
-    const __m512i interleave = _mm512_load_si512(order), low = _mm512_set1_epi32(0x0F);
+/* pair i of a 4-bit block (its 16 code bytes; each half's d and m in lane order) as the panel's k-pairs */
+BF16_INLINE __m512bh expand_pair_q4(const uint8_t *codes, __m512 d0, __m512 m0, __m512 d1, __m512 m1) {
+    const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
+    const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(0x0F))), d0, m0);
+    const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)), d1, m1);
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+/* pair i of an 8-bit block (its 32 codes) */
+BF16_INLINE __m512bh expand_pair_q8(const uint8_t *codes, __m512 d0, __m512 d1) {
+    const __m128i *c = (const __m128i *)codes;
+    const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(c))), d0);
+    const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(c + 1))), d1);
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+/* out[m, 0:n] = bfloat16(sum over pairs of x[m] . (one panel's blocks, from src) + bias) for R <= BROWS rows of
+ * a packed block (xp); R and offsets literals at each call site */
+BF16_INLINE void block_times_qpanel(uint16_t *out, float *out32, int64_t ldo, const uint32_t *xp, const uint8_t *src,
+                                    const uint16_t *bias, int64_t kblocks, int n, const int offsets, const int R) {
+    uint32_t halves[32] __attribute__((aligned(64))); /* lane t: output t / 2, then 8 + t / 2 */
+    for (int t = 0; t < 16; t++) halves[t] = (uint32_t)t / 2, halves[16 + t] = 8 + (uint32_t)t / 2;
+    const __m512i first = _mm512_load_si512(halves), second = _mm512_load_si512(halves + 16);
     const int64_t bytes = bf16_qblock_bytes(offsets);
-    for (int64_t b = 0; b < kblocks; b++, dst += QK / 2 * BF16_PANEL) {
-        const uint8_t *block = src + b * bytes;
-        if (offsets) {
-            const __m512 d = _mm512_loadu_ps(block + 256), m = _mm512_loadu_ps(block + 320);
-            for (int i = 0; i < QK / 2; i++) {
-                const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 16 * i)));
-                const __m512 even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(c, low)), d, m);
-                const __m512 odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)), d, m);
-                _mm512_storeu_si512(dst + i * BF16_PANEL,
-                                    _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even)));
-            }
-        } else {
-            const __m512 d = _mm512_loadu_ps(block + 512);
-            for (int i = 0; i < QK / 2; i++) {
-                const __m128i *codes = (const __m128i *)(block + 32 * i);
-                const __m512 even = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(codes))), d);
-                const __m512 odd = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(codes + 1))), d);
-                _mm512_storeu_si512(dst + i * BF16_PANEL,
-                                    _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even)));
-            }
+    __m512 acc[BROWS];
+#pragma GCC unroll 16
+    for (int a = 0; a < BROWS; a++) acc[a] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < kblocks; b++) {
+        const uint8_t *block = src + b * bytes, *ahead = block + 4 * bytes;
+        for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(ahead + line, 0, BLOCALITY);
+        const __m512 d = _mm512_loadu_ps(block + (offsets ? 256 : 512));
+        const __m512 m = offsets ? _mm512_loadu_ps(block + 320) : _mm512_setzero_ps();
+        const __m512 d0 = _mm512_permutexvar_ps(first, d), d1 = _mm512_permutexvar_ps(second, d);
+        const __m512 m0 = _mm512_permutexvar_ps(first, m), m1 = _mm512_permutexvar_ps(second, m);
+        for (int i = 0; i < QK / 2; i++) {
+            __m512bh w = offsets ? expand_pair_q4(block + 16 * i, d0, m0, d1, m1) : expand_pair_q8(block + 32 * i, d0, d1);
+            __asm__("" : "+v"(w)); /* the weights as such, once for every row */
+            const uint32_t *xi = xp + (b * QK / 2 + i) * BROWS;
+#pragma GCC unroll 16
+            for (int r = 0; r < R; r++) acc[r] = _mm512_dpbf16_ps(acc[r], w, (__m512bh)_mm512_set1_epi32((int)xi[r]));
         }
     }
+    store_block(out, out32, ldo, acc, 1, bias, n, 1, R);
 }
 
-/* The bytes of a thread's scratch for bf16_qgemm_share: M rows of K packed, then a pair of panels expanded */
-static size_t bf16_qscratch_bytes(int64_t M, int64_t K) {
-    return (bf16_packed_rows_bytes(M, K) + 63) / 64 * 64 + sizeof(uint32_t) * (size_t)(BPANELS * K / 2 * BF16_PANEL);
-}
+#define QCASE(r)                                                                          \
+    case r:                                                                               \
+        if (offsets)                                                                      \
+            block_times_qpanel(o16, o32, ldo, xp, src, b, kblocks, n, 1, r);              \
+        else                                                                              \
+            block_times_qpanel(o16, o32, ldo, xp, src, b, kblocks, n, 0, r);              \
+        break;
 
-/* bf16_gemm_share over the blocks (M <= QMAX, K a multiple of 32): per pair of panels, both expanded into
- * the thread's scratch (bf16_qscratch_bytes(M, K); NULL: it takes no pairs), then every block of rows. */
+/* The threads of a parallel region share out the panels of M <= QMAX rows (each packs them into xp, its own
+ * scratch of bf16_packed_rows_bytes(M, K); NULL: it takes no panels). Ends with the loop's barrier. */
 static void bf16_qgemm_share(uint16_t *out, float *out32, int64_t ldo, const uint16_t *x, int64_t ldx,
                              const uint8_t *qpacked, int offsets, const uint16_t *bias, int64_t M, int64_t N,
-                             int64_t K, uint8_t *scratch) {
-    const int64_t KP = K / 2, kblocks = K / QK, panels = (N + BF16_PANEL - 1) / BF16_PANEL;
-    const int64_t pairs = (panels + BPANELS - 1) / BPANELS, panel_bytes = kblocks * bf16_qblock_bytes(offsets);
-    uint32_t *xp = (uint32_t *)scratch;
-    uint32_t *w = scratch ? (uint32_t *)(scratch + (bf16_packed_rows_bytes(M, K) + 63) / 64 * 64) : NULL;
+                             int64_t K, uint32_t *xp) {
+    const int64_t kblocks = K / QK, panels = (N + BF16_PANEL - 1) / BF16_PANEL;
     if (xp != NULL) pack_pairs(xp, x, ldx, M, K);
 #pragma omp for schedule(guided)
-    for (int64_t q = 0; q < pairs; q++) {
+    for (int64_t p = 0; p < panels; p++) {
         if (xp == NULL) continue;
-        const int64_t p = BPANELS * q, np = panels - p < BPANELS ? panels - p : BPANELS;
-        for (int64_t j = 0; j < np; j++)
-            expand_qpanel_pairs(w + j * KP * BF16_PANEL, qpacked + (p + j) * panel_bytes, kblocks, offsets);
-        for (int64_t i = 0; i * BROWS < M; i++) {
-            const int64_t r = M - i * BROWS < BROWS ? M - i * BROWS : BROWS, row = i * BROWS * ldo;
-            block_times_pair(out32 ? NULL : out + row, out32 ? out32 + row : NULL, ldo, xp + i * KP * BROWS, w,
-                             KP * BF16_PANEL, bias, N, KP, p, r);
+        const int n = (int)(N - p * BF16_PANEL < BF16_PANEL ? N - p * BF16_PANEL : BF16_PANEL);
+        const uint8_t *src = qpacked + p * kblocks * bf16_qblock_bytes(offsets);
+        const uint16_t *b = bias ? bias + p * BF16_PANEL : NULL;
+        uint16_t *o16 = out32 ? NULL : out + p * BF16_PANEL;
+        float *o32 = out32 ? out32 + p * BF16_PANEL : NULL;
+        switch (M) {
+            QCASE(1) QCASE(2) QCASE(3) QCASE(4) QCASE(5) QCASE(6)
+            QCASE(7) QCASE(8) QCASE(9) QCASE(10) QCASE(11) QCASE(12)
+            default: break;
         }
     }
 }
-
-static __thread kept_buffer qpairs_scratch; /* a thread's scratch for calls over the blocks */
 
 int cbserve_bf16_qgemm(void *out, int64_t ldo, int out_f32, const uint16_t *x, int64_t ldx, const uint8_t *qpacked,
                        int offsets, const uint16_t *bias, int64_t M, int64_t N, int64_t K) {
     if (M > QMAX || K % QK) return -2;
     const int64_t panels = (N + BF16_PANEL - 1) / BF16_PANEL;
     int failed = 0;
-#pragma omp parallel if (panels > BPANELS && M * N * K >= (1 << 18)) reduction(| : failed)
+#pragma omp parallel if (panels > 1 && M * N * K >= (1 << 16)) reduction(| : failed)
     {
-        uint8_t *scratch = kept_alloc(&qpairs_scratch, bf16_qscratch_bytes(M, K));
-        failed = scratch == NULL;
-        bf16_qgemm_share(out_f32 ? NULL : out, out_f32 ? out : NULL, ldo, x, ldx, qpacked, offsets, bias, M, N, K,
-                         scratch);
+        uint32_t *xp = kept_alloc(&pairs_scratch, bf16_packed_rows_bytes(M, K));
+        failed = xp == NULL;
+        bf16_qgemm_share(out_f32 ? NULL : out, out_f32 ? out : NULL, ldo, x, ldx, qpacked, offsets, bias, M, N, K, xp);
     }
     return failed ? -1 : 0;
 }
@@ -343,13 +367,12 @@ static __attribute__((unused)) void bf16_gemm_share(uint16_t *out, float *out32,
                                                     int64_t M, int64_t N, int64_t K, uint32_t *xp) {
     (void)out, (void)out32, (void)ldo, (void)x, (void)ldx, (void)packed, (void)bias, (void)M, (void)N, (void)K, (void)xp;
 }
-static __attribute__((unused)) size_t bf16_qscratch_bytes(int64_t M, int64_t K) { return (void)M, (void)K, 0; }
 static __attribute__((unused)) void bf16_qgemm_share(uint16_t *out, float *out32, int64_t ldo, const uint16_t *x,
                                                      int64_t ldx, const uint8_t *qpacked, int offsets,
                                                      const uint16_t *bias, int64_t M, int64_t N, int64_t K,
-                                                     uint8_t *scratch) {
+                                                     uint32_t *xp) {
     (void)out, (void)out32, (void)ldo, (void)x, (void)ldx, (void)qpacked, (void)offsets, (void)bias, (void)M, (void)N,
-        (void)K, (void)scratch;
+        (void)K, (void)xp;
 }
 int cbserve_bf16_gemm_available(void) { return 0; }
 int cbserve_bf16_gemm(void *out, int64_t ldo, int out_f32, const uint16_t *x, int64_t ldx, const uint32_t *packed,

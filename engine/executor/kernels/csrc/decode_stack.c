@@ -192,7 +192,7 @@ typedef struct {
     int64_t rows;      /* the sequences */
     int64_t padded;    /* rows the bfloat16 matmuls compute (zero rows past `rows`); `rows` in float32 */
     float *scores;     /* this thread's attention scores */
-    uint16_t *scratch; /* this thread's AMX scratch block, or bf16_gemm.c's packed rows and panels (bfloat16) */
+    uint16_t *scratch; /* this thread's AMX scratch block, or its packed rows for bf16_gemm.c (bfloat16) */
 } step;
 
 #define ROW(p, r, width) ((char *)(p) + ((r) * (width)) * st->es)
@@ -238,7 +238,7 @@ static void amx_q_shared(uint16_t *out, const uint16_t *x, const uint8_t *q, int
 static inline void project(const step *st, void *out, const void *x, const void *w, const uint8_t *q, int64_t offsets,
                            const void *bias, int64_t N, int64_t K) {
     if (st->dot && q != NULL && st->rows <= QMAX) /* the scratch: allocate()'s */
-        bf16_qgemm_share(out, NULL, N, x, K, q, (int)offsets, bias, st->rows, N, K, (uint8_t *)st->scratch);
+        bf16_qgemm_share(out, NULL, N, x, K, q, (int)offsets, bias, st->rows, N, K, (uint32_t *)st->scratch);
     else if (st->dot)
         bf16_gemm_share(out, NULL, N, x, K, w, bias, st->rows, N, K, (uint32_t *)st->scratch);
     else if (st->bf16 && q != NULL && st->padded <= QROWS)
@@ -291,7 +291,7 @@ static int allocate(buffers *b, const cbserve_model *m, int64_t S, int64_t score
     const int64_t Sp = padded_rows(S, amx), es = bf16 ? 2 : 4;
     const int64_t widest = H > I ? (H > q_size ? H : q_size) : (I > q_size ? I : q_size);
     b->scores_per_thread = scores;
-    b->amx_scratch = bf16 ? ((amx ? amx_scratch_bytes(Sp, widest) : bf16_qscratch_bytes(S, widest)) + 63) / 64 * 64 : 0;
+    b->amx_scratch = bf16 ? ((amx ? amx_scratch_bytes(Sp, widest) : bf16_packed_rows_bytes(S, widest)) + 63) / 64 * 64 : 0;
     const size_t activations = (size_t)(Sp * (3 * H + qkv_size + q_size + 3 * I) * es);
     const size_t floats = (size_t)((bf16 ? 2 * S * q_size : 0) + threads * b->scores_per_thread);
     const size_t scratches = (activations + sizeof(float) * floats + 63) / 64 * 64; /* tiles load 64-byte rows */
