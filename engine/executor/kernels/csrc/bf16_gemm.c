@@ -30,20 +30,11 @@
 #include "transpose16.h"
 
 #define BF16_PANEL 16   /* outputs per panel: one vector of float32 accumulators */
-#ifndef BROWS
-#define BROWS 12        /* rows a register block */
-#endif
-#ifndef BPANELS
+#define BROWS 12        /* rows a register block (16 x 1 and 14 x 2 panels measured alike: docs/BENCHMARKS.md) */
 #define BPANELS 2       /* panels a register block */
-#endif
 #define SHARE_MAX 64    /* calls of at most this many rows share out the panels; more split the rows */
 #define BMACRO 240      /* rows a thread packs at a time when the threads split the rows */
-#ifndef BLOCALITY
-#define BLOCALITY 3
-#endif
-#ifndef BAHEAD
-#define BAHEAD 16       /* k-pairs (64-byte lines of a panel) asked for ahead */
-#endif
+#define BAHEAD 16       /* k-pairs (64-byte lines of a panel) asked for ahead (16 to 256, into L1 or L2: alike) */
 #define BGROUP_BYTES (1 << 19) /* the panels of a group, read from L2 by every block of a macro block */
 #define BF16_INLINE static inline __attribute__((always_inline))
 
@@ -123,7 +114,7 @@ BF16_INLINE void block_times_panels(uint16_t *out, float *out32, int64_t ldo, co
         __m512bh w[BPANELS];
 #pragma GCC unroll 2
         for (int j = 0; j < np; j++) {
-            __builtin_prefetch(p0 + j * stride + (i + BAHEAD) * BF16_PANEL, 0, BLOCALITY);
+            __builtin_prefetch(p0 + j * stride + (i + BAHEAD) * BF16_PANEL, 0, 3);
             w[j] = (__m512bh)_mm512_loadu_si512(p0 + j * stride + i * BF16_PANEL);
             __asm__("" : "+v"(w[j])); /* in a register: one load for every row's dot product */
         }
@@ -140,8 +131,8 @@ BF16_INLINE void block_times_panels(uint16_t *out, float *out32, int64_t ldo, co
 
 #define BF16_CASE(r)                                                                 \
     case r:                                                                          \
-        if (np == 2 && BPANELS == 2)                                                 \
-            block_times_panels(o16, o32, ldo, xp, p0, stride, b, KP, n, BPANELS, r); \
+        if (np == 2)                                                                 \
+            block_times_panels(o16, o32, ldo, xp, p0, stride, b, KP, n, 2, r);       \
         else                                                                         \
             block_times_panels(o16, o32, ldo, xp, p0, stride, b, KP, n, 1, r); \
         break;
@@ -158,12 +149,6 @@ static void block_times_pair(uint16_t *out, float *out32, int64_t ldo, const uin
     switch (R) {
         BF16_CASE(1) BF16_CASE(2) BF16_CASE(3) BF16_CASE(4) BF16_CASE(5) BF16_CASE(6)
         BF16_CASE(7) BF16_CASE(8) BF16_CASE(9) BF16_CASE(10) BF16_CASE(11) BF16_CASE(12)
-#if BROWS > 12
-        BF16_CASE(13) BF16_CASE(14)
-#endif
-#if BROWS > 14
-        BF16_CASE(15) BF16_CASE(16)
-#endif
         default: break;
     }
 }
@@ -277,7 +262,7 @@ BF16_INLINE void block_times_qpanel(uint16_t *out, float *out32, int64_t ldo, co
     for (int a = 0; a < BROWS; a++) acc[a] = _mm512_setzero_ps();
     for (int64_t b = 0; b < kblocks; b++) {
         const uint8_t *block = src + b * bytes, *ahead = block + 4 * bytes;
-        for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(ahead + line, 0, BLOCALITY);
+        for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(ahead + line, 0, 3);
         const __m512 d = _mm512_loadu_ps(block + (offsets ? 256 : 512));
         const __m512 m = offsets ? _mm512_loadu_ps(block + 320) : _mm512_setzero_ps();
         const __m512 d0 = _mm512_permutexvar_ps(first, d), d1 = _mm512_permutexvar_ps(second, d);
