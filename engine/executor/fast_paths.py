@@ -5,9 +5,9 @@ as gpt-fast's ``replace_linear_int4`` does: the model's code stays the architect
         every Linear (the output head included) ->
             float32, the small kernel built:  SmallGemmLinear for every call, wrapped in a
                                               QuantPanelLinear where the checkpoint's blocks give W exactly
-            bfloat16, AMX:                    AmxLinear for every call (every K a multiple of 32; else
-                                              PackedLinear), wrapped in a QuantAmxLinear where the
-                                              checkpoint's blocks round to W exactly
+            bfloat16, AMX:                    AmxLinear for every call (every K a multiple of 32; else as
+                                              below), wrapped in a QuantAmxLinear where the checkpoint's
+                                              blocks round to W exactly
             bfloat16, AVX512-BF16 (no AMX):  Bf16PanelLinear for every call (every K), wrapped in a
                                               QuantBf16PanelLinear where the checkpoint's blocks round to W
             bfloat16, AVX2, batch_invariant: WidenedLinear (float32 on the small kernel's panels)
@@ -100,9 +100,9 @@ def apply_cpu_fast_paths(
 def swap_linears(
     model: NativeModel, blocks: Mapping[str, BlockCodes], batch_invariant: bool = False
 ) -> tuple[SmallGemm | None, bool]:
-    """Every ``Linear`` replaced where oneDNN can prepack this dtype, or where a bfloat16 model must be
-    batch-invariant (else none is); returns the small kernel where it serves them, and whether every row
-    takes one kernel whatever its batch."""
+    """Every ``Linear`` replaced where cbserve's bfloat16 kernels (AMX, AVX512-BF16) take them, where oneDNN
+    can prepack this dtype, or where a bfloat16 model must be batch-invariant (else none is); returns the
+    small kernel where it serves them, and whether every row takes one kernel whatever its batch."""
     amx = _amx(model) if prepacked.can_prepack(model.device, model.dtype) else None
     if amx is not None and _tiles_fit(model):  # bfloat16 on AMX tiles, every call
         return None, swap_amx_linears(model, amx, blocks)
