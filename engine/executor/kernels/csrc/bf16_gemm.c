@@ -278,7 +278,7 @@ BF16_INLINE void block_times_qpanel(uint16_t *out, float *out32, int64_t ldo, co
     store_block(out, out32, ldo, acc, 1, bias, n, 1, R);
 }
 
-#define QCASE(r)                                                                          \
+#define BF16_QCASE(r)                                                                          \
     case r:                                                                               \
         if (offsets)                                                                      \
             block_times_qpanel(o16, o32, ldo, xp, src, b, kblocks, n, 1, r);              \
@@ -302,8 +302,8 @@ static void bf16_qgemm_share(uint16_t *out, float *out32, int64_t ldo, const uin
         uint16_t *o16 = out32 ? NULL : out + p * BF16_PANEL;
         float *o32 = out32 ? out32 + p * BF16_PANEL : NULL;
         switch (M) {
-            QCASE(1) QCASE(2) QCASE(3) QCASE(4) QCASE(5) QCASE(6)
-            QCASE(7) QCASE(8) QCASE(9) QCASE(10) QCASE(11) QCASE(12)
+            BF16_QCASE(1) BF16_QCASE(2) BF16_QCASE(3) BF16_QCASE(4) BF16_QCASE(5) BF16_QCASE(6)
+            BF16_QCASE(7) BF16_QCASE(8) BF16_QCASE(9) BF16_QCASE(10) BF16_QCASE(11) BF16_QCASE(12)
             default: break;
         }
     }
