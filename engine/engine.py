@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from engine.cpu.allocator import keep_freed_memory
+from engine.cpu.allocator import keep_freed_memory, release_freed_memory
 from engine.cpu.openmp_pools import on_scratch_thread
 from engine.executor.attention.backend import select_decode_kernel
 from engine.executor.cuda_graphs import CudaGraphDecoder
@@ -189,6 +189,7 @@ class Engine:
                     "batch_invariant needs the cpu (or on CUDA the triton) attention backend, not "
                     f"{engine.attention_backend}"
                 )
+            release_freed_memory()  # the load's temporaries, which no step reuses
             return engine
 
         # NOTE: no OpenMP pool may outlive the set-up on this thread: it would slow every forward of the
