@@ -2,7 +2,9 @@
 machine's slow minutes hit both sides alike: the fused ops (csrc/cpu_ops.c), decode attention
 (engine/executor/attention/csrc/paged_decode.c) and the matmuls: in float32 the small-batch kernel's
 (csrc/small_gemm.c), in bfloat16 on a CPU with AMX csrc/amx_gemm.c's, and csrc/amx_qgemm.c's over 4-bit blocks for
-decode-sized calls.
+decode-sized calls; without AMX, on AVX512-BF16, csrc/bf16_gemm.c's over bfloat16 panels and (up to 12 rows)
+over 4-bit blocks (both sides bound and packed by this checkout's bf16_gemm.py: a before side must have the
+same C interface and block layout).
 
     python -m bench.kernel_ab --before f4cf4a7 [--rows 16 2048] [--rounds 15] [--dtype bfloat16]
 
@@ -41,9 +43,10 @@ import torch
 from engine.cpu.native_build import BuildOnce, KernelUnavailable
 from engine.executor.attention import cpu_kernel
 from engine.executor.attention.cpu_kernel import PagedDecodeKernel
-from engine.executor.kernels import amx_gemm, amx_qgemm, cpu_ops, small_gemm
+from engine.executor.kernels import amx_gemm, amx_qgemm, bf16_gemm, cpu_ops, small_gemm
 from engine.executor.kernels.amx_gemm import AmxGemm
 from engine.executor.kernels.amx_qgemm import AmxQGemm
+from engine.executor.kernels.bf16_gemm import Bf16Gemm
 from engine.executor.kernels.block_codes import BlockCodes
 from engine.executor.kernels.cpu_ops import CpuOps
 from engine.executor.kernels.small_gemm import SmallGemm
@@ -114,7 +117,26 @@ def op_cases(ops: CpuOps, rows: int, dtype: torch.dtype) -> dict[str, Callable[[
     }
 
 
-def matmul_case(gemm: AmxGemm, rows: int, layers: int) -> Callable[[], torch.Tensor]:
+class DotBlocks:
+    """The AVX512-BF16 kernel's calls over blocks with ``AmxQGemm.linear``'s signature (the Q4_1 and head
+    cases call that)."""
+
+    def __init__(self, gemm: Bf16Gemm) -> None:
+        self.gemm = gemm
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        four_bit: bool,
+        out_features: int,
+        bias: torch.Tensor | None,
+        out_dtype: torch.dtype = torch.bfloat16,
+    ) -> torch.Tensor:
+        return self.gemm.qlinear(x, packed, four_bit, out_features, bias, out_dtype)
+
+
+def matmul_case(gemm: AmxGemm | Bf16Gemm, rows: int, layers: int) -> Callable[[], torch.Tensor]:
     """The four projections of ``layers`` layers on ``rows`` rows, each layer its own weights."""
     gen = torch.Generator().manual_seed(rows)
     weights = [
@@ -187,7 +209,9 @@ def q4_codes(n: int, k: int, gen: torch.Generator) -> BlockCodes:
 Pack = Callable[[BlockCodes], "tuple[torch.Tensor, bool] | None"]
 
 
-def qmatmul_case(qgemm: AmxQGemm, pack: Pack, rows: int, layers: int) -> Callable[[], torch.Tensor]:
+def qmatmul_case(
+    qgemm: AmxQGemm | DotBlocks, pack: Pack, rows: int, layers: int
+) -> Callable[[], torch.Tensor]:
     """The four projections of ``layers`` layers on ``rows`` rows over Q4_1 blocks, each layer its own."""
     gen = torch.Generator().manual_seed(rows)
     weights = []
@@ -210,7 +234,7 @@ def qmatmul_case(qgemm: AmxQGemm, pack: Pack, rows: int, layers: int) -> Callabl
     return run
 
 
-def head_case(qgemm: AmxQGemm, pack: Pack, rows: int) -> Callable[[], torch.Tensor]:
+def head_case(qgemm: AmxQGemm | DotBlocks, pack: Pack, rows: int) -> Callable[[], torch.Tensor]:
     """SmolLM2-135M's output head (49,152 x 576) over Q8_0 blocks, on ``rows`` rows, to float32 logits as the
     model takes them: written as float32 by a kernel that can (``out_dtype``), else bfloat16 widened after."""
     gen = torch.Generator().manual_seed(rows)
@@ -299,24 +323,43 @@ def compare(cases: dict[str, dict[str, Callable[[], torch.Tensor]]], rounds: int
         print(f"{name:22s} " + " | ".join(cells) + f" | {'same bits' if same else 'BITS DIFFER'}", flush=True)
 
 
-def matmul_sides(
-    before: Path, before_qgemm: ModuleType, dtype: torch.dtype
-) -> tuple[dict[str, SmallGemm], dict[str, AmxGemm], dict[str, AmxQGemm]]:
-    """Both sides' matmul kernels for ``dtype``: the small-batch kernel's (float32), or the AMX kernels
-    (bfloat16); none where they cannot be built here (said so)."""
+Sides = tuple[
+    dict[str, SmallGemm], dict[str, AmxGemm | Bf16Gemm], dict[str, AmxQGemm | DotBlocks], dict[str, Pack]
+]
+
+
+def matmul_sides(before: Path, before_qgemm: ModuleType, dtype: torch.dtype) -> Sides:
+    """Both sides' matmul kernels for ``dtype``: the small-batch kernel's (float32), or the AMX kernels, else
+    the AVX512-BF16 ones (bfloat16), and each side's packing of blocks; none where they cannot be built here
+    (said so)."""
     smalls: dict[str, SmallGemm] = {}
-    gemms: dict[str, AmxGemm] = {}
-    qgemms: dict[str, AmxQGemm] = {}
+    gemms: dict[str, AmxGemm | Bf16Gemm] = {}
+    qgemms: dict[str, AmxQGemm | DotBlocks] = {}
+    packs: dict[str, Pack] = {}
     try:
         if dtype == torch.float32:
             smalls = {"before": BuildOnce(before / "small_gemm.c", SmallGemm)(), "after": small_gemm.load()}
-        else:
+        elif _loads(amx_gemm.load):
             gemms = {"before": BuildOnce(before / "amx_gemm.c", AmxGemm)(), "after": amx_gemm.load()}
             before_q = BuildOnce(before / "amx_qgemm.c", before_qgemm.AmxQGemm)()
             qgemms = {"before": before_q, "after": amx_qgemm.load()}
-    except KernelUnavailable as e:
-        print(f"no {dtype} matmul here ({e}): the fused ops and attention only")
-    return smalls, gemms, qgemms
+            packs = {"before": before_qgemm.pack, "after": amx_qgemm.pack}
+        else:
+            dots = {"before": BuildOnce(before / "bf16_gemm.c", Bf16Gemm)(), "after": bf16_gemm.load()}
+            gemms = dict(dots)
+            qgemms = {side: DotBlocks(dot) for side, dot in dots.items()}
+            packs = dict.fromkeys(dots, Bf16Gemm.pack_blocks)
+    except (KernelUnavailable, FileNotFoundError) as e:
+        print(f"no {dtype} matmul on both sides here ({e}): the fused ops and attention only")
+    return smalls, gemms, qgemms, packs
+
+
+def _loads(kernel: Callable[[], object]) -> bool:
+    try:
+        kernel()
+        return True
+    except KernelUnavailable:
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -342,8 +385,7 @@ def main(argv: list[str] | None = None) -> int:
             "after": cpu_kernel.load(),
         }
         before_qgemm = checkout_qgemm(args.before, Path(tmp))
-        smalls, gemms, qgemms = matmul_sides(before, before_qgemm, dtype)
-        packs = {"before": before_qgemm.pack, "after": amx_qgemm.pack}
+        smalls, gemms, qgemms, packs = matmul_sides(before, before_qgemm, dtype)
         for rows in args.rows:
             print(f"rows {rows}, {args.dtype}, before {args.before}:")
             cases = {side: op_cases(o, rows, dtype) for side, o in ops.items()}
@@ -358,14 +400,22 @@ def main(argv: list[str] | None = None) -> int:
             for side, small in smalls.items():
                 cases[side][f"{args.layers} layers' matmuls"] = f32_matmul_case(small, rows, args.layers)
             for side, gemm in gemms.items() if rows > amx_qgemm.MAX_ROWS else ():
-                name = f"{args.layers} layers' SwiGLU gate"
-                cases[side][name] = gated_mlp_case(gemm, ops[side], rows, args.layers)
-            for side, qgemm in qgemms.items() if rows <= amx_qgemm.MAX_ROWS else ():
+                if isinstance(gemm, AmxGemm):
+                    name = f"{args.layers} layers' SwiGLU gate"
+                    cases[side][name] = gated_mlp_case(gemm, ops[side], rows, args.layers)
+            for side, qgemm in qgemms.items():
+                if rows > _max_block_rows(qgemm):
+                    continue
                 name = f"{args.layers} layers' Q4_1 matmuls"
                 cases[side][name] = qmatmul_case(qgemm, packs[side], rows, args.layers)
                 cases[side]["output head, Q8_0"] = head_case(qgemm, packs[side], rows)
             compare(cases, args.rounds)
     return 0
+
+
+def _max_block_rows(qgemm: AmxQGemm | DotBlocks) -> int:
+    """The most rows a call over blocks takes on this kernel."""
+    return bf16_gemm.QUANTIZED_MAX_ROWS if isinstance(qgemm, DotBlocks) else amx_qgemm.MAX_ROWS
 
 
 if __name__ == "__main__":
