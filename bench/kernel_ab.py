@@ -339,7 +339,7 @@ def matmul_sides(before: Path, before_qgemm: ModuleType, dtype: torch.dtype) -> 
     try:
         if dtype == torch.float32:
             smalls = {"before": BuildOnce(before / "small_gemm.c", SmallGemm)(), "after": small_gemm.load()}
-        elif _loads(amx_gemm.load):
+        elif amx_gemm.load.available():
             gemms = {"before": BuildOnce(before / "amx_gemm.c", AmxGemm)(), "after": amx_gemm.load()}
             before_q = BuildOnce(before / "amx_qgemm.c", before_qgemm.AmxQGemm)()
             qgemms = {"before": before_q, "after": amx_qgemm.load()}
@@ -353,13 +353,6 @@ def matmul_sides(before: Path, before_qgemm: ModuleType, dtype: torch.dtype) -> 
         print(f"no {dtype} matmul on both sides here ({e}): the fused ops and attention only")
     return smalls, gemms, qgemms, packs
 
-
-def _loads(kernel: Callable[[], object]) -> bool:
-    try:
-        kernel()
-        return True
-    except KernelUnavailable:
-        return False
 
 
 def main(argv: list[str] | None = None) -> int:

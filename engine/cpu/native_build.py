@@ -141,3 +141,11 @@ class BuildOnce(Generic[T]):
             if isinstance(self._loaded, KernelUnavailable):
                 raise self._loaded
             return self._loaded
+
+    def available(self) -> bool:
+        """Whether ``load()`` gives the kernel here (building it if need be) rather than raising."""
+        try:
+            self()
+        except KernelUnavailable:
+            return False
+        return True

@@ -14,6 +14,7 @@ import torch
 from default_engine import engine_on
 from model_harness import cpu_kernel_or_skip
 
+from engine.cpu.native_build import BuildOnce
 from engine.executor.attention import backend, cpu_kernel, triton_decode
 from engine.executor.attention.backend import select_decode_kernel
 from engine.executor.attention.cpu_kernel import KernelUnavailable, PagedDecodeKernel
@@ -124,6 +125,19 @@ def test_a_compile_error_is_reported(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     with pytest.raises(KernelUnavailable, match="building broken.c .* failed"):
         cpu_kernel.build()
     assert not list((tmp_path / "cache").rglob("*.so"))  # no half-written object left behind
+
+
+def test_a_kernel_that_cannot_be_built_is_not_available(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``BuildOnce.available``: False (not raising) where ``load()`` raises, True where it gives the kernel."""
+    cpu_kernel_or_skip()
+    assert BuildOnce(cpu_kernel.SOURCE, PagedDecodeKernel).available()  # the build cached by the line above
+    broken = tmp_path / "broken.c"
+    broken.write_text("this is not C\n")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    load = BuildOnce(broken, PagedDecodeKernel)
+    assert not load.available()
+    with pytest.raises(KernelUnavailable, match="building broken.c"):
+        load()
 
 
 @pytest.mark.slow  # compiles the kernel twice

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,6 @@ from default_engine import engine_on
 from model_harness import cpu_kernel_or_skip
 
 from engine.cpu import native_build
-from engine.cpu.native_build import KernelUnavailable
 from engine.engine import Engine
 from engine.executor import fast_paths
 from engine.executor.attention.cpu_kernel import PagedDecodeKernel
@@ -71,18 +70,10 @@ def _model(cfg: ModelConfig, seed: int = 0, kind: str = "float32") -> CpuDecodeS
     return stack
 
 
-def _has(kernel: Callable[[], object]) -> bool:
-    try:
-        kernel()
-        return True
-    except KernelUnavailable:
-        return False
-
-
 def _bf16_kernel_or_skip(hide_amx: bool) -> None:
     """Skip where the bfloat16 stack has no kernel; with ``hide_amx``, also where the CPU has no AMX (its
     plain bfloat16 case runs the AVX512-BF16 kernel already)."""
-    amx, dot = _has(amx_gemm.load), _has(bf16_gemm.load)
+    amx, dot = amx_gemm.load.available(), bf16_gemm.load.available()
     if hide_amx and not (amx and dot):
         pytest.skip("the AVX512-BF16 kernel with AMX hidden: needs a CPU with both")
     if not (amx or dot):
@@ -339,7 +330,7 @@ def test_only_pure_decode_steps_with_the_cpu_kernel_and_fast_paths_take_it(
     bf16 = build_model(SMOL, torch.bfloat16, CPU)
     apply_cpu_fast_paths(bf16)
     # bfloat16: on AMX tiles or the AVX512-BF16 kernel's panels
-    assert (CpuDecodeStack.for_model(bf16) is not None) == (_has(amx_gemm.load) or _has(bf16_gemm.load))
+    assert (CpuDecodeStack.for_model(bf16) is not None) == (amx_gemm.load.available() or bf16_gemm.load.available())
     assert CpuDecodeStack.for_model(build_model(SMOL, torch.float32, CPU)) is None  # no fast paths swapped in
 
 

@@ -7,7 +7,6 @@ model's logits are the plain model's up to float rounding."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any, cast
 
 import pytest
@@ -88,14 +87,6 @@ def test_a_float32_model_gets_the_kernels_modules(kernel: SmallGemm, batch_invar
     assert isinstance(model.rotary, FusedRotaryEmbedding)
 
 
-def _loads(kernel: Callable[[], object]) -> bool:
-    try:
-        kernel()
-        return True
-    except KernelUnavailable:
-        return False
-
-
 @pytest.mark.parametrize("batch_invariant", [False, True])
 def test_a_bfloat16_model_gets_onednn_or_the_amx_or_dot_kernel_and_the_fused_ops(
     batch_invariant: bool,
@@ -103,8 +94,8 @@ def test_a_bfloat16_model_gets_onednn_or_the_amx_or_dot_kernel_and_the_fused_ops
     model, _ = _pair(torch.bfloat16)
     paths = apply_cpu_fast_paths(model, batch_invariant=batch_invariant)
     onednn = prepacked.can_prepack(CPU, torch.bfloat16)
-    amx = onednn and _loads(amx_gemm.load)
-    dot = not amx and _loads(bf16_gemm.load)  # AVX512-BF16 without AMX
+    amx = onednn and amx_gemm.load.available()
+    dot = not amx and bf16_gemm.load.available()  # AVX512-BF16 without AMX
     widened = batch_invariant and not (amx or dot) and paths.small_gemm is not None  # AVX2: float32 chains
     assert paths.small_gemm is None or widened  # else the small kernel is float32 only
     assert paths.prepacked == (onednn or dot or widened)
@@ -166,7 +157,7 @@ def test_bfloat16_weights_the_tiles_cannot_pack_take_the_dot_kernel_or_float32_c
     assert paths.batch_invariant
     kinds = WidenedLinear | Linear | AmxLinear | Bf16PanelLinear
     projections = {type(m) for m in model.modules() if isinstance(m, kinds)}
-    assert projections == {Bf16PanelLinear if _loads(bf16_gemm.load) else WidenedLinear}
+    assert projections == {Bf16PanelLinear if bf16_gemm.load.available() else WidenedLinear}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
