@@ -183,8 +183,14 @@ def test_the_default_model_computes_the_same_bits_in_bfloat16(
     """Prefill, decode steps in the decode stack (from the quantized tiles up to 32 sequences) and the
     output head: the logits and K/V of the bfloat16 tiles, bit for bit; then greedy generation, batched and
     chunked."""
+    assert_same_bits_as_plain(*bf16_stacks, num_seqs)
+
+
+def assert_same_bits_as_plain(quantized: CpuDecodeStack, plain: CpuDecodeStack, num_seqs: int) -> None:
+    """``num_seqs`` prompts' prefill and decode step give ``plain``'s logits and K/V bit for bit on
+    ``quantized`` (the same checkpoint with its blocks); up to two, greedy generation too, batched and
+    chunked (tests/model/test_bf16_qgemm.py runs it on the AVX512-BF16 kernel)."""
     decode_kernel = cpu_kernel_or_skip()
-    quantized, plain = bf16_stacks
     cfg = quantized.model.config
     caches = [_cache(cfg) for _ in range(2)]
     prompts = [[(7 * i + 3 * s) % cfg.vocab_size for i in range(3 + 5 * s)] for s in range(num_seqs)]

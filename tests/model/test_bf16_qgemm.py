@@ -11,22 +11,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_harness import cpu_kernel_or_skip, run_greedy
 from test_amx_gemm import MODEL_SHAPES
-from test_amx_qgemm import KINDS, _codes
+from test_amx_qgemm import KINDS, _codes, assert_same_bits_as_plain
 
 from engine.cpu.native_build import KernelUnavailable
 from engine.executor import fast_paths
 from engine.executor.decode_stack import CpuDecodeStack
 from engine.executor.fast_paths import apply_cpu_fast_paths
-from engine.executor.inputs import BatchInputs
 from engine.executor.kernels import bf16_gemm
 from engine.executor.kernels.bf16_gemm import Bf16Gemm
 from engine.executor.kernels.block_codes import BlockCodes
 from engine.executor.kernels.modules import QuantBf16PanelLinear
-from engine.executor.kv_cache import KVCache
 from engine.loader.model_loader import load_model
-from engine.model_config import ModelConfig
 
 MAX_ROWS = bf16_gemm.QUANTIZED_MAX_ROWS
 
@@ -128,28 +124,4 @@ def test_the_default_model_computes_the_same_bits_in_bfloat16(
 ) -> None:
     """Prefill, decode steps in the decode stack (from the blocks up to 12 sequences) and the output head:
     the logits and K/V of the bfloat16 panels, bit for bit; then greedy generation, batched and chunked."""
-    decode_kernel = cpu_kernel_or_skip()
-    quantized, plain = bf16_stacks
-    cfg = quantized.model.config
-    caches = [_cache(cfg) for _ in range(2)]
-    prompts = [[(7 * i + 3 * s) % cfg.vocab_size for i in range(3 + 5 * s)] for s in range(num_seqs)]
-    tables = [[1 + 12 * s + j for j in range(12)] for s in range(num_seqs)]
-    prefill = BatchInputs.build(prompts, [0] * num_seqs, tables, [True] * num_seqs, 16)
-    decode = BatchInputs.build([[12 + s] for s in range(num_seqs)], [len(p) for p in prompts], tables,
-                               [True] * num_seqs, 16)  # fmt: skip
-    for batch in (prefill, decode):
-        out_q = quantized.forward(batch, caches[0], decode_kernel)
-        assert torch.equal(out_q, plain.forward(batch, caches[1], decode_kernel))
-    assert torch.equal(caches[0].kv, caches[1].kv)
-    if num_seqs > 2:
-        return
-    for mode in ("batched", "chunked"):
-        runs = [
-            run_greedy(model, _cache(cfg), prompts, 8, mode=mode, decode_kernel=decode_kernel)
-            for model in (quantized, plain)
-        ]
-        assert runs[0] == runs[1]
-
-
-def _cache(cfg: ModelConfig) -> KVCache:
-    return KVCache(cfg.num_hidden_layers, 12 * 40, 16, cfg.num_key_value_heads, cfg.head_dim, torch.bfloat16)
+    assert_same_bits_as_plain(*bf16_stacks, num_seqs)
