@@ -6,12 +6,15 @@
 #
 #   bench/compare_servers.sh OUTDIR [SYSTEM ...]
 #       SYSTEM: cbserve cbserve-bf16 cbserve-bf16-mixed cbserve-bi cbserve-bf16-bi cbserve-spec transformers transformers-bf16
-#       llamacpp vllm (-bi: cbserve with --batch-invariant; -mixed: with
+#       llamacpp llama-server vllm (-bi: cbserve with --batch-invariant; -mixed: with
 #       --max-mixed-prefill-tokens MIXED_CAP (default 256); -spec: with prompt lookup speculative decoding,
-#       SPEC_CONFIG; vllm: vLLM's CPU build in bfloat16, bench/peers.sh vllm)
+#       SPEC_CONFIG; llamacpp: llama-cpp-python's server, one sequence at a time; llama-server: llama.cpp's
+#       own, continuous batching over LLAMA_NP slots (default 16), built as bench/llamacpp_lookup.py says;
+#       vllm: vLLM's CPU build in bfloat16, bench/peers.sh vllm)
 #
 # Environment: CONCURRENCIES (default "1 8 16 32"), INPUT_LEN (128), OUTPUT_LEN (64), LLAMACPP_PYTHON
-# (the python that has llama-cpp-python[server]; default .venv/bin/python), TIMEOUT per run (900 s).
+# (the python that has llama-cpp-python[server]; default .venv/bin/python), LLAMA_SERVER (the llama-server
+# binary; default /tmp/llamacpp/build/bin/llama-server), TIMEOUT per run (900 s).
 # At the end it prints the table (bench.summarize) and each run against this CPU's ceiling in its precision
 # (bench.cpu_ceiling: the multiply-add peak and the memory bandwidth; also saved as OUTDIR/ceiling.txt).
 set -euo pipefail
@@ -54,6 +57,11 @@ start() {  # start SYSTEM in the background on $PORT; sets PID and EXTRA
         llamacpp)
             PYTHON="${LLAMACPP_PYTHON:-$PY}" bench/peers.sh llamacpp "$PORT" &
             EXTRA=(--extra-body '{"logit_bias": {"0": -100, "2": -100}}') ;;  # EOS ids never sampled
+        llama-server)  # each slot holds ctx / np tokens: 512, past the workload's prompt and output
+            NP="${LLAMA_NP:-16}"
+            "${LLAMA_SERVER:-/tmp/llamacpp/build/bin/llama-server}" -m "$(bench/peers.sh gguf)" \
+                --host 127.0.0.1 --port "$PORT" -t "$(nproc)" -tb "$(nproc)" -np "$NP" -c $((NP * 512)) \
+                --cont-batching --log-disable > /dev/null 2>&1 & ;;
         *) echo "unknown system $1" >&2; exit 2 ;;
     esac
     PID=$!
