@@ -5,9 +5,11 @@ minutes hit both sides alike.
     python -m bench.prefill_attention_ab [--runs 6] [--prompts 16] [--prompt-len 128] [--dtype bfloat16]
 
 Each run prefills ``--prompts`` random prompts in one step (``generate_batch`` with one new token) with the
-kernel switched on or off; the side that goes first alternates. In bfloat16 on a CPU with AMX the kernel
-runs its items on AMX tiles (csrc/paged_prefill_amx.c), and a third side runs them on its vector path. Prints, for each side, the best and the
-median of the whole step and of the time spent in the model's attention calls (K/V writes included).
+kernel switched on or off; the side that goes first alternates. In bfloat16 on a CPU with AMX or AVX512-BF16
+the kernel runs its items on AMX tiles or dot products (csrc/paged_prefill_bf16.c: each kind the CPU has is a
+side, "kernel, tiles" and "kernel, dots"), and a further side runs them on its float32 vector path. Prints, for
+each side, the best and the median of the whole step and of the time spent in the model's attention calls
+(K/V writes included).
 """
 
 from __future__ import annotations
@@ -51,14 +53,14 @@ def main(argv: list[str] | None = None) -> int:
     vocab = engine.model.config.vocab_size
 
     kernel_part = paged._prefill_part
-    amx = bool(getattr(kernel, "amx_prefill", False)) and args.dtype == "bfloat16"
-    # side: (the prefill part's function, whether the kernel may use AMX tiles)
-    sides: dict[str, tuple[Callable[..., Any], bool]] = {
-        "sdpa per sequence": (lambda *args: None, False),
-        "prefill kernel": (kernel_part, amx),
+    kinds = list(getattr(kernel, "prefill_kinds", [])) if args.dtype == "bfloat16" else []
+    # side: (the prefill part's function, the products of the kernel's bfloat16 items: None for its vector path)
+    sides: dict[str, tuple[Callable[..., Any], str | None]] = {
+        "sdpa per sequence": (lambda *args: None, None)
     }
-    if amx:
-        sides["kernel, vectors"] = (kernel_part, False)
+    for kind in kinds:
+        sides[f"kernel, {kind}"] = (kernel_part, kind)
+    sides["kernel, vectors" if kinds else "prefill kernel"] = (kernel_part, None)
     attention_s = [0.0]
     real_attention = llama.paged_attention
 
@@ -76,9 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for run in range(args.runs):
             for name in list(sides) if run % 2 == 0 else list(sides)[::-1]:
-                paged._prefill_part, tiles = sides[name]  # type: ignore[assignment]
-                if amx:
-                    kernel.amx_prefill = tiles  # type: ignore[attr-defined]
+                paged._prefill_part, kind = sides[name]  # type: ignore[assignment]
+                if kinds:
+                    kernel.bf16_prefill = kind  # type: ignore[attr-defined]
                 prompts = [
                     [rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)
                 ]
@@ -92,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
                 attention[name].append(attention_s[0])
     finally:
         paged._prefill_part = kernel_part  # type: ignore[assignment]
-        if amx:
-            kernel.amx_prefill = True  # type: ignore[attr-defined]
+        if kinds:
+            kernel.bf16_prefill = kinds[0]  # type: ignore[attr-defined]
         llama.paged_attention = real_attention  # type: ignore[assignment]
     _report(step, attention, f"{args.prompts} x {args.prompt_len}")
     return 0

@@ -403,7 +403,7 @@ def test_cpu_prefill_kernel_refuses_query_ranges_that_do_not_fit() -> None:
         )
 
 
-# ------------------------------------------------- bfloat16 prefills on AMX tiles (paged_prefill_amx.c)
+# ------------------- bfloat16 prefills on AMX tiles or AVX512-BF16 dot products (paged_prefill_bf16.c)
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1), (16, 2), (4, 4)])
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
 def test_cpu_prefill_kernel_bfloat16_queries(heads: int, kv_heads: int, head_dim: int) -> None:
@@ -466,7 +466,9 @@ def test_cpu_prefill_rows_are_the_same_bits_whole_or_in_chunks(window: int | Non
         assert torch.equal(_prefill_in_chunks(kernel, q, k_cache, v_cache, table, cuts, window), whole)
 
 
-def test_cpu_prefill_kernel_takes_amx_where_the_cpu_has_it() -> None:
+def test_cpu_prefill_kernel_takes_bfloat16_products_where_the_cpu_has_them() -> None:
     kernel = cpu_kernel_or_skip()
     flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
-    assert kernel.prefill_uses_amx == ("amx_bf16" in flags and "amx_tile" in flags)
+    assert ("tiles" in kernel.prefill_kinds) == ("amx_bf16" in flags and "amx_tile" in flags)
+    assert ("dots" in kernel.prefill_kinds) == ("avx512_bf16" in flags)
+    assert kernel.bf16_prefill == (kernel.prefill_kinds[0] if kernel.prefill_kinds else None)

@@ -30,6 +30,8 @@ from engine.cpu.native_build import build as build_library
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.c"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+# the products of a bfloat16 prefill's items, preferred first: paged_prefill_bf16.c's BF16_ON_TILES, BF16_ON_DOTS
+BF16_PREFILL_KINDS = {"tiles": 2, "dots": 1}
 
 __all__ = ["KernelUnavailable", "PagedDecodeKernel", "build", "load"]
 
@@ -88,17 +90,22 @@ class PagedDecodeKernel:
         self.lanes = int(self._lib.cbserve_lanes())
         self.max_group = int(self._lib.cbserve_max_group())
         self.max_head_dim = int(self._lib.cbserve_max_head_dim())
-        # bfloat16 prefills (head_dim a multiple of 32) on AMX tiles: csrc/paged_prefill_amx.c
-        self._amx_takes = self._lib.cbserve_prefill_amx_takes
-        self._amx_takes.restype = ctypes.c_int
-        self._amx_takes.argtypes = [i64]
-        self.prefill_uses_amx = self.amx_takes(64)
-        self.amx_prefill = self.prefill_uses_amx  # False: bfloat16 prefills on the vector path too (A/B)
+        # bfloat16 prefills (head_dim a multiple of 32) on AMX tiles or AVX512-BF16 dot products:
+        # csrc/paged_prefill_bf16.c
+        self._bf16_takes = self._lib.cbserve_prefill_bf16_takes
+        self._bf16_takes.restype = ctypes.c_int
+        self._bf16_takes.argtypes = [i64, ctypes.c_int]
+        self.prefill_kinds = [
+            kind for kind in BF16_PREFILL_KINDS if self._bf16_takes(64, BF16_PREFILL_KINDS[kind])
+        ]
+        # the products a bfloat16 prefill runs on (the first of "tiles", "dots" built here); None: the vector
+        # path in float32, as float16 or float32 prefills (set another for an A/B)
+        self.bf16_prefill: str | None = self.prefill_kinds[0] if self.prefill_kinds else None
 
     @functools.cache  # noqa: B019 (one kernel per process)
-    def amx_takes(self, head_dim: int) -> bool:
-        """Whether a bfloat16 prefill of this head_dim runs on AMX tiles here."""
-        return bool(self._amx_takes(head_dim))
+    def bf16_takes(self, head_dim: int, kind: str) -> bool:
+        """Whether a bfloat16 prefill of this head_dim runs on ``kind``'s products ("tiles", "dots") here."""
+        return bool(self._bf16_takes(head_dim, BF16_PREFILL_KINDS[kind]))
 
     def unsupported(
         self, head_dim: int, block_size: int, group: int, dtype: torch.dtype, softcap: float | None = None
@@ -203,10 +210,12 @@ class PagedDecodeKernel:
         num_tokens, num_heads, head_dim = q.shape
         num_blocks, num_kv_heads, _, block_size = k_cache.shape
         num_seqs = seq_lens.shape[0]
-        # bfloat16 on AMX tiles: q read and the output written in bfloat16; else both in float32
-        tiles = self.amx_prefill and q.dtype == k_cache.dtype == torch.bfloat16 and self.amx_takes(head_dim)
+        # bfloat16 on tiles or dot products: q read and the output written in bfloat16; else both in float32
+        kind = self.bf16_prefill if q.dtype == k_cache.dtype == torch.bfloat16 else None
+        if kind is not None and not self.bf16_takes(head_dim, kind):
+            kind = None
         qf, tables = _checked_inputs(
-            q, k_cache, v_cache, block_tables, seq_lens, torch.bfloat16 if tiles else None
+            q, k_cache, v_cache, block_tables, seq_lens, None if kind is None else torch.bfloat16
         )
         if query_starts.dtype != torch.int64:
             raise ValueError("query_starts must be int64")
@@ -217,10 +226,10 @@ class PagedDecodeKernel:
         starts, lens = query_starts.contiguous(), seq_lens.contiguous()
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=qf.dtype)
         rc = self._prefill(
-            out.data_ptr(), qf.data_ptr(), qf.stride(0), int(tiles), k_cache.data_ptr(), v_cache.data_ptr(),
-            int(k_cache.dtype == torch.bfloat16), tables.data_ptr(), tables.stride(0), starts.data_ptr(),
-            lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window or 0,
-            softcap or 0.0,
+            out.data_ptr(), qf.data_ptr(), qf.stride(0), BF16_PREFILL_KINDS[kind] if kind else 0,
+            k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16), tables.data_ptr(),
+            tables.stride(0), starts.data_ptr(), lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
+            block_size, scale, sliding_window or 0, softcap or 0.0,
         )  # fmt: skip
         if rc == -5:
             raise ValueError("a sequence's query count or length does not fit its length or block table")

@@ -1,7 +1,7 @@
 /* Paged prefill attention on the CPU: each sequence's new queries (a fresh prompt or a later chunk of one)
  * attend causally over that sequence's KV pages, read in place through its block table.
  *
- * Work item = (sequence, KV head, tile of up to TILE consecutive queries, AMX_TILE on the AMX tiles). The
+ * Work item = (sequence, KV head, tile of up to TILE consecutive queries, BF16_TILE in bfloat16). The
  * tile's rows are its queries times the `group` query heads that share the KV head, and the two products are
  * small matrix products over the pages:
  *
@@ -232,24 +232,24 @@ static void attend_tile_bf16(TILE_ARGS) { TILE_CALL(1); }
 #undef TILE_CALL
 #undef TILE_ARGS
 
-#include "paged_prefill_amx.c"
+#include "paged_prefill_bf16.c"
 #include "../../kernels/csrc/kept_buffer.h"
 
 /* the calling thread's scores, kept from call to call (kept_buffer.h) */
 static __thread kept_buffer prefill_scores;
 
-/* 1 where a bfloat16 prefill of this head_dim runs on AMX tiles (paged_prefill_amx.c): a head_dim the tiles
- * take, a library built for AMX and a process allowed to use it */
-int cbserve_prefill_amx_takes(int64_t head_dim) {
+/* 1 where a bfloat16 prefill of this head_dim runs here on `kind`'s products (paged_prefill_bf16.c): a head_dim
+ * the item takes and a library built for that kind (for the tiles: a process allowed to use them) */
+int cbserve_prefill_bf16_takes(int64_t head_dim, int kind) {
+    if (head_dim % 32 || head_dim > BF16_MAX_HEAD_DIM) return 0;
 #if HAVE_AMX
     static int permitted = -1;
-    if (head_dim % 32 || head_dim > AMX_MAX_HEAD_DIM) return 0;
-    if (permitted < 0) permitted = amx_permitted();
-    return permitted;
-#else
-    (void)head_dim;
-    return 0;
+    if (kind == BF16_ON_TILES) {
+        if (permitted < 0) permitted = amx_permitted();
+        return permitted;
+    }
 #endif
+    return kind == BF16_ON_DOTS && HAVE_BF16_DOT_PREFILL;
 }
 
 /* Returns 0; -2 for an unsupported shape, -5 for a query count or length that does not fit its sequence
@@ -258,7 +258,7 @@ int cbserve_paged_prefill_attention(
     void *out,                   /* [num_tokens, num_heads, head_dim] */
     const void *q,               /* token t's heads at q + t * q_stride, [num_heads, head_dim] */
     int64_t q_stride,
-    int q_is_bf16,               /* q and out bfloat16 (the AMX path: cbserve_prefill_amx_takes), else float32 */
+    int bf16_kind,               /* q and out bfloat16 on BF16_ON_TILES or BF16_ON_DOTS (cbserve_prefill_bf16_takes); 0: float32 */
     const void *k_cache,         /* [num_blocks, num_kv_heads, head_dim, block_size] */
     const void *v_cache,         /* [num_blocks, num_kv_heads, block_size, head_dim] */
     int kv_is_bf16,
@@ -271,9 +271,9 @@ int cbserve_paged_prefill_attention(
     if (!supported(num_heads, num_kv_heads, head_dim, block_size)) return -2;
     const int64_t group = num_heads / num_kv_heads;
     const int64_t block_stride = num_kv_heads * head_dim * block_size;
-    const int threads = omp_get_max_threads(), amx = q_is_bf16;
-    if (amx && !(kv_is_bf16 && cbserve_prefill_amx_takes(head_dim))) return -2;
-    const int64_t tile_q = amx ? AMX_TILE : TILE; /* queries per work item */
+    const int threads = omp_get_max_threads(), bf16 = bf16_kind != 0;
+    if (bf16 && !(kv_is_bf16 && cbserve_prefill_bf16_takes(head_dim, bf16_kind))) return -2;
+    const int64_t tile_q = bf16 ? BF16_TILE : TILE; /* queries per work item */
     int64_t items = 0, widest = 0; /* widest: the longest key range of a tile, in padded keys */
     for (int64_t s = 0; s < num_seqs; s++) {
         const int64_t q_len = query_starts[s + 1] - query_starts[s];
@@ -284,9 +284,9 @@ int cbserve_paged_prefill_attention(
             (sliding_window > 0 && sliding_window < seq_lens[s] ? sliding_window + tile_q : seq_lens[s]);
         widest = span + 2 * block_size > widest ? span + 2 * block_size : widest;
     }
-#if HAVE_AMX
-    const int64_t scratch = amx ? amx_scratch_bytes(tile_q * group, (widest + 64 + 31) / 32 * 32, head_dim) / 4 + 1
-                                : tile_q * group * widest; /* floats */
+#if HAVE_BF16_PREFILL
+    const int64_t scratch = bf16 ? bf16_scratch_bytes(tile_q * group, (widest + 64 + 31) / 32 * 32, head_dim) / 4 + 1
+                                 : tile_q * group * widest; /* floats */
 #else
     const int64_t scratch = tile_q * group * widest;
 #endif
@@ -297,7 +297,7 @@ int cbserve_paged_prefill_attention(
     {
         float *mine = scores + omp_get_thread_num() * scratch;
 #if HAVE_AMX
-        if (amx) amx_configure_full_tiles();
+        if (bf16_kind == BF16_ON_TILES) amx_configure_full_tiles();
 #endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++) {
@@ -313,12 +313,12 @@ int cbserve_paged_prefill_attention(
             const int64_t tile = tiles - 1 - rest / num_kv_heads, h = rest % num_kv_heads;
             const int64_t i0 = tile * tile_q, i1 = i0 + tile_q < q_len ? i0 + tile_q : q_len;
             const int64_t start = query_starts[s];
-#if HAVE_AMX
-            if (amx) {
-                attend_tile_amx((uint16_t *)out + start * num_heads * head_dim, (const uint16_t *)q + start * q_stride,
-                                q_stride, k_cache, v_cache,
-                                block_tables + s * table_stride, seq_lens[s] - q_len, i0, i1, h, num_heads, group,
-                                head_dim, block_size, block_stride, scale, sliding_window, softcap, (char *)mine);
+#if HAVE_BF16_PREFILL
+            if (bf16) {
+                attend_tile_in_bf16(bf16_kind, (uint16_t *)out + start * num_heads * head_dim,
+                                    (const uint16_t *)q + start * q_stride, q_stride, k_cache, v_cache,
+                                    block_tables + s * table_stride, seq_lens[s] - q_len, i0, i1, h, num_heads, group,
+                                    head_dim, block_size, block_stride, scale, sliding_window, softcap, (char *)mine);
                 continue;
             }
 #endif
@@ -329,7 +329,7 @@ int cbserve_paged_prefill_attention(
                 block_size, block_stride, scale, sliding_window, softcap, mine);
         }
 #if HAVE_AMX
-        if (amx) _tile_release();
+        if (bf16_kind == BF16_ON_TILES) _tile_release();
 #endif
     }
     return 0;

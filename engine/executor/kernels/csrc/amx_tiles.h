@@ -1,5 +1,5 @@
 /* What every AMX kernel needs before its first tile instruction (amx_gemm.c; the prefill attention's
- * paged_prefill_amx.c): whether it was built for AMX at all, the process's permission to use the tile
+ * paged_prefill_bf16.c): whether it was built for AMX at all, the process's permission to use the tile
  * registers, and one thread's tile configuration.
  *
  * Linux lends a process the tile registers only on request (arch_prctl ARCH_REQ_XCOMP_PERM); each thread

@@ -1,5 +1,5 @@
 /* float32 -> bfloat16 on 16 lanes (AVX-512 BW/VL), rounding to nearest even in the integer steps of torch's
- * conversion: the matmul's outputs (amx_gemm.c) and the prefill attention's (paged_prefill_amx.c).
+ * conversion: the matmul's outputs (amx_gemm.c) and the prefill attention's (paged_prefill_bf16.c).
  * NOTE: not VCVTNEPS2BF16 (AVX512-BF16), which flushes float32 denormals to zero where torch's conversion
  * keeps them as bfloat16 denormals. */
 #ifndef CBSERVE_BF16_ROUND_H
@@ -20,7 +20,7 @@ static inline __m256i to_bf16_x16(__m512 f) {
 
 /* float32 -> bfloat16 on 16 lanes in one VCVTNEPS2BF16 where the CPU has AVX512-BF16 (every one with
  * AMX-BF16 so far), else to_bf16_x16: the same bits but for float32 denormals, which it flushes to zero, as
- * cpu_ops.c's bfloat16 ops round (SwiGLU's gate in amx_gemm.c, the softmax weights in paged_prefill_amx.c) */
+ * cpu_ops.c's bfloat16 ops round (SwiGLU's gate in amx_gemm.c, the softmax weights in paged_prefill_bf16.c) */
 static inline __m256i to_bf16_x16_ftz(__m512 f) {
 #if defined(__AVX512BF16__)
     return (__m256i)_mm512_cvtneps_pbh(f);

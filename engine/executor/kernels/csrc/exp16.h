@@ -1,5 +1,5 @@
 /* exp on 16 float32 lanes, inline: cpu_ops.c's gates and the AMX prefill attention's softmax
- * (engine/executor/attention/csrc/paged_prefill_amx.c).
+ * (engine/executor/attention/csrc/paged_prefill_bf16.c).
  *
  * Why inline: a call to libmvec's vectorised expf made the loops around it spill their vector registers
  * (silu_and_mul ran at ~3.6 cycles an element on Sapphire Rapids). Cephes' expf: x = n ln2 + r with

@@ -1,16 +1,19 @@
-/* The prefill attention's work item (paged_prefill.c) on Intel AMX tiles, for bfloat16 caches and queries:
- * the same item -- a sequence's tile of up to TILE queries times the `group` query heads of one KV head --
- * with its two products as tile products, float32 accumulation:
+/* The prefill attention's work item (paged_prefill.c) in bfloat16, for bfloat16 caches and queries, on Intel
+ * AMX tiles or on AVX512-BF16 dot products (AMD Zen 4 and later, Intel Cooper Lake): the same item -- a
+ * sequence's tile of up to BF16_TILE queries times the `group` query heads of one KV head -- with its two
+ * products over bfloat16 pairs, float32 accumulation:
  *
- *   S = Q K^T:  A = the item's query rows in bfloat16 (16 rows x 32 dimensions a tile),
- *               B = 16 keys of a K page, re-laid out in pairs of dimensions ("VNNI"), 32 dimensions a tile
+ *   S = Q K^T:  the item's query rows in bfloat16 (16 rows at a time) times 16 keys of a K page, re-laid out
+ *               in pairs of dimensions ("VNNI": [head_dim / 2][16 keys][2])
  *   P = exp(scale * S - max) per row over its own keys (as paged_prefill.c: soft cap, window, causal
  *       mask), rounded to bfloat16; the row's output divided by the sum of its weights (before rounding,
  *       as flash attention sums them); 16 rows at a time, their maxes and sums reduced together
- *   O = P V:    A = 16 rows x 32 keys of P, B = 32 keys of V in pairs of keys, 16 dimensions a tile;
- *               four accumulator tiles (64 dimensions) per pass over the keys
+ *   O = P V:    16 rows of P, 32 keys at a time, times 32 keys of V in pairs of keys, 16 dimensions a vector;
+ *               64 dimensions per pass over the keys
  *
- * The queries come and the outputs go in bfloat16 (the model's q, read in place; no float32 copies); P
+ * On AMX each product is a tile product (16 rows x 32 pairs); with AVX512-BF16 each is VDPBF16PS over a
+ * register block (16 rows x 16 keys for S, 4 rows x 64 dimensions for O), a row's pairs taken in the same
+ * order. The queries come and the outputs go in bfloat16 (the model's q, read in place; no float32 copies); P
  * is rounded to bfloat16, as flash attention does on GPUs, where the vector path keeps it in float32: the
  * results differ from that path's by about one more bfloat16 rounding.
  *
@@ -19,18 +22,30 @@
  * see (a stale slot may hold NaN; 0 * NaN is NaN) are zeroed when re-laid out. So a prompt's rows are the
  * same bits whether it is prefilled whole or in chunks, and whatever shares their tile.
  *
- * Used where the library was built for AMX, the process may use the tiles, head_dim is a multiple of 32 up
- * to AMX_MAX_HEAD_DIM, and q, the output and the cache are bfloat16 (cbserve_paged_prefill_attention). */
+ * Used where head_dim is a multiple of 32 up to BF16_MAX_HEAD_DIM, q, the output and the cache are bfloat16
+ * (cbserve_paged_prefill_attention), and the library was built for AMX (and the process may use the tiles)
+ * or for AVX512-BF16. */
 #include "../../kernels/csrc/amx_tiles.h"
 #include "../../kernels/csrc/bf16_round.h"
 
-#define AMX_MAX_HEAD_DIM 256
-/* queries per work item on the tiles: each item re-lays out its keys and values for the tiles, so an item of
- * more queries re-lays out the same pages fewer times (16, the vector path's TILE, re-laid out the K and V
- * pages of a 2,048-token prompt 128 times; here 64 times); a row's result does not depend on its item */
-#define AMX_TILE 32
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define HAVE_BF16_DOT_PREFILL 1
+#else
+#define HAVE_BF16_DOT_PREFILL 0
+#endif
+#define HAVE_BF16_PREFILL (HAVE_AMX || HAVE_BF16_DOT_PREFILL)
 
-#if HAVE_AMX
+/* the item's kinds (cbserve_paged_prefill_attention's `bf16_kind`) */
+#define BF16_ON_DOTS 1
+#define BF16_ON_TILES 2
+
+#define BF16_MAX_HEAD_DIM 256
+/* queries per work item: each item re-lays out its keys and values, so an item of more queries re-lays out
+ * the same pages fewer times (16, the vector path's TILE, re-laid out the K and V pages of a 2,048-token
+ * prompt 128 times; here 64 times); a row's result does not depend on its item */
+#define BF16_TILE 32
+
+#if HAVE_BF16_PREFILL
 /* A thread's scratch for one item: Q rows, scores, P, and the re-laid-out K (one 16-key unit) and V (the
  * item's whole key range) -- sizes for `rows` (a multiple of 16), `ld` keys (a multiple of 32). */
 typedef struct {
@@ -39,14 +54,14 @@ typedef struct {
     uint16_t *p;  /* [rows][ld] */
     uint16_t *kt; /* [head_dim / 2][16 keys][2] */
     uint16_t *vt; /* [ld / 32][head_dim / 16][16 key pairs][16 dims][2] */
-} amx_scratch;
+} bf16_scratch;
 
-static int64_t amx_scratch_bytes(int64_t rows, int64_t ld, int64_t head_dim) {
+static int64_t bf16_scratch_bytes(int64_t rows, int64_t ld, int64_t head_dim) {
     return rows * head_dim * 2 + rows * ld * 4 + rows * ld * 2 + head_dim * 16 * 2 + ld * head_dim * 2 + 64 * 5;
 }
 
-static amx_scratch amx_scratch_at(char *base, int64_t rows, int64_t ld, int64_t head_dim) {
-    amx_scratch sc;
+static bf16_scratch bf16_scratch_at(char *base, int64_t rows, int64_t ld, int64_t head_dim) {
+    bf16_scratch sc;
     char *at = (char *)(((uintptr_t)base + 63) & ~(uintptr_t)63);
 #define TAKE(field, type, count)                                             \
     sc.field = (type *)at;                                                  \
@@ -60,15 +75,7 @@ static amx_scratch amx_scratch_at(char *base, int64_t rows, int64_t ld, int64_t 
     return sc;
 }
 
-/* float32 -> bfloat16, rounding to nearest even (as torch's conversion; finite inputs) */
-static inline uint16_t amx_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-/* dst[2t + e] = (e ? r1 : r0)[t] for t < 16: two rows of 16 bfloat16 interleaved (a B tile's row) */
+/* dst[2t + e] = (e ? r1 : r0)[t] for t < 16: two rows of 16 bfloat16 interleaved (a B tile's row; a vector of 16 pairs) */
 static inline void interleave16(uint16_t *dst, const uint16_t *r0, const uint16_t *r1) {
     static const uint16_t order[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
                                        8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
@@ -89,7 +96,7 @@ static inline void relayout_keys(uint16_t *kt, const uint16_t *page, int64_t off
 static inline void relayout_values(uint16_t *vt, const uint16_t *v_cache, const int64_t *table, int64_t k,
                                    int64_t lo, int64_t hi, int64_t head_dim, int64_t block_size,
                                    int64_t block_stride, int64_t head_page) {
-    static const uint16_t zeros[AMX_MAX_HEAD_DIM];
+    static const uint16_t zeros[BF16_MAX_HEAD_DIM];
     for (int64_t pair = 0; pair < 16; pair++) {
         const uint16_t *row[2];
         for (int e = 0; e < 2; e++) {
@@ -103,9 +110,10 @@ static inline void relayout_values(uint16_t *vt, const uint16_t *v_cache, const 
     }
 }
 
+#if HAVE_AMX
 /* S[:, unit's 16 columns] = Q K^T for the item's rows (`rows`, a multiple of 16) */
-static inline void score_unit(float *s, int64_t ld, const uint16_t *q, int64_t rows, const uint16_t *kt,
-                              int64_t head_dim) {
+static inline void score_unit_tiles(float *s, int64_t ld, const uint16_t *q, int64_t rows, const uint16_t *kt,
+                                    int64_t head_dim) {
     for (int64_t r0 = 0; r0 < rows; r0 += 16) {
         _tile_zero(0);
         for (int64_t d = 0; d < head_dim; d += 32) {
@@ -117,10 +125,11 @@ static inline void score_unit(float *s, int64_t ld, const uint16_t *q, int64_t r
     }
 }
 
-/* C tiles 0..3 (16 rows x 64 dimensions from n * 16; `four` 0: tiles 0..1, 32 dimensions, the last ones
- * where head_dim / 16 is not a multiple of 4) = P rows x V over chunks [c_lo, c_hi), then stored */
-static inline void weigh_values_amx(float *c, const uint16_t *p, int64_t ld, const uint16_t *vt, int64_t n,
-                                    int64_t head_dim, int64_t c_lo, int64_t c_hi, const int four) {
+/* c [16 rows][64] (its first 32 dimensions where not `four`: the last ones where head_dim / 16 is not a
+ * multiple of 4) = 16 rows of P x V's dimensions from n * 16, over chunks [c_lo, c_hi): four accumulator
+ * tiles (two) per pass over the keys */
+static inline void weigh_values_tiles(float *c, const uint16_t *p, int64_t ld, const uint16_t *vt, int64_t n,
+                                      int64_t head_dim, int64_t c_lo, int64_t c_hi, const int four) {
     const int64_t chunk = (head_dim / 16) * 512; /* bfloat16 of one chunk's V tiles */
     _tile_zero(0);
     _tile_zero(1);
@@ -149,6 +158,67 @@ static inline void weigh_values_amx(float *c, const uint16_t *p, int64_t ld, con
         _tile_stored(3, c + 48, 64 * 4);
     }
 }
+#endif
+
+#if HAVE_BF16_DOT_PREFILL
+/* score_unit_tiles on AVX512-BF16: per 16 rows, one chain of 16 keys a row over the dimensions' pairs in
+ * order, each pair of K (16 keys) loaded once for the 16 rows */
+static inline void score_unit_dots(float *s, int64_t ld, const uint16_t *q, int64_t rows, const uint16_t *kt,
+                                   int64_t head_dim) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const uint32_t *qp = (const uint32_t *)(q + r0 * head_dim); /* row m's pair i at qp[m * head_dim / 2 + i] */
+        __m512 acc[16];
+#pragma GCC unroll 16
+        for (int m = 0; m < 16; m++) acc[m] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < head_dim / 2; i++) {
+            __m512bh k = (__m512bh)_mm512_loadu_si512(kt + i * 32);
+            __asm__("" : "+v"(k)); /* one load for the 16 rows */
+#pragma GCC unroll 16
+            for (int m = 0; m < 16; m++)
+                acc[m] = _mm512_dpbf16_ps(acc[m], k, (__m512bh)_mm512_set1_epi32((int)qp[m * head_dim / 2 + i]));
+        }
+#pragma GCC unroll 16
+        for (int m = 0; m < 16; m++) _mm512_storeu_ps(s + (r0 + m) * ld, acc[m]);
+    }
+}
+
+/* weigh_values_tiles on AVX512-BF16: per 4 rows, one chain of 16 dimensions a row and vector over the key
+ * pairs in order (chunk by chunk), each pair of V loaded once for the 4 rows */
+static inline void weigh_values_dots(float *c, const uint16_t *p, int64_t ld, const uint16_t *vt, int64_t n,
+                                     int64_t head_dim, int64_t c_lo, int64_t c_hi, const int four) {
+    const int64_t chunk = (head_dim / 16) * 512;
+    const int vecs = four ? 4 : 2;
+    for (int r0 = 0; r0 < 16; r0 += 4) {
+        const uint32_t *pp = (const uint32_t *)(p + r0 * ld); /* row m's key pair j at pp[m * ld / 2 + j] */
+        __m512 acc[4][4];
+#pragma GCC unroll 4
+        for (int m = 0; m < 4; m++)
+#pragma GCC unroll 4
+            for (int v = 0; v < vecs; v++) acc[m][v] = _mm512_setzero_ps();
+        for (int64_t ch = c_lo; ch < c_hi; ch++) {
+            const uint16_t *b = vt + ch * chunk + n * 512;
+            for (int64_t j = 0; j < 16; j++) {
+                __m512bh w[4];
+#pragma GCC unroll 4
+                for (int v = 0; v < vecs; v++) {
+                    w[v] = (__m512bh)_mm512_loadu_si512(b + v * 512 + j * 32);
+                    __asm__("" : "+v"(w[v]));
+                }
+#pragma GCC unroll 4
+                for (int m = 0; m < 4; m++) {
+                    const __m512bh x = (__m512bh)_mm512_set1_epi32((int)pp[m * ld / 2 + ch * 16 + j]);
+#pragma GCC unroll 4
+                    for (int v = 0; v < vecs; v++) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], w[v], x);
+                }
+            }
+        }
+#pragma GCC unroll 4
+        for (int m = 0; m < 4; m++)
+#pragma GCC unroll 4
+            for (int v = 0; v < vecs; v++) _mm512_storeu_ps(c + (r0 + m) * 64 + v * 16, acc[m][v]);
+    }
+}
+#endif
 
 /* 2^t on 16 lanes (the softmax's exponents, base 2, t <= 0): t = n + f with |f| <= 1/2, 2^f by Cephes'
  * polynomial of exp2f (about 1 ulp), 2^n put in by VSCALEFPS (below float32's range: 0). Fewer steps than
@@ -259,17 +329,33 @@ static inline void softmax_rows16(uint16_t *p, float *s, int64_t ld, float *inv,
     _mm512_storeu_ps(inv + r0, _mm512_div_ps(_mm512_set1_ps(1.0f), lanes_reduce16(part, 0)));
 }
 
-/* One work item, as attend_tile in paged_prefill.c (same arguments; the caches bfloat16) */
-static void attend_tile_amx(uint16_t *out, const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
-                            const uint16_t *v_cache, const int64_t *table, int64_t base, int64_t i0, int64_t i1,
-                            int64_t h, int64_t num_heads, int64_t group, int64_t head_dim, int64_t block_size,
-                            int64_t block_stride, float scale, int64_t window, float softcap, char *scratch) {
+/* S for the item's rows, 16 keys of a unit; O's 16 rows x 64 (32) dimensions from n * 16 into c: on the tiles
+ * (`tiles` a literal at each call) or on dot products */
+#if HAVE_AMX && HAVE_BF16_DOT_PREFILL
+#define SCORE_UNIT(tiles, ...) ((tiles) ? score_unit_tiles(__VA_ARGS__) : score_unit_dots(__VA_ARGS__))
+#define WEIGH_VALUES(tiles, ...) ((tiles) ? weigh_values_tiles(__VA_ARGS__) : weigh_values_dots(__VA_ARGS__))
+#elif HAVE_AMX
+#define SCORE_UNIT(tiles, ...) score_unit_tiles(__VA_ARGS__)
+#define WEIGH_VALUES(tiles, ...) weigh_values_tiles(__VA_ARGS__)
+#else
+#define SCORE_UNIT(tiles, ...) score_unit_dots(__VA_ARGS__)
+#define WEIGH_VALUES(tiles, ...) weigh_values_dots(__VA_ARGS__)
+#endif
+
+/* One work item, as attend_tile in paged_prefill.c (same arguments; the caches bfloat16); inlined into one
+ * copy per kind of products (`tiles` a literal) */
+static inline __attribute__((always_inline)) void attend_tile_bf16_item(
+    uint16_t *out, const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+    const int64_t *table, int64_t base, int64_t i0, int64_t i1, int64_t h, int64_t num_heads, int64_t group,
+    int64_t head_dim, int64_t block_size, int64_t block_stride, float scale, int64_t window, float softcap,
+    char *scratch, const int tiles) {
+    (void)tiles; /* unused where the library has one kind */
     const int64_t rows = (i1 - i0) * group, padded = (rows + 15) / 16 * 16, head_page = h * head_dim * block_size;
     const int64_t first_pos = base + i0, last_pos = base + i1 - 1;
     const int64_t key_lo = window > 0 && first_pos - window + 1 > 0 ? first_pos - window + 1 : 0;
     const int64_t k0 = key_lo / 32 * 32, key_hi = last_pos + 1;  /* keys [key_lo, key_hi); columns from k0 */
     const int64_t ld = (key_hi - k0 + 31) / 32 * 32;
-    const amx_scratch sc = amx_scratch_at(scratch, padded, ld, head_dim);
+    const bf16_scratch sc = bf16_scratch_at(scratch, padded, ld, head_dim);
 
     for (int64_t r = 0; r < padded; r++) { /* the item's query rows, zero rows to a whole tile */
         uint16_t *dst = sc.q + r * head_dim;
@@ -281,9 +367,9 @@ static void attend_tile_amx(uint16_t *out, const uint16_t *q, int64_t q_stride, 
     for (int64_t u = key_lo / 16; u * 16 < key_hi; u++) { /* S, 16 keys at a time */
         const uint16_t *page = k_cache + table[u * 16 / block_size] * block_stride + head_page;
         relayout_keys(sc.kt, page, u * 16 % block_size, head_dim, block_size);
-        score_unit(sc.s + (u * 16 - k0), ld, sc.q, padded, sc.kt, head_dim);
+        SCORE_UNIT(tiles, sc.s + (u * 16 - k0), ld, sc.q, padded, sc.kt, head_dim);
     }
-    float inv[AMX_TILE * MAX_GROUP]; /* each row's 1 / sum of its weights */
+    float inv[BF16_TILE * MAX_GROUP]; /* each row's 1 / sum of its weights */
     for (int64_t r0 = 0; r0 < padded; r0 += 16) /* P */
         softmax_rows16(sc.p, sc.s, ld, inv, r0, rows, group, first_pos, k0, window, scale, softcap);
     const int64_t chunks = ld / 32, c_lo = (key_lo - k0) / 32;
@@ -295,18 +381,44 @@ static void attend_tile_amx(uint16_t *out, const uint16_t *q, int64_t q_stride, 
         for (int64_t n = 0; n < head_dim / 16; n += 4) {
             const int64_t width = head_dim / 16 - n >= 4 ? 4 : 2;
             if (width == 4) /* a literal `four` in each call: its tests fold away */
-                weigh_values_amx(c, sc.p + r0 * ld, ld, sc.vt, n, head_dim, c_lo, chunks, 1);
+                WEIGH_VALUES(tiles, c, sc.p + r0 * ld, ld, sc.vt, n, head_dim, c_lo, chunks, 1);
             else
-                weigh_values_amx(c, sc.p + r0 * ld, ld, sc.vt, n, head_dim, c_lo, chunks, 0);
+                WEIGH_VALUES(tiles, c, sc.p + r0 * ld, ld, sc.vt, n, head_dim, c_lo, chunks, 0);
             for (int64_t m = 0; m < 16 && r0 + m < rows; m++) {
                 const int64_t r = r0 + m;
                 uint16_t *o = out + (i0 + r / group) * num_heads * head_dim + (h * group + r % group) * head_dim;
                 const __m512 scale = _mm512_set1_ps(inv[r]);
-                for (int64_t d = 0; d < width * 16; d += 16) /* amx_bf16(c * inv[r]), 16 at a time */
+                for (int64_t d = 0; d < width * 16; d += 16) /* bfloat16(c * inv[r]), nearest even, 16 at a time */
                     _mm256_storeu_si256((__m256i *)(o + n * 16 + d),
                                         to_bf16_x16(_mm512_mul_ps(_mm512_loadu_ps(c + m * 64 + d), scale)));
             }
         }
     }
 }
+#undef SCORE_UNIT
+#undef WEIGH_VALUES
+
+#define BF16_ITEM_ARGS                                                                                          \
+    uint16_t *out, const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,       \
+        const int64_t *table, int64_t base, int64_t i0, int64_t i1, int64_t h, int64_t num_heads, int64_t group, \
+        int64_t head_dim, int64_t block_size, int64_t block_stride, float scale, int64_t window, float softcap,  \
+        char *scratch
+#define BF16_ITEM_CALL(TILES)                                                                                    \
+    attend_tile_bf16_item(out, q, q_stride, k_cache, v_cache, table, base, i0, i1, h, num_heads, group, head_dim, \
+                          block_size, block_stride, scale, window, softcap, scratch, TILES)
+/* The item on `kind`'s products (BF16_ON_TILES or BF16_ON_DOTS: one cbserve_prefill_bf16_takes says runs here) */
+static void attend_tile_in_bf16(int kind, BF16_ITEM_ARGS) {
+#if HAVE_AMX
+    if (kind == BF16_ON_TILES) {
+        BF16_ITEM_CALL(1);
+        return;
+    }
+#endif
+#if HAVE_BF16_DOT_PREFILL
+    if (kind == BF16_ON_DOTS) BF16_ITEM_CALL(0);
+#endif
+    (void)kind;
+}
+#undef BF16_ITEM_CALL
+#undef BF16_ITEM_ARGS
 #endif
