@@ -7,11 +7,13 @@ from __future__ import annotations
 import itertools
 import os
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
 from model_harness import cpu_kernel_or_skip
 
+from engine.executor.attention.cpu_kernel import PagedDecodeKernel
 from engine.executor.attention.decode_kernel import DecodeKernel
 from engine.executor.attention.paged import PagedAttentionMetadata, decode_groups, paged_attention
 from engine.executor.inputs import BatchInputs, decode_first_order
@@ -404,12 +406,28 @@ def test_cpu_prefill_kernel_refuses_query_ranges_that_do_not_fit() -> None:
 
 
 # ------------------- bfloat16 prefills on AMX tiles or AVX512-BF16 dot products (paged_prefill_bf16.c)
+@pytest.fixture(params=["tiles", "dots"])
+def bf16_kernel(request: pytest.FixtureRequest) -> Iterator[PagedDecodeKernel]:
+    """The CPU kernel with its bfloat16 prefills on AMX tiles, then on AVX512-BF16 dot products (each where
+    this CPU has it)."""
+    kernel = cpu_kernel_or_skip()
+    if request.param not in kernel.prefill_kinds:
+        pytest.skip(f"no bfloat16 prefill on {request.param} here")
+    default, kernel.bf16_prefill = kernel.bf16_prefill, request.param
+    try:
+        yield kernel
+    finally:
+        kernel.bf16_prefill = default
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1), (16, 2), (4, 4)])
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
-def test_cpu_prefill_kernel_bfloat16_queries(heads: int, kv_heads: int, head_dim: int) -> None:
-    """bfloat16 queries over a bfloat16 cache: on AMX tiles where the CPU has them (head_dim 96 ends in a
-    pass of two accumulator tiles), else the vector path; stale slots hold NaN."""
-    kernel = cpu_kernel_or_skip()
+def test_cpu_prefill_kernel_bfloat16_queries(
+    heads: int, kv_heads: int, head_dim: int, bf16_kernel: PagedDecodeKernel
+) -> None:
+    """bfloat16 queries over a bfloat16 cache, on AMX tiles and on dot products (head_dim 96 ends in a pass
+    of 32 dimensions); stale slots hold NaN."""
+    kernel = bf16_kernel
     run_case(PREFILLS, heads, kv_heads, head_dim=head_dim, block_size=16, dtype=torch.bfloat16,
              kernel=kernel, stale=float("nan"))  # fmt: skip
 
@@ -417,11 +435,11 @@ def test_cpu_prefill_kernel_bfloat16_queries(heads: int, kv_heads: int, head_dim
 @pytest.mark.parametrize("block_size", [16, 32, 48, 64])
 @pytest.mark.parametrize("window,softcap", [(None, None), (17, None), (40, 0.7), (None, 0.7)])
 def test_cpu_prefill_kernel_bfloat16_windows_caps_and_pages(
-    block_size: int, window: int | None, softcap: float | None
+    block_size: int, window: int | None, softcap: float | None, bf16_kernel: PagedDecodeKernel
 ) -> None:
     """Windows that start mid-chunk, soft caps, pages of 16 to 64 keys (48: a 32-key chunk spans two)."""
     run_case(PREFILLS, 8, 2, head_dim=64, block_size=block_size, sliding_window=window, softcap=softcap,
-             dtype=torch.bfloat16, kernel=cpu_kernel_or_skip(), stale=float("nan"))  # fmt: skip
+             dtype=torch.bfloat16, kernel=bf16_kernel, stale=float("nan"))  # fmt: skip
 
 
 def _prefill_in_chunks(
@@ -447,12 +465,15 @@ def _prefill_in_chunks(
 
 
 @pytest.mark.parametrize("window", [None, 23])
-@pytest.mark.parametrize("as_float", [False, True])
-def test_cpu_prefill_rows_are_the_same_bits_whole_or_in_chunks(window: int | None, as_float: bool) -> None:
+@pytest.mark.parametrize("kind", ["tiles", "dots", "vectors"])
+def test_cpu_prefill_rows_are_the_same_bits_whole_or_in_chunks(window: int | None, kind: str) -> None:
     """A prompt's attention rows are the same bits prefilled whole or in chunks of any cut (other tiles,
-    other key ranges, another sequence beside it): on AMX tiles (bfloat16 queries) and on the vector path
-    (the same values as float32 queries)."""
+    other key ranges, another sequence beside it): on AMX tiles and on dot products (bfloat16 queries), and
+    on the vector path (the same values as float32 queries)."""
     kernel = cpu_kernel_or_skip()
+    as_float = kind == "vectors"
+    if not as_float and kind not in kernel.prefill_kinds:
+        pytest.skip(f"no bfloat16 prefill on {kind} here")
     gen = torch.Generator().manual_seed(0)
     block_size, pages, heads, kv_heads, head_dim = 16, 6, 9, 3, 64
     k_cache = torch.randn(2 * pages, kv_heads, head_dim, block_size, generator=gen).to(torch.bfloat16)
@@ -461,9 +482,13 @@ def test_cpu_prefill_rows_are_the_same_bits_whole_or_in_chunks(window: int | Non
     if as_float:
         q = q.float()
     table = torch.arange(pages)
-    whole = _prefill_in_chunks(kernel, q, k_cache, v_cache, table, [0, 90], window)
-    for cuts in ([0, 23, 39, 90], [0, 1, 2, 50, 90], [0, 16, 32, 48, 64, 80, 90]):
-        assert torch.equal(_prefill_in_chunks(kernel, q, k_cache, v_cache, table, cuts, window), whole)
+    default, kernel.bf16_prefill = kernel.bf16_prefill, None if as_float else kind
+    try:
+        whole = _prefill_in_chunks(kernel, q, k_cache, v_cache, table, [0, 90], window)
+        for cuts in ([0, 23, 39, 90], [0, 1, 2, 50, 90], [0, 16, 32, 48, 64, 80, 90]):
+            assert torch.equal(_prefill_in_chunks(kernel, q, k_cache, v_cache, table, cuts, window), whole)
+    finally:
+        kernel.bf16_prefill = default
 
 
 def test_cpu_prefill_kernel_takes_bfloat16_products_where_the_cpu_has_them() -> None:
