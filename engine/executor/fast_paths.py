@@ -15,7 +15,7 @@ as gpt-fast's ``replace_linear_int4`` does: the model's code stays the architect
         RMSNorm -> FusedRMSNorm, RotaryEmbedding -> FusedRotaryEmbedding, SiluAndMul -> FusedSiLUMul,
         GeluTanhAndMul -> FusedGeluTanhMul
             (float32 or bfloat16 on the CPU, where the ops could be built)
-        GatedMLP (SiLU, its gate and up weight on AMX tiles) -> AmxSwiGLUMLP
+        GatedMLP (SiLU, its gate and up weight on AMX tiles or AVX512-BF16 panels) -> FusedSwiGLUMLP
 
 Nothing is swapped where the CPU, the dtype or the torch build does not allow it, and a kernel that cannot
 be built is logged and skipped: the PyTorch modules run instead. Why each is faster: the modules' files and
@@ -41,12 +41,12 @@ from engine.executor.kernels.block_codes import BlockCodes
 from engine.executor.kernels.cpu_ops import CpuOps
 from engine.executor.kernels.modules import (
     AmxLinear,
-    AmxSwiGLUMLP,
     Bf16PanelLinear,
     FusedGeluTanhMul,
     FusedRMSNorm,
     FusedRotaryEmbedding,
     FusedSiLUMul,
+    FusedSwiGLUMLP,
     PackedLinear,
     QuantAmxLinear,
     QuantBf16PanelLinear,
@@ -321,21 +321,21 @@ def swap_fused_ops(model: NativeModel) -> CpuOps | None:
 
 
 def swap_swiglu_mlps(model: NativeModel) -> int:
-    """Every SiLU-gated MLP whose gate and up weight is on AMX tiles (alone or behind the checkpoint's blocks)
-    without a bias, and whose gate is the fused op, takes the tiles' SwiGLU call for prefill-sized calls
-    (``AmxSwiGLUMLP``: the same bits); returns how many."""
+    """Every SiLU-gated MLP whose gate and up weight is on AMX tiles or AVX512-BF16 panels (alone or behind the
+    checkpoint's blocks) without a bias, and whose gate is the fused op, takes the kernel's SwiGLU call for
+    calls of more rows than read the blocks (``FusedSwiGLUMLP``: the same bits); returns how many."""
     swapped = 0
     for parent, name, module in _children(model):
         if type(module) is not GatedMLP or type(module.act_fn) is not FusedSiLUMul:
             continue
         proj = module.gate_up_proj
-        tiles = proj.rest if isinstance(proj, QuantAmxLinear) else proj
-        if (
-            isinstance(tiles, AmxLinear)
-            and tiles.bias is None
-            and module.intermediate_size % amx_gemm.TILE_N == 0
-        ):
-            setattr(parent, name, AmxSwiGLUMLP(module, tiles))
+        packed = proj.rest if isinstance(proj, QuantAmxLinear | QuantBf16PanelLinear) else proj
+        if not isinstance(packed, AmxLinear | Bf16PanelLinear) or packed.bias is not None:
+            continue
+        amx = isinstance(packed, AmxLinear)
+        if module.intermediate_size % (amx_gemm.TILE_N if amx else bf16_gemm.PANEL) == 0:
+            fewest = amx_qgemm.MAX_ROWS if amx else bf16_gemm.QUANTIZED_MAX_ROWS
+            setattr(parent, name, FusedSwiGLUMLP(module, packed, fewest))
             swapped += 1
     return swapped
 

@@ -1,8 +1,8 @@
 """The AVX512-BF16 matmul kernel (engine/executor/kernels/bf16_gemm.py, csrc/bf16_gemm.c), on CPUs that have
 those dot products (it skips elsewhere): its packed layout, its outputs against a float64 reference rounded
 to bfloat16 (odd K, a last panel of a few outputs, bias or none; calls of one row to prefill sizes, on both
-of its paths), a row's bits the same alone and in any call, and its float32 outputs the bfloat16 ones
-widened."""
+of its paths), a row's bits the same alone and in any call, its float32 outputs the bfloat16 ones widened,
+and its SwiGLU call the bits of the matmul then the gate."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.cpu.native_build import KernelUnavailable
-from engine.executor.kernels import bf16_gemm
+from engine.executor.kernels import bf16_gemm, cpu_ops
 from engine.executor.kernels.bf16_gemm import Bf16Gemm
 
 
@@ -88,3 +88,22 @@ def test_bad_operands_are_refused(gemm: Bf16Gemm) -> None:
         gemm.linear(x, packed, 32, b[:16])
     with pytest.raises(ValueError, match="2-D bfloat16"):
         Bf16Gemm.pack(w.float())
+
+
+@pytest.mark.parametrize("m", [1, 5, 12, 13, 64, 65, 300])
+@pytest.mark.parametrize(("inter", "k"), [(48, 64), (1536, 576), (32, 33)])
+def test_swiglu_is_the_bits_of_the_matmul_then_the_gate(gemm: Bf16Gemm, m: int, inter: int, k: int) -> None:
+    """``swiglu``: the projection and SwiGLU's gate in one call, each register block over a gate panel and
+    its up panel, gives the bits of ``linear`` then the fused ops' ``silu_and_mul`` (an odd number of gate
+    panels, odd K; calls of both paths)."""
+    try:
+        ops = cpu_ops.load()
+    except KernelUnavailable as e:
+        pytest.skip(f"the fused CPU ops cannot run here: {e}")
+    x, w, _ = _operands(m, 2 * inter, k, seed=m + inter)
+    x = x * 4  # gates across silu's curve
+    packed = gemm.pack(w)
+    expected = ops.silu_and_mul(gemm.linear(x, packed, 2 * inter, None))
+    assert torch.equal(gemm.swiglu(x, packed, inter).view(torch.int16), expected.view(torch.int16))
+    with pytest.raises(ValueError, match="gate and up"):
+        gemm.swiglu(x, packed, inter + 16)

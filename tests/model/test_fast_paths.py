@@ -21,11 +21,11 @@ from engine.executor.inputs import BatchInputs
 from engine.executor.kernels import amx_gemm, bf16_gemm, prepacked, small_gemm
 from engine.executor.kernels.modules import (
     AmxLinear,
-    AmxSwiGLUMLP,
     Bf16PanelLinear,
     FusedRMSNorm,
     FusedRotaryEmbedding,
     FusedSiLUMul,
+    FusedSwiGLUMLP,
     PackedLinear,
     SmallGemmLinear,
     WidenedLinear,
@@ -120,7 +120,8 @@ def test_a_bfloat16_model_gets_onednn_or_the_amx_or_dot_kernel_and_the_fused_ops
     if paths.fused_ops is not None:
         assert _types(model, RMSNorm) == {FusedRMSNorm} and isinstance(model.rotary, FusedRotaryEmbedding)
     # the MLP's projection and gate in one AMX call where both are swapped in
-    assert _types(model, GatedMLP) == {AmxSwiGLUMLP if amx and paths.fused_ops is not None else GatedMLP}
+    fused_mlp = (amx or dot) and paths.fused_ops is not None
+    assert _types(model, GatedMLP) == {FusedSwiGLUMLP if fused_mlp else GatedMLP}
 
 
 def test_bfloat16_on_avx2_is_batch_invariant_on_float32_chains(
@@ -175,15 +176,16 @@ def test_the_swapped_model_gives_the_plain_models_logits(dtype: torch.dtype) -> 
         torch.testing.assert_close(model(batch, caches[0]), plain(batch, caches[1]), **tol)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("rows", [1, 32, 33, 300])
-def test_the_amx_swiglu_mlp_gives_the_bits_of_its_modules(rows: int) -> None:
-    """``AmxSwiGLUMLP``: its one call for more than 32 rows, and its modules for fewer, give the bits of the
-    swapped modules run one after another (``GatedMLP.forward``)."""
+@pytest.mark.parametrize("rows", [1, 12, 13, 32, 33, 64, 65, 300])
+def test_the_fused_swiglu_mlp_gives_the_bits_of_its_modules(rows: int) -> None:
+    """``FusedSwiGLUMLP``: its one call for more rows than read the blocks (AMX: 32, AVX512-BF16: 12), and
+    its modules for fewer, give the bits of the swapped modules run one after another
+    (``GatedMLP.forward``)."""
     model, _ = _pair(torch.bfloat16)
     apply_cpu_fast_paths(model)
     mlp = model.model.layers[0].mlp
-    if not isinstance(mlp, AmxSwiGLUMLP):
-        pytest.skip("no AMX tiles or fused ops here")
+    if not isinstance(mlp, FusedSwiGLUMLP):
+        pytest.skip("no AMX tiles, AVX512-BF16 panels or fused ops here")
     x = torch.randn(rows, TINY.hidden_size, generator=torch.Generator().manual_seed(rows)).bfloat16()
     with torch.no_grad():
         assert torch.equal(mlp(x).view(torch.int16), GatedMLP.forward(mlp, x).view(torch.int16))

@@ -9,7 +9,7 @@ from model_harness import prompt_logits
 
 from engine.engine import Engine
 from engine.executor.kernels import prepacked
-from engine.executor.kernels.modules import AmxSwiGLUMLP, PackedLinear
+from engine.executor.kernels.modules import FusedSwiGLUMLP, PackedLinear
 from engine.executor.kv_cache import KVCache
 from engine.executor.models.layers import GatedMLP
 from engine.loader.model_loader import LoadedModel, load_model
@@ -64,15 +64,15 @@ def test_bfloat16_prepacks_only_where_the_cpu_has_bfloat16_matmuls(monkeypatch: 
     assert logits.shape == (1, cfg.vocab_size) and torch.isfinite(logits).all()
 
 
-def test_the_engine_gives_the_same_tokens_with_swiglu_in_one_amx_call(
+def test_the_engine_gives_the_same_tokens_with_swiglu_in_one_call(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Through the Engine API on the default model in bfloat16: where the CPU has AMX-BF16 every MLP takes
-    SwiGLU's projection and gate in one call for its prefill (``AmxSwiGLUMLP``), and a batch of 40- and
+    """Through the Engine API on the default model in bfloat16: where the CPU has AMX-BF16 or AVX512-BF16
+    every MLP takes SwiGLU's projection and gate in one call for its prefill (``FusedSwiGLUMLP``), and a batch of 40- and
     70-token prompts gives the same tokens and logprobs as with the MLP's modules run one after another."""
     engine = Engine.from_pretrained("default", dtype="bfloat16", device="cpu")
-    if not any(isinstance(m, AmxSwiGLUMLP) for m in engine.model.modules()):
-        pytest.skip("no AMX-BF16 tiles here: the MLPs stay GatedMLP")
+    if not any(isinstance(m, FusedSwiGLUMLP) for m in engine.model.modules()):
+        pytest.skip("no AMX-BF16 tiles or AVX512-BF16 here: the MLPs stay GatedMLP")
     prompts = [[(7 * i + 13 * j) % 40_000 + 100 for j in range(40 + 30 * (i % 2))] for i in range(4)]
     kwargs = dict(max_new_tokens=4, do_sample=False, output_logprobs=True, progress_bar=False)
 
@@ -81,5 +81,5 @@ def test_the_engine_gives_the_same_tokens_with_swiglu_in_one_amx_call(
         return [(o.generated_ids, repr(o.logprobs)) for o in outputs]
 
     fused = run()
-    monkeypatch.setattr(AmxSwiGLUMLP, "forward", GatedMLP.forward)
+    monkeypatch.setattr(FusedSwiGLUMLP, "forward", GatedMLP.forward)
     assert run() == fused

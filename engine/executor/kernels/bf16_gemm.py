@@ -50,6 +50,9 @@ class Bf16Gemm:
         self._qgemm = lib.cbserve_bf16_qgemm
         self._qgemm.argtypes = [ptr, i64, ctypes.c_int, ptr, i64, ptr, ctypes.c_int, ptr, i64, i64, i64]
         self._qgemm.restype = ctypes.c_int
+        self._swiglu = lib.cbserve_bf16_gemm_swiglu
+        self._swiglu.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64]
+        self._swiglu.restype = ctypes.c_int
         lib.cbserve_bf16_gemm_qblock_bytes.argtypes = [ctypes.c_int]
         layout = [lib.cbserve_bf16_gemm_qblock_bytes(o) for o in (True, False)]
         if lib.cbserve_bf16_gemm_qmax() != QUANTIZED_MAX_ROWS or layout != [
@@ -159,6 +162,23 @@ class Bf16Gemm:
         if m and self._gemm(out.data_ptr(), out_features, f32, *args):
             raise MemoryError("bfloat16 matmul: out of memory for a scratch block")
         return out.view(*x.shape[:-1], out_features)
+
+    def swiglu(self, x: torch.Tensor, packed: torch.Tensor, inter: int) -> torch.Tensor:
+        """SwiGLU's projection and gate in one call: ``silu(g) * u`` for ``[g | u] = x W^T``, ``packed`` a gated
+        MLP's fused ``[2 * inter, K]`` gate and up weight from ``pack`` (no bias; ``inter`` a multiple of 16):
+        the bits of ``linear`` then ``CpuOps.silu_and_mul``, ``[..., inter]``, without writing ``[g | u]`` out."""
+        rows = _rows(x)
+        m, k = rows.shape
+        if packed.shape[1:] != (-(-k // 2), PANEL, 2) or packed.shape[0] * PANEL != 2 * inter:
+            raise ValueError(f"packed weight {tuple(packed.shape)} is not a [2 x {inter}, {k}] gate and up")
+        if inter % PANEL:
+            raise ValueError(f"SwiGLU over the panels needs inter a multiple of {PANEL}, got {inter}")
+        out = torch.empty(m, inter, dtype=torch.bfloat16)
+        if m and self._swiglu(
+            out.data_ptr(), inter, rows.data_ptr(), rows.stride(0), packed.data_ptr(), m, inter, k
+        ):
+            raise MemoryError("bfloat16 matmul: out of memory for a scratch block")
+        return out.view(*x.shape[:-1], inter)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

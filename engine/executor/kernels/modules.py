@@ -13,7 +13,7 @@
     FusedRMSNorm          RMSNorm with its residual add in one C call (cpu_ops.py)
     FusedRotaryEmbedding  q and k rotated in place in one C call
     FusedSiLUMul          SwiGLU's ``silu(gate) * up`` in one C call
-    AmxSwiGLUMLP          SwiGLU's gate and up projections and its gate in one AMX call, for calls of more rows
+    FusedSwiGLUMLP        SwiGLU's gate and up projections and its gate in one call (AMX, AVX512-BF16), more rows
     FusedGeluTanhMul      Gemma's ``gelu_tanh(gate) * up`` in one C call
 """
 
@@ -113,6 +113,10 @@ class Bf16PanelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.gemm.linear(x, self.panels, self.out_features, self.bias)  # [..., out_features]
 
+    def swiglu(self, x: torch.Tensor, inter: int) -> torch.Tensor:
+        """For a gated MLP's fused gate and up weight: ``silu(g) * u`` of ``forward(x) = [g | u]`` in one call."""
+        return self.gemm.swiglu(x, self.panels, inter)  # [..., inter]
+
     def forward_float(self, x: torch.Tensor) -> torch.Tensor:
         """``forward(x).float()``, written as float32 by the kernel: an output head's logits without a
         second pass over them (``DecoderOnlyLM.compute_logits``)."""
@@ -137,6 +141,10 @@ class AmxLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.amx.linear(x, self.tiles, self.out_features, self.bias)  # [..., out_features]
+
+    def swiglu(self, x: torch.Tensor, inter: int) -> torch.Tensor:
+        """For a gated MLP's fused gate and up weight: ``silu(g) * u`` of ``forward(x) = [g | u]`` in one call."""
+        return self.amx.swiglu(x, self.tiles, inter)  # [..., inter]
 
 
 Rest = TypeVar("Rest", SmallGemmLinear, AmxLinear, Bf16PanelLinear)
@@ -301,21 +309,21 @@ class FusedGeluTanhMul(nn.Module):
         return self.ops.gelu_tanh_and_mul(gate_up)  # [rows, inter]
 
 
-class AmxSwiGLUMLP(GatedMLP):
-    """``GatedMLP`` (SiLU) whose gate and up weight is on AMX tiles: calls of more than ``amx_qgemm.MAX_ROWS``
-    rows (prefill chunks; decode steps run in the decode stack) take the projection and the gate in one call
-    (``AmxGemm.swiglu``: the bits of ``gate_up_proj`` then ``act_fn``, without writing the ``[rows, 2 * inter]``
-    projection out and reading it back); others run the modules as ``GatedMLP`` does. The submodules are the
-    swapped ones, unchanged."""
+class FusedSwiGLUMLP(GatedMLP):
+    """``GatedMLP`` (SiLU) whose gate and up weight is on AMX tiles or AVX512-BF16 panels: calls of more rows
+    than read the checkpoint's blocks (``fewest``: prefill chunks; decode steps run in the decode stack) take
+    the projection and the gate in one call (the module's ``swiglu``: the bits of ``gate_up_proj`` then
+    ``act_fn``, without writing the ``[rows, 2 * inter]`` projection out and reading it back); others run the
+    modules as ``GatedMLP`` does. The submodules are the swapped ones, unchanged."""
 
-    def __init__(self, mlp: GatedMLP, tiles: AmxLinear) -> None:
+    def __init__(self, mlp: GatedMLP, packed: AmxLinear | Bf16PanelLinear, fewest: int) -> None:
         nn.Module.__init__(self)
         self.intermediate_size = mlp.intermediate_size
         self.gate_up_proj, self.act_fn, self.down_proj = mlp.gate_up_proj, mlp.act_fn, mlp.down_proj
-        self._tiles = [tiles]  # NOTE: in a list, not a second registration of gate_up_proj's module
+        self._packed = [packed]  # NOTE: in a list, not a second registration of gate_up_proj's module
+        self.fewest = fewest
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() <= amx_qgemm.MAX_ROWS * x.shape[-1]:
+        if x.numel() <= self.fewest * x.shape[-1]:
             return super().forward(x)
-        tiles = self._tiles[0]
-        return self.down_proj(tiles.amx.swiglu(x, tiles.tiles, self.intermediate_size))  # [..., hidden]
+        return self.down_proj(self._packed[0].swiglu(x, self.intermediate_size))  # [..., hidden]

@@ -52,7 +52,7 @@
 #include "amx_tiles.h"
 #include "bf16_round.h" /* to_bf16_x16: as to_bf16 below where there are no such vectors */
 #include "kept_buffer.h"
-#include "activation_tables.h" /* the gate's silu, as cpu_ops.c's silu_and_mul looks it up */
+#include "swiglu_gate.h" /* the fused gate, as cpu_ops.c's silu_and_mul computes it */
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
 #define VECTOR_ROUNDING 1
 #include <immintrin.h>
@@ -114,22 +114,14 @@ static void stream_rows(uint16_t *out, int64_t ldo, const float *c, int64_t ldc,
     }
 }
 
-/* SwiGLU's gate of a block whose 16 + 16 outputs are gate and up columns (cbserve_amx_gemm_swiglu):
- * out[m, n0 .. n0 + 16) = silu(g) * u, g and u the block's sums rounded as the matmul rounds its outputs
- * (to_bf16_x16's rounding, bf16_rounded_x16, kept in float32 lanes), silu(g) looked up in activation_tables.h's table as cpu_ops.c's
- * silu_and_mul looks it up, the product rounded as it rounds it (to_bf16_x16_ftz): the bits of the matmul
- * then that op. */
 static inline __m512 widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
+/* SwiGLU's gate of a block whose 16 + 16 outputs are gate and up columns (cbserve_amx_gemm_swiglu):
+ * out[m, n0 .. n0 + 16) = silu(g) * u (swiglu_gate.h: the bits of the matmul then cpu_ops.c's silu_and_mul) */
 static void gate_rows(uint16_t *out, int64_t ldo, const float *c, int64_t ldc, int64_t n0, int64_t M) {
-    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
-    for (int64_t m = 0; m < M; m++) {
-        const __m512i g = bf16_rounded_x16(_mm512_castps_si512(_mm512_loadu_ps(c + m * ldc)));
-        const __m512i u = _mm512_and_si512(bf16_rounded_x16(_mm512_castps_si512(_mm512_loadu_ps(c + m * ldc + 16))), high);
-        const __m512i silu = _mm512_slli_epi32(_mm512_i32gather_epi32(_mm512_srli_epi32(g, 16), silu_bf16_table, 2), 16);
-        const __m512 product = _mm512_mul_ps(_mm512_castsi512_ps(silu), _mm512_castsi512_ps(u));
-        _mm256_storeu_si256((__m256i *)(out + m * ldo + n0), to_bf16_x16_ftz(product));
-    }
+    for (int64_t m = 0; m < M; m++)
+        _mm256_storeu_si256((__m256i *)(out + m * ldo + n0),
+                            swiglu_gate_x16(_mm512_loadu_ps(c + m * ldc), _mm512_loadu_ps(c + m * ldc + 16)));
 }
 #else
 /* float32 -> bfloat16, rounding to nearest even (as torch's conversion; inputs are finite here) */

@@ -27,6 +27,7 @@
 
 #include "bf16_round.h"
 #include "kept_buffer.h"
+#include "swiglu_gate.h"
 #include "transpose16.h"
 
 #define BF16_PANEL 16   /* outputs per panel: one vector of float32 accumulators */
@@ -106,7 +107,7 @@ BF16_INLINE void store_block(uint16_t *out, float *out32, int64_t ldo, const __m
  * values) into out32 instead where it is not NULL. R and np are literals at each call site. */
 BF16_INLINE void block_times_panels(uint16_t *out, float *out32, int64_t ldo, const uint32_t *xp,
                                     const uint32_t *p0, int64_t stride, const uint16_t *bias, int64_t KP, int n,
-                                    const int np, const int R) {
+                                    const int np, const int R, const int glu) {
     __m512 acc[BROWS * BPANELS];
 #pragma GCC unroll 32
     for (int a = 0; a < BROWS * BPANELS; a++) acc[a] = _mm512_setzero_ps();
@@ -126,21 +127,34 @@ BF16_INLINE void block_times_panels(uint16_t *out, float *out32, int64_t ldo, co
             for (int j = 0; j < np; j++) acc[m * BPANELS + j] = _mm512_dpbf16_ps(acc[m * BPANELS + j], w[j], xb);
         }
     }
-    store_block(out, out32, ldo, acc, BPANELS, bias, n, np, R);
+    if (glu) { /* the two panels: 16 gate outputs and their 16 up outputs */
+#pragma GCC unroll 12
+        for (int m = 0; m < R; m++)
+            _mm256_storeu_si256((__m256i *)(out + m * ldo), swiglu_gate_x16(acc[m * BPANELS], acc[m * BPANELS + 1]));
+    } else {
+        store_block(out, out32, ldo, acc, BPANELS, bias, n, np, R);
+    }
 }
 
 #define BF16_CASE(r)                                                                 \
     case r:                                                                          \
-        if (np == 2)                                                                 \
-            block_times_panels(o16, o32, ldo, xp, p0, stride, b, KP, n, 2, r);       \
+        if (glu)                                                                     \
+            block_times_panels(out, NULL, ldo, xp, p0, stride, NULL, KP, 16, 2, r, 1); \
+        else if (np == 2)                                                            \
+            block_times_panels(o16, o32, ldo, xp, p0, stride, b, KP, n, 2, r, 0);    \
         else                                                                         \
-            block_times_panels(o16, o32, ldo, xp, p0, stride, b, KP, n, 1, r); \
+            block_times_panels(o16, o32, ldo, xp, p0, stride, b, KP, n, 1, r, 0);    \
         break;
 
-/* R <= BROWS rows of one packed block (xp) times the panels from p (two, or the last one), read from p0
- * (`stride` pairs apart): the block's rows of out, its columns from 16 p */
-static void block_times_pair(uint16_t *out, float *out32, int64_t ldo, const uint32_t *xp, const uint32_t *p0,
-                             int64_t stride, const uint16_t *bias, int64_t N, int64_t KP, int64_t p, int64_t R) {
+/* R <= BROWS rows of one packed block (xp) times pair q of panels: panels 2q and 2q + 1 (or the last one),
+ * the block's rows of out, its columns from 32 q; for SwiGLU (glu: the gate's panels, inter / 16) the gate's
+ * panel q and the up half's panel glu + q, the block's rows of out (bfloat16, no bias), silu(g) * u in its
+ * columns from 16 q */
+static void block_times_pair(uint16_t *out, float *out32, int64_t ldo, const uint32_t *xp, const uint32_t *packed,
+                             const uint16_t *bias, int64_t N, int64_t KP, int64_t q, int64_t R, int64_t glu) {
+    const int64_t p = glu ? q : BPANELS * q, stride = (glu ? glu : 1) * KP * BF16_PANEL;
+    const uint32_t *p0 = packed + p * KP * BF16_PANEL;
+    if (glu) out += q * BF16_PANEL;
     const int64_t panels = (N + BF16_PANEL - 1) / BF16_PANEL, np = panels - p < BPANELS ? panels - p : BPANELS;
     const int n = (int)(N - (p + np - 1) * BF16_PANEL < BF16_PANEL ? N - (p + np - 1) * BF16_PANEL : BF16_PANEL);
     const uint16_t *b = bias ? bias + p * BF16_PANEL : NULL;
@@ -153,11 +167,12 @@ static void block_times_pair(uint16_t *out, float *out32, int64_t ldo, const uin
     }
 }
 
-/* rows [m0, m1) (packed in xp, from its first block) times the panel pairs [q0, q1): per group of pairs that
- * fit in L2 together, per block of rows (it stays in L1 while the group's panels pass), per pair */
+/* rows [m0, m1) (packed in xp, from its first block) times the panel pairs [q0, q1) (block_times_pair's, glu
+ * as there): per group of pairs that fit in L2 together, per block of rows (it stays in L1 while the group's
+ * panels pass), per pair */
 static void rows_times_panel_pairs(uint16_t *out, float *out32, int64_t ldo, const uint32_t *xp, const uint32_t *packed,
-                             const uint16_t *bias, int64_t m0, int64_t m1, int64_t N, int64_t KP, int64_t q0,
-                             int64_t q1) {
+                                   const uint16_t *bias, int64_t m0, int64_t m1, int64_t N, int64_t KP, int64_t q0,
+                                   int64_t q1, int64_t glu) {
     int64_t group = BGROUP_BYTES / (BPANELS * KP * BF16_PANEL * (int64_t)sizeof(uint32_t));
     if (group < 1) group = 1;
     for (int64_t g0 = q0; g0 < q1; g0 += group) {
@@ -167,7 +182,7 @@ static void rows_times_panel_pairs(uint16_t *out, float *out32, int64_t ldo, con
             const int64_t row = (m0 + i * BROWS) * ldo;
             for (int64_t q = g0; q < g1; q++)
                 block_times_pair(out32 ? NULL : out + row, out32 ? out32 + row : NULL, ldo, xp + i * KP * BROWS,
-                                 packed + BPANELS * q * KP * BF16_PANEL, KP * BF16_PANEL, bias, N, KP, BPANELS * q, r);
+                                 packed, bias, N, KP, q, r, glu);
         }
     }
 }
@@ -182,23 +197,29 @@ static size_t bf16_packed_rows_bytes(int64_t M, int64_t K) {
 /* For the threads of a parallel region: each packs all M rows for itself into xp (its own scratch of
  * bf16_packed_rows_bytes(M, K); NULL: it takes no pairs), then they share out the pairs of panels (a pair's
  * panels come from memory once). Ends with the worksharing loop's barrier. */
-static void bf16_gemm_share(uint16_t *out, float *out32, int64_t ldo, const uint16_t *x, int64_t ldx,
-                            const uint32_t *packed, const uint16_t *bias, int64_t M, int64_t N, int64_t K,
-                            uint32_t *xp) {
+static void bf16_gemm_share_pairs(uint16_t *out, float *out32, int64_t ldo, const uint16_t *x, int64_t ldx,
+                                  const uint32_t *packed, const uint16_t *bias, int64_t M, int64_t N, int64_t K,
+                                  uint32_t *xp, int64_t glu) {
     const int64_t KP = (K + 1) / 2, panels = (N + BF16_PANEL - 1) / BF16_PANEL;
-    const int64_t pairs = (panels + BPANELS - 1) / BPANELS;
+    const int64_t pairs = glu ? glu : (panels + BPANELS - 1) / BPANELS;
     if (xp != NULL) pack_pairs(xp, x, ldx, M, K);
 #pragma omp for schedule(guided) /* a slowed core does not hold the others */
     for (int64_t q = 0; q < pairs; q++)
-        if (xp != NULL) rows_times_panel_pairs(out, out32, ldo, xp, packed, bias, 0, M, N, KP, q, q + 1);
+        if (xp != NULL) rows_times_panel_pairs(out, out32, ldo, xp, packed, bias, 0, M, N, KP, q, q + 1, glu);
+}
+
+static void bf16_gemm_share(uint16_t *out, float *out32, int64_t ldo, const uint16_t *x, int64_t ldx,
+                            const uint32_t *packed, const uint16_t *bias, int64_t M, int64_t N, int64_t K,
+                            uint32_t *xp) {
+    bf16_gemm_share_pairs(out, out32, ldo, x, ldx, packed, bias, M, N, K, xp, 0);
 }
 
 /* More than SHARE_MAX rows: the threads split the rows (whole blocks each), each packing its own a macro
  * block at a time and reading every panel, with no thread waiting for another. */
 static int bf16_gemm_split(uint16_t *out, float *out32, int64_t ldo, const uint16_t *x, int64_t ldx,
-                           const uint32_t *packed, const uint16_t *bias, int64_t M, int64_t N, int64_t K) {
+                           const uint32_t *packed, const uint16_t *bias, int64_t M, int64_t N, int64_t K, int64_t glu) {
     const int64_t KP = (K + 1) / 2, panels = (N + BF16_PANEL - 1) / BF16_PANEL;
-    const int64_t pairs = (panels + BPANELS - 1) / BPANELS, blocks = (M + BROWS - 1) / BROWS;
+    const int64_t pairs = glu ? glu : (panels + BPANELS - 1) / BPANELS, blocks = (M + BROWS - 1) / BROWS;
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
@@ -210,7 +231,7 @@ static int bf16_gemm_split(uint16_t *out, float *out32, int64_t ldo, const uint1
         for (int64_t m0 = r0; m0 < end && xp != NULL; m0 += BMACRO) {
             const int64_t m1 = m0 + BMACRO < end ? m0 + BMACRO : end;
             pack_pairs(xp, x + m0 * ldx, ldx, m1 - m0, K);
-            rows_times_panel_pairs(out, out32, ldo, xp, packed, bias, m0, m1, N, KP, 0, pairs);
+            rows_times_panel_pairs(out, out32, ldo, xp, packed, bias, m0, m1, N, KP, 0, pairs, glu);
         }
     }
     return failed ? -1 : 0;
@@ -332,7 +353,7 @@ int cbserve_bf16_gemm(void *out, int64_t ldo, int out_f32, const uint16_t *x, in
                       const uint16_t *bias, int64_t M, int64_t N, int64_t K) {
     uint16_t *o16 = out_f32 ? NULL : out;
     float *o32 = out_f32 ? out : NULL;
-    if (M > SHARE_MAX) return bf16_gemm_split(o16, o32, ldo, x, ldx, packed, bias, M, N, K);
+    if (M > SHARE_MAX) return bf16_gemm_split(o16, o32, ldo, x, ldx, packed, bias, M, N, K, 0);
     int failed = 0;
     const int64_t panels = (N + BF16_PANEL - 1) / BF16_PANEL;
 #pragma omp parallel if (panels > BPANELS && M * N * K >= (1 << 18)) reduction(| : failed)
@@ -340,6 +361,25 @@ int cbserve_bf16_gemm(void *out, int64_t ldo, int out_f32, const uint16_t *x, in
         uint32_t *xp = kept_alloc(&pairs_scratch, bf16_packed_rows_bytes(M, K));
         failed = xp == NULL;
         bf16_gemm_share(o16, o32, ldo, x, ldx, packed, bias, M, N, K, xp);
+    }
+    return failed ? -1 : 0;
+}
+/* SwiGLU's matmul and gate in one: out [M, inter] bfloat16 (row stride ldo) = silu(g) * u, where [g | u] =
+ * x [M, K] W^T for the packed W [2 inter, K] of a gated MLP's fused gate and up projections (no bias): the
+ * bits of cbserve_bf16_gemm then cpu_ops.c's silu_and_mul, without writing [g | u] out and reading it back
+ * (each register block's two panels are a gate panel and its up panel). Returns 0; -1 when a thread's scratch
+ * could not be allocated, -2 where inter is not a multiple of 16. */
+int cbserve_bf16_gemm_swiglu(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx, const uint32_t *packed,
+                             int64_t M, int64_t inter, int64_t K) {
+    if (inter % BF16_PANEL) return -2;
+    const int64_t glu = inter / BF16_PANEL;
+    if (M > SHARE_MAX) return bf16_gemm_split(out, NULL, ldo, x, ldx, packed, NULL, M, 2 * inter, K, glu);
+    int failed = 0;
+#pragma omp parallel if (glu > 1 && M * inter * K >= (1 << 17)) reduction(| : failed)
+    {
+        uint32_t *xp = kept_alloc(&pairs_scratch, bf16_packed_rows_bytes(M, K));
+        failed = xp == NULL;
+        bf16_gemm_share_pairs(out, NULL, ldo, x, ldx, packed, NULL, M, 2 * inter, K, xp, glu);
     }
     return failed ? -1 : 0;
 }
@@ -369,6 +409,11 @@ int cbserve_bf16_qgemm(void *out, int64_t ldo, int out_f32, const uint16_t *x, i
                        int offsets, const uint16_t *bias, int64_t M, int64_t N, int64_t K) {
     (void)out, (void)ldo, (void)out_f32, (void)x, (void)ldx, (void)qpacked, (void)offsets, (void)bias, (void)M,
         (void)N, (void)K;
+    return -2;
+}
+int cbserve_bf16_gemm_swiglu(uint16_t *out, int64_t ldo, const uint16_t *x, int64_t ldx, const uint32_t *packed,
+                             int64_t M, int64_t inter, int64_t K) {
+    (void)out, (void)ldo, (void)x, (void)ldx, (void)packed, (void)M, (void)inter, (void)K;
     return -2;
 }
 #endif
