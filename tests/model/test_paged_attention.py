@@ -421,12 +421,12 @@ def bf16_kernel(request: pytest.FixtureRequest) -> Iterator[PagedDecodeKernel]:
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1), (16, 2), (4, 4)])
-@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
+@pytest.mark.parametrize("head_dim", [32, 48, 64, 96, 128])
 def test_cpu_prefill_kernel_bfloat16_queries(
     heads: int, kv_heads: int, head_dim: int, bf16_kernel: PagedDecodeKernel
 ) -> None:
     """bfloat16 queries over a bfloat16 cache, on AMX tiles and on dot products (head_dim 96 ends in a pass
-    of 32 dimensions); stale slots hold NaN."""
+    of 32 dimensions; 48, not a multiple of 32, goes to the vector path); stale slots hold NaN."""
     kernel = bf16_kernel
     run_case(PREFILLS, heads, kv_heads, head_dim=head_dim, block_size=16, dtype=torch.bfloat16,
              kernel=kernel, stale=float("nan"))  # fmt: skip
