@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import sys
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -35,20 +37,25 @@ TOP_PAD = 64 << 20
 _configured = False
 
 
+@functools.cache
+def _glibc_function(name: str) -> Any:
+    """glibc's function ``name`` through ctypes (its library looked up once a process), or None off glibc."""
+    path = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
+    if path is None:
+        return None
+    try:
+        return getattr(ctypes.CDLL(path), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def keep_freed_memory() -> bool:
     """Tune glibc's allocator once per process; returns whether it applied (False off glibc)."""
     global _configured
     if _configured:
         return True
-    if not sys.platform.startswith("linux"):
-        return False
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = _glibc_function("mallopt")
+    if mallopt is None:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
@@ -72,12 +79,8 @@ def keep_freed_memory() -> bool:
 def release_freed_memory() -> bool:
     """Return the heap's free memory to the OS now (glibc's ``malloc_trim``); whether it ran (False off
     glibc). The thresholds stay raised: the steps' temporaries are kept again from their first step on."""
-    name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
-    if name is None:
-        return False
-    try:
-        trim = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):
+    trim = _glibc_function("malloc_trim")
+    if trim is None:
         return False
     trim.argtypes = [ctypes.c_size_t]
     trim.restype = ctypes.c_int
