@@ -387,10 +387,17 @@ int cbserve_bf16_gemm_swiglu(uint16_t *out, int64_t ldo, const uint16_t *x, int6
 #define HAVE_BF16_DOT 0
 /* for the decode stack's build, which never calls them here (its check_inputs refuses bf16_dot) */
 static __attribute__((unused)) size_t bf16_packed_rows_bytes(int64_t M, int64_t K) { return (void)M, (void)K, 0; }
+static __attribute__((unused)) void bf16_gemm_share_pairs(uint16_t *out, float *out32, int64_t ldo,
+                                                          const uint16_t *x, int64_t ldx, const uint32_t *packed,
+                                                          const uint16_t *bias, int64_t M, int64_t N, int64_t K,
+                                                          uint32_t *xp, int64_t glu) {
+    (void)out, (void)out32, (void)ldo, (void)x, (void)ldx, (void)packed, (void)bias, (void)M, (void)N, (void)K, (void)xp,
+        (void)glu;
+}
 static __attribute__((unused)) void bf16_gemm_share(uint16_t *out, float *out32, int64_t ldo, const uint16_t *x,
                                                     int64_t ldx, const uint32_t *packed, const uint16_t *bias,
                                                     int64_t M, int64_t N, int64_t K, uint32_t *xp) {
-    (void)out, (void)out32, (void)ldo, (void)x, (void)ldx, (void)packed, (void)bias, (void)M, (void)N, (void)K, (void)xp;
+    bf16_gemm_share_pairs(out, out32, ldo, x, ldx, packed, bias, M, N, K, xp, 0);
 }
 static __attribute__((unused)) void bf16_qgemm_share(uint16_t *out, float *out32, int64_t ldo, const uint16_t *x,
                                                      int64_t ldx, const uint8_t *qpacked, int offsets,

@@ -476,17 +476,31 @@ INLINE void self_attention(const step *st, const cbserve_layer *w) {
     phase_mark(PHASE_O);
 }
 
+/* Whether the step's SwiGLU runs as one call, the gate in the projection's registers (the same bits as the
+ * projection then gate_mul): bfloat16 panels on AVX512-BF16 dot products (not the checkpoint's blocks, which
+ * steps of up to QMAX rows read), SiLU, whole panels of gate outputs. */
+static inline int gated_in_registers(const step *st, const cbserve_layer *w) {
+    const int blocks = w->gate_up_q != NULL && st->rows <= QMAX;
+    return st->dot && !blocks && !w->gelu && st->m->intermediate % BF16_PANEL == 0;
+}
+
 /* y = down(act(gate) * up), gate, up = gate_up(normed): the gated MLP, act SiLU (Gemma: GELU-tanh, and y
  * normed after down) */
 INLINE void mlp(const step *st, const cbserve_layer *w) {
     const buffers *b = st->b;
     const int64_t H = st->m->hidden, I = st->m->intermediate;
-    project(st, b->gate_up, b->normed, w->gate_up, w->gate_up_q, w->gate_up_q_offsets, NULL, 2 * I, H);
-    phase_mark(PHASE_GATE_UP);
+    if (gated_in_registers(st, w)) { /* bf16_gemm.c's SwiGLU: the projection's register blocks write silu(g) * u */
+        bf16_gemm_share_pairs(b->act, NULL, I, b->normed, H, w->gate_up, NULL, st->rows, 2 * I, H,
+                              (uint32_t *)st->scratch, I / BF16_PANEL);
+        phase_mark(PHASE_GATE_UP);
+    } else {
+        project(st, b->gate_up, b->normed, w->gate_up, w->gate_up_q, w->gate_up_q_offsets, NULL, 2 * I, H);
+        phase_mark(PHASE_GATE_UP);
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < st->rows; r++)
-        gate_mul(st, ROW(b->act, r, I), ROW(b->gate_up, r, 2 * I), ROW(b->gate_up, r, 2 * I) + I * st->es, I,
-                 (int)w->gelu);
+        for (int64_t r = 0; r < st->rows; r++)
+            gate_mul(st, ROW(b->act, r, I), ROW(b->gate_up, r, 2 * I), ROW(b->gate_up, r, 2 * I) + I * st->es, I,
+                     (int)w->gelu);
+    }
     phase_mark(PHASE_ACT);
     project(st, b->y, b->act, w->down, w->down_q, w->down_q_offsets, NULL, H, I);
     norm_output(st, w->post_ff_norm);
