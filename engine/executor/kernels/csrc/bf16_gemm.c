@@ -299,7 +299,7 @@ BF16_INLINE void block_times_qpanel(uint16_t *out, float *out32, int64_t ldo, co
     store_block(out, out32, ldo, acc, 1, bias, n, 1, R);
 }
 
-#define BF16_QCASE(r)                                                                          \
+#define BF16_QCASE(r)                                                                     \
     case r:                                                                               \
         if (offsets)                                                                      \
             block_times_qpanel(o16, o32, ldo, xp, src, b, kblocks, n, 1, r);              \
@@ -307,26 +307,52 @@ BF16_INLINE void block_times_qpanel(uint16_t *out, float *out32, int64_t ldo, co
             block_times_qpanel(o16, o32, ldo, xp, src, b, kblocks, n, 0, r);              \
         break;
 
+/* M <= QMAX rows of a packed block (xp) times one panel's blocks (src): block_times_qpanel for that M */
+static void rows_times_qpanel_bf16(uint16_t *o16, float *o32, int64_t ldo, const uint32_t *xp, const uint8_t *src,
+                              const uint16_t *b, int64_t kblocks, int n, int offsets, int64_t M) {
+    switch (M) {
+        BF16_QCASE(1) BF16_QCASE(2) BF16_QCASE(3) BF16_QCASE(4) BF16_QCASE(5) BF16_QCASE(6)
+        BF16_QCASE(7) BF16_QCASE(8) BF16_QCASE(9) BF16_QCASE(10) BF16_QCASE(11) BF16_QCASE(12)
+        default: break;
+    }
+}
+
+/* SwiGLU's gate over the blocks: gate panel p and the up half's panel glu + p, each into float32 sums rounded
+ * as the matmul rounds them, then out[m, 16 p : 16 p + 16] = silu(g) * u (swiglu_gate.h, which rounds the
+ * sums again: the same values), the bits of the matmul then silu_and_mul */
+static void rows_times_qpanel_gate(uint16_t *out, int64_t ldo, const uint32_t *xp, const uint8_t *qpacked,
+                                   int offsets, int64_t kblocks, int64_t glu, int64_t p, int64_t M) {
+    float g[QMAX * BF16_PANEL] __attribute__((aligned(64))), u[QMAX * BF16_PANEL] __attribute__((aligned(64)));
+    const int64_t panel_bytes = kblocks * bf16_qblock_bytes(offsets);
+    rows_times_qpanel_bf16(NULL, g, BF16_PANEL, xp, qpacked + p * panel_bytes, NULL, kblocks, BF16_PANEL, offsets, M);
+    rows_times_qpanel_bf16(NULL, u, BF16_PANEL, xp, qpacked + (glu + p) * panel_bytes, NULL, kblocks, BF16_PANEL, offsets,
+                      M);
+    for (int64_t m = 0; m < M; m++)
+        _mm256_storeu_si256((__m256i *)(out + m * ldo + p * BF16_PANEL),
+                            swiglu_gate_x16(_mm512_load_ps(g + m * BF16_PANEL), _mm512_load_ps(u + m * BF16_PANEL)));
+}
+
 /* The threads of a parallel region share out the panels of M <= QMAX rows (each packs them into xp, its own
- * scratch of bf16_packed_rows_bytes(M, K); NULL: it takes no panels). Ends with the loop's barrier. */
+ * scratch of bf16_packed_rows_bytes(M, K); NULL: it takes no panels); for SwiGLU (glu: the gate's panels,
+ * inter / 16; N = 2 inter, no bias) the pairs of a gate panel and its up panel, out [M, inter] silu(g) * u.
+ * Ends with the loop's barrier. */
 static void bf16_qgemm_share(uint16_t *out, float *out32, int64_t ldo, const uint16_t *x, int64_t ldx,
                              const uint8_t *qpacked, int offsets, const uint16_t *bias, int64_t M, int64_t N,
-                             int64_t K, uint32_t *xp) {
-    const int64_t kblocks = K / QK, panels = (N + BF16_PANEL - 1) / BF16_PANEL;
+                             int64_t K, uint32_t *xp, int64_t glu) {
+    const int64_t kblocks = K / QK, panels = glu ? glu : (N + BF16_PANEL - 1) / BF16_PANEL;
     if (xp != NULL) pack_pairs(xp, x, ldx, M, K);
 #pragma omp for schedule(guided)
     for (int64_t p = 0; p < panels; p++) {
         if (xp == NULL) continue;
+        if (glu) {
+            rows_times_qpanel_gate(out, ldo, xp, qpacked, offsets, kblocks, glu, p, M);
+            continue;
+        }
         const int n = (int)(N - p * BF16_PANEL < BF16_PANEL ? N - p * BF16_PANEL : BF16_PANEL);
         const uint8_t *src = qpacked + p * kblocks * bf16_qblock_bytes(offsets);
         const uint16_t *b = bias ? bias + p * BF16_PANEL : NULL;
-        uint16_t *o16 = out32 ? NULL : out + p * BF16_PANEL;
-        float *o32 = out32 ? out32 + p * BF16_PANEL : NULL;
-        switch (M) {
-            BF16_QCASE(1) BF16_QCASE(2) BF16_QCASE(3) BF16_QCASE(4) BF16_QCASE(5) BF16_QCASE(6)
-            BF16_QCASE(7) BF16_QCASE(8) BF16_QCASE(9) BF16_QCASE(10) BF16_QCASE(11) BF16_QCASE(12)
-            default: break;
-        }
+        rows_times_qpanel_bf16(out32 ? NULL : out + p * BF16_PANEL, out32 ? out32 + p * BF16_PANEL : NULL, ldo, xp, src, b,
+                          kblocks, n, offsets, M);
     }
 }
 
@@ -339,7 +365,8 @@ int cbserve_bf16_qgemm(void *out, int64_t ldo, int out_f32, const uint16_t *x, i
     {
         uint32_t *xp = kept_alloc(&pairs_scratch, bf16_packed_rows_bytes(M, K));
         failed = xp == NULL;
-        bf16_qgemm_share(out_f32 ? NULL : out, out_f32 ? out : NULL, ldo, x, ldx, qpacked, offsets, bias, M, N, K, xp);
+        bf16_qgemm_share(out_f32 ? NULL : out, out_f32 ? out : NULL, ldo, x, ldx, qpacked, offsets, bias, M, N, K, xp,
+                         0);
     }
     return failed ? -1 : 0;
 }
@@ -402,9 +429,9 @@ static __attribute__((unused)) void bf16_gemm_share(uint16_t *out, float *out32,
 static __attribute__((unused)) void bf16_qgemm_share(uint16_t *out, float *out32, int64_t ldo, const uint16_t *x,
                                                      int64_t ldx, const uint8_t *qpacked, int offsets,
                                                      const uint16_t *bias, int64_t M, int64_t N, int64_t K,
-                                                     uint32_t *xp) {
+                                                     uint32_t *xp, int64_t glu) {
     (void)out, (void)out32, (void)ldo, (void)x, (void)ldx, (void)qpacked, (void)offsets, (void)bias, (void)M, (void)N,
-        (void)K, (void)xp;
+        (void)K, (void)xp, (void)glu;
 }
 int cbserve_bf16_gemm_available(void) { return 0; }
 int cbserve_bf16_gemm(void *out, int64_t ldo, int out_f32, const uint16_t *x, int64_t ldx, const uint32_t *packed,

@@ -238,7 +238,7 @@ static void amx_q_shared(uint16_t *out, const uint16_t *x, const uint8_t *q, int
 static inline void project(const step *st, void *out, const void *x, const void *w, const uint8_t *q, int64_t offsets,
                            const void *bias, int64_t N, int64_t K) {
     if (st->dot && q != NULL && st->rows <= QMAX) /* the scratch: allocate()'s */
-        bf16_qgemm_share(out, NULL, N, x, K, q, (int)offsets, bias, st->rows, N, K, (uint32_t *)st->scratch);
+        bf16_qgemm_share(out, NULL, N, x, K, q, (int)offsets, bias, st->rows, N, K, (uint32_t *)st->scratch, 0);
     else if (st->dot)
         bf16_gemm_share(out, NULL, N, x, K, w, bias, st->rows, N, K, (uint32_t *)st->scratch);
     else if (st->bf16 && q != NULL && st->padded <= QROWS)
@@ -476,12 +476,11 @@ INLINE void self_attention(const step *st, const cbserve_layer *w) {
     phase_mark(PHASE_O);
 }
 
-/* Whether the step's SwiGLU runs as one call, the gate in the projection's registers (the same bits as the
- * projection then gate_mul): bfloat16 panels on AVX512-BF16 dot products (not the checkpoint's blocks, which
- * steps of up to QMAX rows read), SiLU, whole panels of gate outputs. */
+/* Whether the step's SwiGLU runs as one call, the gate applied as the projection's sums round out (the same
+ * bits as the projection then gate_mul): on AVX512-BF16 dot products, over the panels or the checkpoint's
+ * blocks, SiLU, whole panels of gate outputs. */
 static inline int gated_in_registers(const step *st, const cbserve_layer *w) {
-    const int blocks = w->gate_up_q != NULL && st->rows <= QMAX;
-    return st->dot && !blocks && !w->gelu && st->m->intermediate % BF16_PANEL == 0;
+    return st->dot && !w->gelu && st->m->intermediate % BF16_PANEL == 0;
 }
 
 /* y = down(act(gate) * up), gate, up = gate_up(normed): the gated MLP, act SiLU (Gemma: GELU-tanh, and y
@@ -490,8 +489,12 @@ INLINE void mlp(const step *st, const cbserve_layer *w) {
     const buffers *b = st->b;
     const int64_t H = st->m->hidden, I = st->m->intermediate;
     if (gated_in_registers(st, w)) { /* bf16_gemm.c's SwiGLU: the projection's register blocks write silu(g) * u */
-        bf16_gemm_share_pairs(b->act, NULL, I, b->normed, H, w->gate_up, NULL, st->rows, 2 * I, H,
-                              (uint32_t *)st->scratch, I / BF16_PANEL);
+        if (w->gate_up_q != NULL && st->rows <= QMAX)
+            bf16_qgemm_share(b->act, NULL, I, b->normed, H, w->gate_up_q, (int)w->gate_up_q_offsets, NULL, st->rows,
+                             2 * I, H, (uint32_t *)st->scratch, I / BF16_PANEL);
+        else
+            bf16_gemm_share_pairs(b->act, NULL, I, b->normed, H, w->gate_up, NULL, st->rows, 2 * I, H,
+                                  (uint32_t *)st->scratch, I / BF16_PANEL);
         phase_mark(PHASE_GATE_UP);
     } else {
         project(st, b->gate_up, b->normed, w->gate_up, w->gate_up_q, w->gate_up_q_offsets, NULL, 2 * I, H);
