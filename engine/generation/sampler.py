@@ -9,6 +9,7 @@ exceeds ``u``. Nothing depends on the other rows of the batch, so a seeded reque
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -139,7 +140,7 @@ class Sampler:
         # does: engine/executor/dola.py); a row of them only is caught below with the other rows that leave
         # no token.
         row_max, first = row_maxima(logits, self._row_argmax)  # [R], [R]
-        bad = (torch.isnan(row_max) | (row_max == float("inf"))).tolist()
+        bad = [m != m or m == math.inf for m in row_max.tolist()]  # NaN or +inf, read once (R is small)
         for i, is_bad in enumerate(bad):
             if is_bad:
                 errors[i] = "the model produced NaN or infinite logits for this sequence"
@@ -151,7 +152,7 @@ class Sampler:
 
         # Every token masked (max -inf), or a penalty that pushed a logit to +inf or NaN: the request's
         # options did it.
-        dead = (~torch.isfinite(row_max)).tolist()
+        dead = [not math.isfinite(m) for m in row_max.tolist()]
         for i, is_dead in enumerate(dead):
             if is_dead and errors[i] is None:
                 errors[i] = (
