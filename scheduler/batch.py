@@ -51,7 +51,7 @@ class ScheduledRequest:
 
     @property
     def token_ids(self) -> list[int]:
-        known = self.request.all_token_ids[self.start : self.end]
+        known = self.request.token_ids_between(self.start, self.end)
         return known + list(self.draft_ids) if self.draft_ids else known
 
 

@@ -64,6 +64,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without building the whole list (a step's chunk of a long context)."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p : end - p]
+        return self.prompt_ids[start:] + self.output_ids[: end - p]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

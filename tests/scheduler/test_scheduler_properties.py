@@ -251,3 +251,19 @@ def test_schedulers_keep_their_invariants(sc: Scenario) -> None:
         start = first_generated[r.request_id]
         generated = r.output_ids[start:]
         assert generated == [token_for(r.request_id, start + i) for i in range(len(generated))]
+
+
+@given(
+    prompt=st.lists(st.integers(0, 9), min_size=1, max_size=6),
+    output=st.lists(st.integers(10, 19), max_size=6),
+    data=st.data(),
+)
+def test_token_ids_between_is_the_slice_of_all_token_ids(
+    prompt: list[int], output: list[int], data: st.DataObject
+) -> None:
+    """A step's chunk of a request's tokens, read without concatenating prompt and output: any range."""
+    req = Request("r", prompt, max_new_tokens=8, output_ids=output)
+    n = len(prompt) + len(output)
+    start = data.draw(st.integers(0, n))
+    end = data.draw(st.integers(start, n))
+    assert req.token_ids_between(start, end) == req.all_token_ids[start:end]
