@@ -299,7 +299,7 @@ BF16_INLINE void block_times_qpanel(uint16_t *out, float *out32, int64_t ldo, co
     store_block(out, out32, ldo, acc, 1, bias, n, 1, R);
 }
 
-#define BF16_QCASE(r)                                                                     \
+#define BF16_QCASE(r)                                                                          \
     case r:                                                                               \
         if (offsets)                                                                      \
             block_times_qpanel(o16, o32, ldo, xp, src, b, kblocks, n, 1, r);              \
@@ -309,7 +309,7 @@ BF16_INLINE void block_times_qpanel(uint16_t *out, float *out32, int64_t ldo, co
 
 /* M <= QMAX rows of a packed block (xp) times one panel's blocks (src): block_times_qpanel for that M */
 static void rows_times_qpanel_bf16(uint16_t *o16, float *o32, int64_t ldo, const uint32_t *xp, const uint8_t *src,
-                              const uint16_t *b, int64_t kblocks, int n, int offsets, int64_t M) {
+                                   const uint16_t *b, int64_t kblocks, int n, int offsets, int64_t M) {
     switch (M) {
         BF16_QCASE(1) BF16_QCASE(2) BF16_QCASE(3) BF16_QCASE(4) BF16_QCASE(5) BF16_QCASE(6)
         BF16_QCASE(7) BF16_QCASE(8) BF16_QCASE(9) BF16_QCASE(10) BF16_QCASE(11) BF16_QCASE(12)
@@ -325,8 +325,8 @@ static void rows_times_qpanel_gate(uint16_t *out, int64_t ldo, const uint32_t *x
     float g[QMAX * BF16_PANEL] __attribute__((aligned(64))), u[QMAX * BF16_PANEL] __attribute__((aligned(64)));
     const int64_t panel_bytes = kblocks * bf16_qblock_bytes(offsets);
     rows_times_qpanel_bf16(NULL, g, BF16_PANEL, xp, qpacked + p * panel_bytes, NULL, kblocks, BF16_PANEL, offsets, M);
-    rows_times_qpanel_bf16(NULL, u, BF16_PANEL, xp, qpacked + (glu + p) * panel_bytes, NULL, kblocks, BF16_PANEL, offsets,
-                      M);
+    rows_times_qpanel_bf16(NULL, u, BF16_PANEL, xp, qpacked + (glu + p) * panel_bytes, NULL, kblocks, BF16_PANEL,
+                           offsets, M);
     for (int64_t m = 0; m < M; m++)
         _mm256_storeu_si256((__m256i *)(out + m * ldo + p * BF16_PANEL),
                             swiglu_gate_x16(_mm512_load_ps(g + m * BF16_PANEL), _mm512_load_ps(u + m * BF16_PANEL)));
@@ -351,8 +351,8 @@ static void bf16_qgemm_share(uint16_t *out, float *out32, int64_t ldo, const uin
         const int n = (int)(N - p * BF16_PANEL < BF16_PANEL ? N - p * BF16_PANEL : BF16_PANEL);
         const uint8_t *src = qpacked + p * kblocks * bf16_qblock_bytes(offsets);
         const uint16_t *b = bias ? bias + p * BF16_PANEL : NULL;
-        rows_times_qpanel_bf16(out32 ? NULL : out + p * BF16_PANEL, out32 ? out32 + p * BF16_PANEL : NULL, ldo, xp, src, b,
-                          kblocks, n, offsets, M);
+        rows_times_qpanel_bf16(out32 ? NULL : out + p * BF16_PANEL, out32 ? out32 + p * BF16_PANEL : NULL, ldo, xp,
+                               src, b, kblocks, n, offsets, M);
     }
 }
 

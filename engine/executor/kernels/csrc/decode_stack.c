@@ -488,7 +488,7 @@ static inline int gated_in_registers(const step *st, const cbserve_layer *w) {
 INLINE void mlp(const step *st, const cbserve_layer *w) {
     const buffers *b = st->b;
     const int64_t H = st->m->hidden, I = st->m->intermediate;
-    if (gated_in_registers(st, w)) { /* bf16_gemm.c's SwiGLU: the projection's register blocks write silu(g) * u */
+    if (gated_in_registers(st, w)) { /* bf16_gemm.c's SwiGLU: silu(g) * u written as the sums round out */
         if (w->gate_up_q != NULL && st->rows <= QMAX)
             bf16_qgemm_share(b->act, NULL, I, b->normed, H, w->gate_up_q, (int)w->gate_up_q_offsets, NULL, st->rows,
                              2 * I, H, (uint32_t *)st->scratch, I / BF16_PANEL);
