@@ -489,11 +489,13 @@ INLINE void mlp(const step *st, const cbserve_layer *w) {
     const buffers *b = st->b;
     const int64_t H = st->m->hidden, I = st->m->intermediate;
     if (gated_in_registers(st, w)) { /* bf16_gemm.c's SwiGLU: silu(g) * u written as the sums round out */
+        uint16_t *act = (uint16_t *)b->act;
+        const uint16_t *normed = (const uint16_t *)b->normed;
         if (w->gate_up_q != NULL && st->rows <= QMAX)
-            bf16_qgemm_share(b->act, NULL, I, b->normed, H, w->gate_up_q, (int)w->gate_up_q_offsets, NULL, st->rows,
-                             2 * I, H, (uint32_t *)st->scratch, I / BF16_PANEL);
+            bf16_qgemm_share(act, NULL, I, normed, H, w->gate_up_q, (int)w->gate_up_q_offsets, NULL, st->rows, 2 * I,
+                             H, (uint32_t *)st->scratch, I / BF16_PANEL);
         else
-            bf16_gemm_share_pairs(b->act, NULL, I, b->normed, H, w->gate_up, NULL, st->rows, 2 * I, H,
+            bf16_gemm_share_pairs(act, NULL, I, normed, H, w->gate_up, NULL, st->rows, 2 * I, H,
                                   (uint32_t *)st->scratch, I / BF16_PANEL);
         phase_mark(PHASE_GATE_UP);
     } else {
