@@ -133,7 +133,7 @@ class CudaGraphDecoder:
         width = 0
         for s in batch.requests:
             table = s.block_ids
-            ids.append(s.request.all_token_ids[s.start])
+            ids.append(s.token_ids[0])  # its one token
             positions.append(s.start)
             slots.append(table[s.start // bs] * bs + s.start % bs)
             lens.append(s.start + 1)

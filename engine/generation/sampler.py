@@ -140,7 +140,8 @@ class Sampler:
         # does: engine/executor/dola.py); a row of them only is caught below with the other rows that leave
         # no token.
         row_max, first = row_maxima(logits, self._row_argmax)  # [R], [R]
-        bad = [m != m or m == math.inf for m in row_max.tolist()]  # NaN or +inf, read once (R is small)
+        maxima = row_max.tolist()  # read once as a list (R is small)
+        bad = [m != m or m == math.inf for m in maxima]  # NaN or +inf
         for i, is_bad in enumerate(bad):
             if is_bad:
                 errors[i] = "the model produced NaN or infinite logits for this sequence"
@@ -149,10 +150,11 @@ class Sampler:
         if processed is not None:
             logits = processed
             row_max, first = row_maxima(processed, self._row_argmax)  # [R], [R], of the processed logits
+            maxima = row_max.tolist()
 
         # Every token masked (max -inf), or a penalty that pushed a logit to +inf or NaN: the request's
         # options did it.
-        dead = [not math.isfinite(m) for m in row_max.tolist()]
+        dead = [not math.isfinite(m) for m in maxima]
         for i, is_dead in enumerate(dead):
             if is_dead and errors[i] is None:
                 errors[i] = (
