@@ -7,8 +7,12 @@ AMX, else its AVX512-BF16 kernel, bf16_gemm.py) and ``F.linear``.
     python -m bench.cpu_matmul                 # SmolLM2-135M's shapes, rows 16 64 256 2048
     python -m bench.cpu_matmul --dtype bfloat16 --rows 1 16 64 2048
     python -m bench.cpu_matmul --rows 16 2048 --hidden 576 --intermediate 1536 --q-heads 9 --kv-heads 3
+    python -m bench.cpu_matmul --dtype bfloat16 --rows 1 12 16 24 --layers 30
 
 Prints each system's time for the layer's four matmuls (q/k/v fused, o, gate/up fused, down) and GFLOPS.
+With ``--layers N`` the four matmuls of N layers, each layer's weights its own: as in a decode step, every
+call reads its weights from memory instead of a cache the previous call warmed, so a few rows show the
+memory floor (the bytes read per second are printed too) and more show what their dot products add.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from __future__ import annotations
 import argparse
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +41,7 @@ def layer_shapes(hidden: int, intermediate: int, q_heads: int, kv_heads: int) ->
     ]
 
 
-def best_seconds(fns: dict[str, Callable[[], object]], reps: int, rounds: int) -> dict[str, float]:
+def best_seconds(fns: Mapping[str, Callable[[], object]], reps: int, rounds: int) -> dict[str, float]:
     """Each function's best mean time over ``rounds`` rounds of ``reps`` calls, the systems interleaved."""
     best = dict.fromkeys(fns, float("inf"))
     for fn in fns.values():
@@ -66,6 +71,69 @@ def own_kernel(
         raise SystemExit(f"cbserve's {dtype} kernel is not available here: {e}") from e
 
 
+def systems(
+    x: torch.Tensor, w: torch.Tensor, ours_name: str, ours: Any
+) -> dict[str, Callable[[], torch.Tensor]]:
+    """The systems' ``x w^T`` (weights packed for each), checked against a float64 reference first."""
+    n = w.shape[0]
+    packed, panels = prepacked.prepack(w), ours.pack(w)
+    fns: dict[str, Callable[[], torch.Tensor]] = {
+        "oneDNN": functools.partial(prepacked.linear, x, packed, None),
+        ours_name: functools.partial(ours.linear, x, panels, n, None),
+        "F.linear": functools.partial(F.linear, x, w),
+    }
+    ref = F.linear(x.double(), w.double()).to(w.dtype)
+    tol = 1e-4 if w.dtype == torch.float32 else 2e-2
+    for fn in fns.values():
+        torch.testing.assert_close(fn(), ref, rtol=tol, atol=tol)
+    return fns
+
+
+def in_sequence(calls: list[Callable[[], object]]) -> Callable[[], None]:
+    def run() -> None:
+        for call in calls:
+            call()
+
+    return run
+
+
+def time_rows(m: int, shapes: list[tuple[int, int]], args: argparse.Namespace, ours: tuple[str, Any]) -> str:
+    """One row count's line: each system's time for ``args.layers`` layers' matmuls (one layer: its
+    matmuls each timed alone, repeated; more: every layer's in a row, each layer's weights its own)."""
+    gen = torch.Generator().manual_seed(0)
+    dtype = getattr(torch, args.dtype)
+    per_layer = []
+    for _ in range(args.layers):
+        per_layer.append(
+            [
+                systems(
+                    torch.randn(m, k, generator=gen).to(dtype),
+                    (torch.randn(n, k, generator=gen) * 0.05).to(dtype),
+                    *ours,
+                )
+                for k, n in shapes
+            ]
+        )
+    flops = 2 * m * sum(k * n for k, n in shapes) * args.layers
+    weight_bytes = sum(k * n for k, n in shapes) * args.layers * torch.finfo(dtype).bits // 8
+    totals: dict[str, float] = {}
+    if args.layers == 1:
+        for fns, (k, n) in zip(per_layer[0], shapes, strict=True):
+            reps = max(2, int(args.work / (m * k * n)))
+            for name, seconds in best_seconds(fns, reps, args.rounds).items():
+                totals[name] = totals.get(name, 0.0) + seconds
+    else:
+        names = list(per_layer[0][0])
+        steps = {name: in_sequence([fns[name] for layer in per_layer for fns in layer]) for name in names}
+        totals = best_seconds(steps, 1, args.rounds)
+    cells = "  ".join(
+        f"{name} {t * 1e3:8.2f} ms ({flops / t / 1e9:5.1f} GFLOPS"
+        + (f", {weight_bytes / t / 1e9:5.1f} GB/s)" if args.layers > 1 else ")")
+        for name, t in totals.items()
+    )
+    return f"rows {m:5d}: {cells}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[16, 64, 256, 2048])
@@ -76,39 +144,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--work", type=float, default=3e8, help="multiply-adds each timing repeats a call to")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--layers", type=int, default=1, help="layers of weights of their own, read in a row")
     args = p.parse_args(argv)
-    cpu = torch.device("cpu")
     dtype = getattr(torch, args.dtype)
-    if not prepacked.can_prepack(cpu, dtype):
+    if not prepacked.can_prepack(torch.device("cpu"), dtype):
         raise SystemExit(f"this torch build or CPU cannot prepack {args.dtype} weights (no oneDNN)")
-    ours_name, ours = own_kernel(dtype)
-    gen = torch.Generator().manual_seed(0)
+    ours = own_kernel(dtype)
     shapes = layer_shapes(args.hidden, args.intermediate, args.q_heads, args.kv_heads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; shapes (in, out): {shapes}")
+    if args.layers > 1:
+        print(f"{args.layers} layers of weights of their own, read in a row (as a decode step reads them)")
     for m in args.rows:
-        totals: dict[str, float] = {}
-        flops = 0
-        for k, n in shapes:
-            w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
-            x = torch.randn(m, k, generator=gen).to(dtype)
-            packed, panels = prepacked.prepack(w), ours.pack(w)
-            ref = F.linear(x.double(), w.double()).to(dtype)
-            tol = 1e-4 if dtype == torch.float32 else 2e-2
-            torch.testing.assert_close(ours.linear(x, panels, n, None), ref, rtol=tol, atol=tol)
-            torch.testing.assert_close(prepacked.linear(x, packed, None), ref, rtol=tol, atol=tol)
-            fns: dict[str, Callable[[], object]] = {
-                "oneDNN": functools.partial(prepacked.linear, x, packed, None),
-                ours_name: functools.partial(ours.linear, x, panels, n, None),
-                "F.linear": functools.partial(F.linear, x, w),
-            }
-            reps = max(2, int(args.work / (m * k * n)))
-            for name, seconds in best_seconds(fns, reps, args.rounds).items():
-                totals[name] = totals.get(name, 0.0) + seconds
-            flops += 2 * m * k * n
-        cells = "  ".join(
-            f"{name} {t * 1e3:8.2f} ms ({flops / t / 1e9:5.1f} GFLOPS)" for name, t in totals.items()
-        )
-        print(f"rows {m:5d}: {cells}", flush=True)
+        print(time_rows(m, shapes, args, ours), flush=True)
     return 0
 
 

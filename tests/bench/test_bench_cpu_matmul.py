@@ -38,4 +38,10 @@ def test_prints_one_line_per_row_count(capsys: pytest.CaptureFixture[str]) -> No
     assert main([*argv, "--rounds", "1", "--work", "1e6"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("rows")]
     assert [line.split(":")[0].split()[-1] for line in lines] == ["3", "40"]
+    # as a decode step: two layers' weights of their own, read one after the other; the bytes per second too
+    assert main([*argv, "--rounds", "1", "--layers", "2"]) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("rows")]
+    assert "2 layers of weights of their own" in out and len(lines) == 2
+    assert all(line.count("GB/s") == 3 for line in lines)
     assert all(line.count("GFLOPS") == 3 for line in lines)
