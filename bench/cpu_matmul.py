@@ -21,7 +21,6 @@ import argparse
 import functools
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -55,9 +54,10 @@ def best_seconds(fns: Mapping[str, Callable[[], object]], reps: int, rounds: int
     return best
 
 
-def own_kernel(
-    dtype: torch.dtype,
-) -> tuple[str, small_gemm.SmallGemm | amx_gemm.AmxGemm | bf16_gemm.Bf16Gemm]:
+Kernel = small_gemm.SmallGemm | amx_gemm.AmxGemm | bf16_gemm.Bf16Gemm
+
+
+def own_kernel(dtype: torch.dtype) -> tuple[str, Kernel]:
     """cbserve's kernel for ``dtype`` and its name: the small float32 kernel; for bfloat16 the AMX kernel,
     else the AVX512-BF16 one (engine/executor/fast_paths.py's choice)."""
     try:
@@ -72,7 +72,7 @@ def own_kernel(
 
 
 def systems(
-    x: torch.Tensor, w: torch.Tensor, ours_name: str, ours: Any
+    x: torch.Tensor, w: torch.Tensor, ours_name: str, ours: Kernel
 ) -> dict[str, Callable[[], torch.Tensor]]:
     """The systems' ``x w^T`` (weights packed for each), checked against a float64 reference first."""
     n = w.shape[0]
@@ -97,7 +97,9 @@ def in_sequence(calls: list[Callable[[], object]]) -> Callable[[], None]:
     return run
 
 
-def time_rows(m: int, shapes: list[tuple[int, int]], args: argparse.Namespace, ours: tuple[str, Any]) -> str:
+def time_rows(
+    m: int, shapes: list[tuple[int, int]], args: argparse.Namespace, ours: tuple[str, Kernel]
+) -> str:
     """One row count's line: each system's time for ``args.layers`` layers' matmuls (one layer: its
     matmuls each timed alone, repeated; more: every layer's in a row, each layer's weights its own)."""
     gen = torch.Generator().manual_seed(0)
