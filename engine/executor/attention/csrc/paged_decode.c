@@ -4,7 +4,7 @@
  * Work item = (row, KV head); the `group` query heads that share the KV head are computed together, so
  * each key and value vector is loaded (and widened from bfloat16) once per step and used by every head of
  * the group (GQA without repeating K/V), and K pages are prefetched ahead (eight into L2, two into L1; each V
- * page into L2 meanwhile):
+ * page into L2 meanwhile; bfloat16 pages of 16 keys a line at a time among the dot products):
  *
  *   s[g, j] = scale * <q[g], K[j]>        for the visible keys j of the sequence
  *   s[g, j] = softcap * tanh(s[g, j] / softcap)   where the model soft-caps its attention logits (Gemma 2)
@@ -136,6 +136,15 @@ static inline vf interleave(vf a, vf b, int high) {
 static inline vf interleave(vf a, vf b, int high) { return (void)b, (void)high, a; } /* never called */
 #endif
 
+/* Whether score_pages takes a page's lines as pairs of dimensions (and its prefetches go by 8 lines) */
+static inline int paired_pages(int bf16, int64_t block_size, int64_t head_dim) {
+#if PAIRED_LINES
+    return bf16 && block_size == VL && head_dim <= PAIRED_MAX_HEAD_DIM;
+#else
+    return (void)bf16, (void)block_size, (void)head_dim, 0;
+#endif
+}
+
 /* `count` vectors from `index` (a literal: 1, loadv's; 2 where PAIRED_LINES, a line's even and odd lanes) */
 static inline __attribute__((always_inline)) void load_values(vf *row, const void *cache, int64_t index, int bf16,
                                                               int64_t count) {
@@ -161,6 +170,24 @@ static inline void prefetch_page(const void *cache, int64_t index, int bf16, int
             __builtin_prefetch(p + off, 0, 2);
         else
             __builtin_prefetch(p + off, 0, 3);
+    }
+}
+
+/* prefetch_page for the bfloat16 lines of score_pages' pairs (a page a multiple of 512 bytes): eight lines an
+ * iteration at constant offsets from one address. Inlined into `attend`, prefetch_page's loop kept its address
+ * in a vector register (a spill) and each line waited on that round trip: at an item's start, asking for its
+ * first pages cost ~9 cycles a line (perf annotate, 16 rows of 160 tokens). */
+static inline void prefetch_page_by_8(const void *cache, int64_t index, int64_t elements, const int l2) {
+    const char *p = (const char *)cache + index * 2;
+    for (int64_t off = 0; off < elements * 2; off += 512) {
+        const char *at = p + off;
+#pragma GCC unroll 8
+        for (int line = 0; line < 8; line++) {
+            if (l2)
+                __builtin_prefetch(at + 64 * line, 0, 2);
+            else
+                __builtin_prefetch(at + 64 * line, 0, 3);
+        }
     }
 }
 
@@ -221,12 +248,16 @@ static inline __attribute__((always_inline)) void values_row_by(
             for (int64_t c = 0; c < slice; c++) acc[g][c] = (vf){0};
         for (int64_t b = b_first; b < b_end; b++) {
             const int64_t v = table[b] * block_stride + head_offset + d0; /* [block_size, head_dim] */
-            if (d0 == d_lo && b + 1 < b_end)
+            /* the next page: with bfloat16 lines, a line asked for as each line is read (as score_pages) */
+            const int64_t v_next = table[b + 1 < b_end ? b + 1 : b] * block_stride + head_offset + d0;
+            if (step == 1 && d0 == d_lo && b + 1 < b_end)
                 prefetch_page(v_cache, table[b + 1] * block_stride + head_offset, bf16, page, 0);
             const int64_t j0 = (b - b_first) * block_size;
             const int64_t t0 = lo > j0 ? lo - j0 : 0, t1 = hi - j0 < block_size ? hi - j0 : block_size;
             for (int64_t t = t0; t < t1; t++)
                 for (int64_t c = 0; c < slice; c += step) {
+                    if (step == 2)
+                        __builtin_prefetch((const uint16_t *)v_cache + v_next + t * head_dim + c * VL, 0, 3);
                     vf row[2];
                     load_values(row, v_cache, v + t * head_dim + c * VL, bf16, step);
                     for (int64_t g = 0; g < group; g++)
@@ -319,7 +350,7 @@ static inline __attribute__((always_inline)) void score_pages(
     /* bfloat16 pages of 16 keys: rows d and d + 1 of a page are one line (load_pairs), whose even lanes are
      * keys 0, 2, .., 14 of both rows, times q[d] (lanes 0-7) and q[d + 1] (8-15): each key's two chains
      * (even and odd d) in one vector's two halves */
-    const int paired = bf16 && block_size == VL && head_dim <= PAIRED_MAX_HEAD_DIM;
+    const int paired = paired_pages(bf16, block_size, head_dim);
     vf q_pairs[paired ? rows * group * head_dim / 2 : 1]; /* [head][d / 2]: q[d] x 8, q[d + 1] x 8 */
     for (int64_t h = 0; paired && h < rows * group; h++)
         for (int64_t d = 0; d < head_dim; d += 2)
@@ -327,21 +358,37 @@ static inline __attribute__((always_inline)) void score_pages(
                 _mm512_set1_ps(q[h / group][h % group * head_dim + d]),
                 _mm512_set1_ps(q[h / group][h % group * head_dim + d + 1]), 0x44);
 #endif
-    for (int64_t b = b_lo; b < b_end && b < b_lo + L2_PAGES; b++)
-        prefetch_page(k_cache, table[b] * block_stride + head_offset, bf16, page, b >= b_lo + PREFETCH_PAGES);
-    for (int64_t b = b_lo; b < b_end; b++) {
-        const int64_t k = table[b] * block_stride + head_offset; /* [head_dim, block_size] */
-        if (b + L2_PAGES < b_end)
-            prefetch_page(k_cache, table[b + L2_PAGES] * block_stride + head_offset, bf16, page, 1);
-        if (b + PREFETCH_PAGES < b_end)
-            prefetch_page(k_cache, table[b + PREFETCH_PAGES] * block_stride + head_offset, bf16, page, 0);
-        prefetch_page(v_cache, table[b] * block_stride + head_offset, bf16, page, 1);
+    for (int64_t b = b_lo; b < b_end && b < b_lo + L2_PAGES; b++) {
 #if VL == 16
         if (paired) {
+            if (b >= b_lo + PREFETCH_PAGES)
+                prefetch_page_by_8(k_cache, table[b] * block_stride + head_offset, page, 1);
+            else
+                prefetch_page_by_8(k_cache, table[b] * block_stride + head_offset, page, 0);
+            continue;
+        }
+#endif
+        prefetch_page(k_cache, table[b] * block_stride + head_offset, bf16, page, b >= b_lo + PREFETCH_PAGES);
+    }
+    for (int64_t b = b_lo; b < b_end; b++) {
+        const int64_t k = table[b] * block_stride + head_offset; /* [head_dim, block_size] */
+#if VL == 16
+        if (paired) {
+            /* the pages ahead asked for a line a pair of dimensions, among the dot products (a page is one line
+             * a pair): a page's lines asked for at once stall the loop while the core's misses in flight are
+             * full, or, inlined here, in the loop's own address round trips through a vector register */
+            const int64_t b_far = b + L2_PAGES < b_end ? b + L2_PAGES : b;
+            const int64_t b_near = b + PREFETCH_PAGES < b_end ? b + PREFETCH_PAGES : b;
+            const uint16_t *far = (const uint16_t *)k_cache + table[b_far] * block_stride + head_offset;
+            const uint16_t *near = (const uint16_t *)k_cache + table[b_near] * block_stride + head_offset;
+            const uint16_t *values = (const uint16_t *)v_cache + k;
             vf even[MAX_GROUP], odd[MAX_GROUP]; /* keys 0, 2, .., 14 and 1, 3, .., 15: the even d's chains in
                                                    lanes 0-7, the odd d's in 8-15 */
             for (int64_t h = 0; h < rows * group; h++) even[h] = odd[h] = (vf){0};
             for (int64_t d = 0; d < head_dim; d += 2) {
+                __builtin_prefetch(far + d * block_size, 0, 2);
+                __builtin_prefetch(near + d * block_size, 0, 3);
+                __builtin_prefetch(values + d * block_size, 0, 2);
                 vf e, o;
                 load_pairs(k_cache, k + d * block_size, &e, &o);
                 for (int64_t h = 0; h < rows * group; h++) {
@@ -358,6 +405,11 @@ static inline __attribute__((always_inline)) void score_pages(
             continue;
         }
 #endif
+        if (b + L2_PAGES < b_end)
+            prefetch_page(k_cache, table[b + L2_PAGES] * block_stride + head_offset, bf16, page, 1);
+        if (b + PREFETCH_PAGES < b_end)
+            prefetch_page(k_cache, table[b + PREFETCH_PAGES] * block_stride + head_offset, bf16, page, 0);
+        prefetch_page(v_cache, table[b] * block_stride + head_offset, bf16, page, 1);
         for (int64_t t = 0; t < block_size; t += VL) {
             vf even[MAX_GROUP], odd[MAX_GROUP]; /* [rows * group]: row r's head g at r * group + g */
             for (int64_t h = 0; h < rows * group; h++) even[h] = odd[h] = (vf){0};
@@ -397,7 +449,10 @@ static inline __attribute__((always_inline)) void attend(
 
     score_pages(scores, q, k_cache, v_cache, bf16, table, b_first, b_first, b_end, rows, group, head_dim, block_size,
                 block_stride, head_offset, scale, padded);
-    prefetch_page(v_cache, table[b_first] * block_stride + head_offset, bf16, page, 0);
+    if (paired_pages(bf16, block_size, head_dim))
+        prefetch_page_by_8(v_cache, table[b_first] * block_stride + head_offset, page, 0);
+    else
+        prefetch_page(v_cache, table[b_first] * block_stride + head_offset, bf16, page, 0);
 
     /* p[r, g, j] = exp(s[r, g, j] - max) / sum over row r's visible keys */
     float inv_sum[MAX_GROUP];
