@@ -16,7 +16,8 @@
  * products: 24 accumulators, 26 of the 32 registers, as small_gemm.c's 16-float path.
  *
  * Calls of at most SHARE_MAX rows (decode steps) share out pairs of panels among the threads (each reads its
- * panels from memory once, asked for ahead; the row blocks after the first read them from L2); larger calls
+ * panels from memory once, asked for ahead; the row blocks after the first read them from L2; calls of 13-16
+ * rows take one block of 16 rows x one panel instead, so that every panel is read once); larger calls
  * (prefill) split the rows, each thread reading every panel, a group that fits in L2 at a time, once per
  * macro block of its rows. bf16_gemm_share is the shared-out form for callers already inside a parallel
  * region (the decode stack).
@@ -31,7 +32,7 @@
 #include "transpose16.h"
 
 #define BF16_PANEL 16   /* outputs per panel: one vector of float32 accumulators */
-#define BROWS 12        /* rows a register block (16 x 1 and 14 x 2 panels measured alike: docs/BENCHMARKS.md) */
+#define BROWS 12        /* rows a register block (14 x 2 panels measured alike: docs/BENCHMARKS.md) */
 #define BPANELS 2       /* panels a register block */
 #define SHARE_MAX 64    /* calls of at most this many rows share out the panels; more split the rows */
 #define BMACRO 240      /* rows a thread packs at a time when the threads split the rows */
@@ -50,32 +51,32 @@ static int64_t bf16_qblock_bytes(int offsets) { return offsets ? 16 * 16 + 2 * 1
 #define HAVE_BF16_DOT 1
 #include <immintrin.h>
 
-/* `rows` rows of x (bfloat16, row stride ldx) as 32-bit k-pairs, k-pair-major in blocks of BROWS:
- * xp[(b * KP + i) * BROWS + m] = (x[m, 2i], x[m, 2i + 1]) (zeros past K and past the rows). Sixteen pairs at
- * a time a 16 x 16 transpose of 32-bit lanes, the rest one pair at a time. */
-static void pack_pairs(uint32_t *restrict xp, const uint16_t *x, int64_t ldx, int64_t rows, int64_t K) {
+/* `rows` rows of x (bfloat16, row stride ldx) as 32-bit k-pairs, k-pair-major in blocks of `height` (BROWS, or
+ * WIDE_ROWS): xp[(b * KP + i) * height + m] = (x[m, 2i], x[m, 2i + 1]) (zeros past K and past the rows). Sixteen
+ * pairs at a time a 16 x 16 transpose of 32-bit lanes, the rest one pair at a time. */
+static void pack_pairs(uint32_t *restrict xp, const uint16_t *x, int64_t ldx, int64_t rows, int64_t K, int64_t height) {
     const int64_t KP = (K + 1) / 2, full = K / 2;
-    const __mmask16 lanes = (__mmask16)((1u << BROWS) - 1);
-    for (int64_t b = 0; b * BROWS < rows; b++) {
-        const uint16_t *block = x + b * BROWS * ldx;
-        const int64_t here = rows - b * BROWS < BROWS ? rows - b * BROWS : BROWS;
-        uint32_t *dst = xp + b * KP * BROWS;
+    const __mmask16 lanes = (__mmask16)((1u << height) - 1);
+    for (int64_t b = 0; b * height < rows; b++) {
+        const uint16_t *block = x + b * height * ldx;
+        const int64_t here = rows - b * height < height ? rows - b * height : height;
+        uint32_t *dst = xp + b * KP * height;
         int64_t i = 0;
         for (; i + 16 <= full; i += 16) {
             __m512 r[16];
             for (int m = 0; m < 16; m++)
                 r[m] = m < here ? _mm512_loadu_ps(block + m * ldx + 2 * i) : _mm512_setzero_ps();
             transpose16(r);
-            for (int j = 0; j < 16; j++) _mm512_mask_storeu_ps(dst + (i + j) * BROWS, lanes, r[j]);
+            for (int j = 0; j < 16; j++) _mm512_mask_storeu_ps(dst + (i + j) * height, lanes, r[j]);
         }
         for (; i < KP; i++)
-            for (int m = 0; m < BROWS; m++) {
+            for (int m = 0; m < height; m++) {
                 uint32_t pair = 0;
                 if (m < here) {
                     const uint16_t *row = block + m * ldx;
                     pair = 2 * i + 1 < K ? (uint32_t)row[2 * i] | (uint32_t)row[2 * i + 1] << 16 : row[2 * i];
                 }
-                dst[i * BROWS + m] = pair;
+                dst[i * height + m] = pair;
             }
     }
 }
@@ -167,6 +168,61 @@ static void block_times_pair(uint16_t *out, float *out32, int64_t ldo, const uin
     }
 }
 
+/* ---- calls of 13 to WIDE_ROWS rows (decode steps of 13-16 sequences): each panel read once ----
+ *
+ * Past BROWS rows a second register block would read every pair of panels again (from L2, after the first
+ * block): ~1.3 ms more whatever its rows, at 16 rows ~2 ms of a 16-row decode step's 12 ms of matmuls. One
+ * block of WIDE_ROWS rows x one panel (16 accumulators; a weight vector and 16 broadcasts a pair: the
+ * vector units' rate as 12 x 2's, measured in registers) reads each panel once. It consumes a panel's lines
+ * at 1.5x a 12 x 2 block's pace per line, so its lines are asked for WAHEAD pairs ahead (BAHEAD's 16 fell
+ * behind memory; 32 gained nothing, 48-64 the most: python -m bench.kernel_ab --rows 16, the 30 layers'
+ * matmuls 5-7% faster, and 13 rows as fast as 12 + 1). Each output is the same chain over the k-pairs in
+ * order: the same bits as the blocks'. */
+#define WIDE_ROWS 16
+#define WAHEAD 64
+
+/* acc[m] = sum over pairs of x[m] . panel for the WIDE_ROWS rows of xp (rows past the call's are zeros); the
+ * lines asked for ahead run on into `next`, the panel read after this one */
+BF16_INLINE void wide_block_times_panel(__m512 *acc, const uint32_t *xp, const uint32_t *panel, const uint32_t *next,
+                                        int64_t KP) {
+#pragma GCC unroll 16
+    for (int m = 0; m < WIDE_ROWS; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < KP; i++) {
+        const int64_t a = i + WAHEAD;
+        __builtin_prefetch(a < KP ? panel + a * BF16_PANEL : next + (a - KP) * BF16_PANEL, 0, 3);
+        __m512bh w = (__m512bh)_mm512_loadu_si512(panel + i * BF16_PANEL);
+        __asm__("" : "+v"(w)); /* in a register: one load for every row's dot product */
+        const uint32_t *xi = xp + i * WIDE_ROWS;
+#pragma GCC unroll 16
+        for (int m = 0; m < WIDE_ROWS; m++)
+            acc[m] = _mm512_dpbf16_ps(acc[m], w, (__m512bh)_mm512_set1_epi32((int)xi[m]));
+    }
+}
+
+/* block_times_pair for M rows, BROWS < M <= WIDE_ROWS, packed in one block of WIDE_ROWS: each of the pair's
+ * panels (for SwiGLU the gate's panel q, then the up half's panel glu + q) by wide_block_times_panel */
+static void wide_rows_times_pair(uint16_t *out, float *out32, int64_t ldo, const uint32_t *xp, const uint32_t *packed,
+                                 const uint16_t *bias, int64_t N, int64_t KP, int64_t q, int64_t M, int64_t glu) {
+    const int64_t p = glu ? q : BPANELS * q, stride = (glu ? glu : 1) * KP * BF16_PANEL;
+    const uint32_t *p0 = packed + p * KP * BF16_PANEL;
+    __m512 acc[WIDE_ROWS];
+    if (glu) {
+        __m512 gate[WIDE_ROWS];
+        wide_block_times_panel(gate, xp, p0, p0 + stride, KP);
+        wide_block_times_panel(acc, xp, p0 + stride, p0 + KP * BF16_PANEL, KP);
+        for (int64_t m = 0; m < M; m++)
+            _mm256_storeu_si256((__m256i *)(out + m * ldo + q * BF16_PANEL), swiglu_gate_x16(gate[m], acc[m]));
+        return;
+    }
+    const int64_t panels = (N + BF16_PANEL - 1) / BF16_PANEL, np = panels - p < BPANELS ? panels - p : BPANELS;
+    for (int64_t j = 0; j < np; j++) {
+        const int n = (int)(N - (p + j) * BF16_PANEL < BF16_PANEL ? N - (p + j) * BF16_PANEL : BF16_PANEL);
+        wide_block_times_panel(acc, xp, p0 + j * KP * BF16_PANEL, p0 + (j + 1) * KP * BF16_PANEL, KP);
+        store_block(out32 ? NULL : out + (p + j) * BF16_PANEL, out32 ? out32 + (p + j) * BF16_PANEL : NULL, ldo, acc,
+                    1, bias ? bias + (p + j) * BF16_PANEL : NULL, n, 1, (int)M);
+    }
+}
+
 /* rows [m0, m1) (packed in xp, from its first block) times the panel pairs [q0, q1) (block_times_pair's, glu
  * as there): per group of pairs that fit in L2 together, per block of rows (it stays in L1 while the group's
  * panels pass), per pair */
@@ -202,10 +258,14 @@ static void bf16_gemm_share_pairs(uint16_t *out, float *out32, int64_t ldo, cons
                                   uint32_t *xp, int64_t glu) {
     const int64_t KP = (K + 1) / 2, panels = (N + BF16_PANEL - 1) / BF16_PANEL;
     const int64_t pairs = glu ? glu : (panels + BPANELS - 1) / BPANELS;
-    if (xp != NULL) pack_pairs(xp, x, ldx, M, K);
+    const int wide = M > BROWS && M <= WIDE_ROWS;
+    if (xp != NULL) pack_pairs(xp, x, ldx, M, K, wide ? WIDE_ROWS : BROWS);
 #pragma omp for schedule(guided) /* a slowed core does not hold the others */
     for (int64_t q = 0; q < pairs; q++)
-        if (xp != NULL) rows_times_panel_pairs(out, out32, ldo, xp, packed, bias, 0, M, N, KP, q, q + 1, glu);
+        if (xp != NULL && wide)
+            wide_rows_times_pair(out, out32, ldo, xp, packed, bias, N, KP, q, M, glu);
+        else if (xp != NULL)
+            rows_times_panel_pairs(out, out32, ldo, xp, packed, bias, 0, M, N, KP, q, q + 1, glu);
 }
 
 static void bf16_gemm_share(uint16_t *out, float *out32, int64_t ldo, const uint16_t *x, int64_t ldx,
@@ -230,7 +290,7 @@ static int bf16_gemm_split(uint16_t *out, float *out32, int64_t ldo, const uint1
         failed = r0 < M && xp == NULL;
         for (int64_t m0 = r0; m0 < end && xp != NULL; m0 += BMACRO) {
             const int64_t m1 = m0 + BMACRO < end ? m0 + BMACRO : end;
-            pack_pairs(xp, x + m0 * ldx, ldx, m1 - m0, K);
+            pack_pairs(xp, x + m0 * ldx, ldx, m1 - m0, K, BROWS);
             rows_times_panel_pairs(out, out32, ldo, xp, packed, bias, m0, m1, N, KP, 0, pairs, glu);
         }
     }
@@ -340,7 +400,7 @@ static void bf16_qgemm_share(uint16_t *out, float *out32, int64_t ldo, const uin
                              const uint8_t *qpacked, int offsets, const uint16_t *bias, int64_t M, int64_t N,
                              int64_t K, uint32_t *xp, int64_t glu) {
     const int64_t kblocks = K / QK, panels = glu ? glu : (N + BF16_PANEL - 1) / BF16_PANEL;
-    if (xp != NULL) pack_pairs(xp, x, ldx, M, K);
+    if (xp != NULL) pack_pairs(xp, x, ldx, M, K, BROWS);
 #pragma omp for schedule(guided)
     for (int64_t p = 0; p < panels; p++) {
         if (xp == NULL) continue;
