@@ -39,7 +39,7 @@ def test_the_packed_layout_is_panels_of_k_pairs() -> None:
 
 
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 33, 577), (12, 40, 64), (13, 576, 576), (16, 40, 65),
-                                           (64, 100, 1536), (65, 48, 96), (300, 200, 577)])  # fmt: skip
+                                           (30, 72, 64), (64, 100, 1536), (65, 48, 96), (300, 200, 577)])  # fmt: skip
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
 def test_outputs_are_the_float64_product_rounded_to_bfloat16(
     gemm: Bf16Gemm, m: int, n: int, k: int, bias: bool
@@ -90,7 +90,7 @@ def test_bad_operands_are_refused(gemm: Bf16Gemm) -> None:
         Bf16Gemm.pack(w.float())
 
 
-@pytest.mark.parametrize("m", [1, 5, 12, 13, 16, 64, 65, 300])
+@pytest.mark.parametrize("m", [1, 5, 12, 13, 16, 32, 64, 65, 300])
 @pytest.mark.parametrize(("inter", "k"), [(48, 64), (1536, 576), (32, 33)])
 def test_swiglu_is_the_bits_of_the_matmul_then_the_gate(gemm: Bf16Gemm, m: int, inter: int, k: int) -> None:
     """``swiglu``: the projection and SwiGLU's gate in one call, each register block over a gate panel and

@@ -17,8 +17,8 @@
  *
  * Calls of at most SHARE_MAX rows (decode steps) share out pairs of panels among the threads (each reads its
  * panels from memory once, asked for ahead; the row blocks after the first read them from L2; calls of 13-16
- * rows take one block of 16 rows x one panel instead, so that every panel is read once); larger calls
- * (prefill) split the rows, each thread reading every panel, a group that fits in L2 at a time, once per
+ * rows take one block of 16 rows x one panel instead, which reads every panel once, and 29-32 rows two); larger
+ * calls (prefill) split the rows, each thread reading every panel, a group that fits in L2 at a time, once per
  * macro block of its rows. bf16_gemm_share is the shared-out form for callers already inside a parallel
  * region (the decode stack).
  */
@@ -168,7 +168,7 @@ static void block_times_pair(uint16_t *out, float *out32, int64_t ldo, const uin
     }
 }
 
-/* ---- calls of 13 to WIDE_ROWS rows (decode steps of 13-16 sequences): each panel read once ----
+/* ---- calls of 13-16 rows (decode steps of 13-16 sequences) and 29-32: blocks of 16 rows ----
  *
  * Past BROWS rows a second register block would read every pair of panels again (from L2, after the first
  * block): ~1.3 ms more whatever its rows, at 16 rows ~2 ms of a 16-row decode step's 12 ms of matmuls. One
@@ -180,6 +180,14 @@ static void block_times_pair(uint16_t *out, float *out32, int64_t ldo, const uin
  * order: the same bits as the blocks'. */
 #define WIDE_ROWS 16
 #define WAHEAD 64
+
+/* Whether a call of M rows runs in blocks of WIDE_ROWS rows: 13-16 rows (one pass over the panels instead of
+ * two) and 29-32 (two instead of three: the 30 layers' matmuls of 32 rows 19.62 -> 18.77 ms median); past
+ * that the calls are bound by the dot products (48 rows: 1%), and between, blocks of 16 would compute up to
+ * a third more padding rows */
+static inline int wide_blocks(int64_t M) {
+    return (M > BROWS && M <= WIDE_ROWS) || (M > 2 * WIDE_ROWS - 4 && M <= 2 * WIDE_ROWS);
+}
 
 /* acc[m] = sum over pairs of x[m] . panel for the WIDE_ROWS rows of xp (rows past the call's are zeros); the
  * lines asked for ahead run on into `next`, the panel read after this one */
@@ -199,27 +207,32 @@ BF16_INLINE void wide_block_times_panel(__m512 *acc, const uint32_t *xp, const u
     }
 }
 
-/* block_times_pair for M rows, BROWS < M <= WIDE_ROWS, packed in one block of WIDE_ROWS: each of the pair's
- * panels (for SwiGLU the gate's panel q, then the up half's panel glu + q) by wide_block_times_panel */
+/* block_times_pair for the M rows of a call that wide_blocks takes, packed in blocks of WIDE_ROWS: each of the
+ * pair's panels (for SwiGLU the gate's panel q, then the up half's panel glu + q) by wide_block_times_panel */
 static void wide_rows_times_pair(uint16_t *out, float *out32, int64_t ldo, const uint32_t *xp, const uint32_t *packed,
                                  const uint16_t *bias, int64_t N, int64_t KP, int64_t q, int64_t M, int64_t glu) {
     const int64_t p = glu ? q : BPANELS * q, stride = (glu ? glu : 1) * KP * BF16_PANEL;
     const uint32_t *p0 = packed + p * KP * BF16_PANEL;
-    __m512 acc[WIDE_ROWS];
-    if (glu) {
-        __m512 gate[WIDE_ROWS];
-        wide_block_times_panel(gate, xp, p0, p0 + stride, KP);
-        wide_block_times_panel(acc, xp, p0 + stride, p0 + KP * BF16_PANEL, KP);
-        for (int64_t m = 0; m < M; m++)
-            _mm256_storeu_si256((__m256i *)(out + m * ldo + q * BF16_PANEL), swiglu_gate_x16(gate[m], acc[m]));
-        return;
-    }
     const int64_t panels = (N + BF16_PANEL - 1) / BF16_PANEL, np = panels - p < BPANELS ? panels - p : BPANELS;
-    for (int64_t j = 0; j < np; j++) {
-        const int n = (int)(N - (p + j) * BF16_PANEL < BF16_PANEL ? N - (p + j) * BF16_PANEL : BF16_PANEL);
-        wide_block_times_panel(acc, xp, p0 + j * KP * BF16_PANEL, p0 + (j + 1) * KP * BF16_PANEL, KP);
-        store_block(out32 ? NULL : out + (p + j) * BF16_PANEL, out32 ? out32 + (p + j) * BF16_PANEL : NULL, ldo, acc,
-                    1, bias ? bias + (p + j) * BF16_PANEL : NULL, n, 1, (int)M);
+    __m512 acc[WIDE_ROWS], gate[WIDE_ROWS];
+    for (int64_t r0 = 0; r0 < M; r0 += WIDE_ROWS) { /* a block of WIDE_ROWS rows (xp's) at a time */
+        const int64_t R = M - r0 < WIDE_ROWS ? M - r0 : WIDE_ROWS;
+        const uint32_t *xb = xp + r0 * KP;
+        if (glu) {
+            wide_block_times_panel(gate, xb, p0, p0 + stride, KP);
+            wide_block_times_panel(acc, xb, p0 + stride, p0 + KP * BF16_PANEL, KP);
+            uint16_t *o = out + r0 * ldo + q * BF16_PANEL;
+            for (int64_t m = 0; m < R; m++)
+                _mm256_storeu_si256((__m256i *)(o + m * ldo), swiglu_gate_x16(gate[m], acc[m]));
+            continue;
+        }
+        for (int64_t j = 0; j < np; j++) {
+            const int64_t col = (p + j) * BF16_PANEL;
+            const int n = (int)(N - col < BF16_PANEL ? N - col : BF16_PANEL);
+            wide_block_times_panel(acc, xb, p0 + j * KP * BF16_PANEL, p0 + (j + 1) * KP * BF16_PANEL, KP);
+            store_block(out32 ? NULL : out + r0 * ldo + col, out32 ? out32 + r0 * ldo + col : NULL, ldo, acc, 1,
+                        bias ? bias + col : NULL, n, 1, (int)R);
+        }
     }
 }
 
@@ -258,7 +271,7 @@ static void bf16_gemm_share_pairs(uint16_t *out, float *out32, int64_t ldo, cons
                                   uint32_t *xp, int64_t glu) {
     const int64_t KP = (K + 1) / 2, panels = (N + BF16_PANEL - 1) / BF16_PANEL;
     const int64_t pairs = glu ? glu : (panels + BPANELS - 1) / BPANELS;
-    const int wide = M > BROWS && M <= WIDE_ROWS;
+    const int wide = wide_blocks(M);
     if (xp != NULL) pack_pairs(xp, x, ldx, M, K, wide ? WIDE_ROWS : BROWS);
 #pragma omp for schedule(guided) /* a slowed core does not hold the others */
     for (int64_t q = 0; q < pairs; q++)
