@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from default_engine import engine_on
+from torch_threads import one_torch_thread
 from transformers import (
     LogitsProcessorList,
     MaxLengthCriteria,
@@ -79,7 +80,15 @@ def prompts(oracle_tokenizer: Any) -> list[list[int]]:
     return [oracle_tokenizer(p)["input_ids"] for p in PROMPTS]
 
 
+@pytest.fixture(scope="module")
+def plain(oracle_model: Any, prompts: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy tokens for each prompt without hooks (the same call for every test that needs
+    them: computed once)."""
+    return [_generate(oracle_model, p) for p in prompts]
+
+
 @torch.no_grad()
+@one_torch_thread()  # see tests/torch_threads.py
 def _generate(oracle_model: Any, prompt: list[int], **hooks: Any) -> list[int]:
     ids = torch.tensor([prompt])
     out = oracle_model.generate(
@@ -114,9 +123,8 @@ def _run_together(engine: Engine, requests: list[tuple[list[int], dict[str, Any]
 
 
 def test_transformers_and_custom_hooks_match_generate_beside_plain_rows(
-    engine: Engine, oracle_model: Any, oracle_tokenizer: Any, prompts: list[list[int]]
+    engine: Engine, oracle_model: Any, oracle_tokenizer: Any, prompts: list[list[int]], plain: list[list[int]]
 ) -> None:
-    plain = [_generate(oracle_model, p) for p in prompts]
     eos = oracle_tokenizer.eos_token_id
 
     def transformers_hooks(i: int) -> dict[str, Any]:
@@ -164,7 +172,7 @@ def test_transformers_and_custom_hooks_match_generate_beside_plain_rows(
 
 
 def test_a_failing_hook_fails_its_request_alone(
-    engine: Engine, oracle_model: Any, prompts: list[list[int]]
+    engine: Engine, prompts: list[list[int]], plain: list[list[int]]
 ) -> None:
     def wrong_shape(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         return scores[:, :10]
@@ -193,10 +201,10 @@ def test_a_failing_hook_fails_its_request_alone(
         assert out.status is RequestStatus.FAILED and out.finish_reason is FinishReason.ERROR
         assert out.error_code == PROCESSOR_FAILED
         assert out.error is not None and why in out.error, out.error
-    assert outs[0].generated_ids == _generate(oracle_model, prompts[0])[:3]  # three tokens before the failure
-    plain = outs[len(failing) :]
-    assert [o.status for o in plain] == [RequestStatus.FINISHED] * len(prompts)
-    assert [o.generated_ids for o in plain] == [_generate(oracle_model, p) for p in prompts]
+    assert outs[0].generated_ids == plain[0][:3]  # three tokens before the failure
+    plain_rows = outs[len(failing) :]
+    assert [o.status for o in plain_rows] == [RequestStatus.FINISHED] * len(prompts)
+    assert [o.generated_ids for o in plain_rows] == plain
 
 
 def test_generate_batch_applies_the_hooks_to_every_prompt(
