@@ -16,6 +16,7 @@ import pytest
 import torch
 import transformers
 from beam_harness import PROMPTS, checked_every_step, save_tiny
+from torch_threads import one_torch_thread
 from transformers import LogitsProcessorList, NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
 from engine.engine import CacheOptions, Engine
@@ -29,6 +30,7 @@ MAX_NEW = 10
 
 # ---------------------------------------------------------------- the definition, on transformers' model
 @torch.no_grad()
+@one_torch_thread()  # see tests/torch_threads.py
 def reference(
     model: Any,
     prompt: list[int],

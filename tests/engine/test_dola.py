@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from default_engine import engine_on
+from torch_threads import one_torch_thread
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from engine.engine import Engine
@@ -98,6 +99,7 @@ NEW_TOKENS = 12
 NEAR_TIE = 1e-3
 
 
+@one_torch_thread()  # see tests/torch_threads.py
 def _reference(oracle_model: Any, prompt: list[int], layers: list[int]) -> tuple[list[int], list[float]]:
     """Greedy DoLa by the definition on transformers' model: each step's hidden states and head, the
     contrast, then the repetition penalty as transformers' logits_processor applies it."""

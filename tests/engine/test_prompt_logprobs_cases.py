@@ -13,6 +13,7 @@ import pytest
 import torch
 from default_engine import engine_on
 from executor_faults import faulty_executor
+from torch_threads import one_torch_thread
 
 from engine.engine import CacheOptions, Engine
 from engine.loader.model_loader import LoadedModel
@@ -44,6 +45,7 @@ def prompts(engine: Engine) -> list[list[int]]:
     return prompts
 
 
+@one_torch_thread()  # see tests/torch_threads.py
 def reference(oracle_model: Any, prompt: list[int]) -> torch.Tensor:
     """transformers' log-probabilities ``[len(prompt), vocab]`` at every position of ``prompt``."""
     with torch.no_grad():
