@@ -14,6 +14,8 @@ The real model (each session-scoped: each costs seconds):
 - ``default_model``: cbserve's own load of it (CPU, float32, the fast paths in: the small kernel for every
   matmul, so its engines are batch-invariant), once for the session: a module builds its engine on it with
   tests/default_engine.py's ``engine_on`` (its own KV cache, same weights).
+- ``default_model_bf16``: the same in bfloat16 (``Engine.from_pretrained("default", dtype="bfloat16")``'s
+  load, the CPU's default bfloat16 kernels), once for the session, for the tests that only read it.
 
 The live server (tests/server_fixtures.py):
 - ``live_server``: the default model (``default_model``) behind the real app on a free local port, one for
@@ -100,6 +102,13 @@ def default_model(smollm2_gguf_path: Path) -> LoadedModel:
     from default_engine import load_default
 
     return load_default()
+
+
+@pytest.fixture(scope="session")
+def default_model_bf16(smollm2_gguf_path: Path) -> LoadedModel:
+    from default_engine import load_default
+
+    return load_default(dtype="bfloat16")
 
 
 @pytest.fixture(scope="session")

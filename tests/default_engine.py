@@ -20,10 +20,10 @@ from engine.loader.model_loader import LoadedModel, resolve_device
 LOAD_OPTIONS: dict[str, Any] = dict(device="cpu", dtype="float32")
 
 
-def load_default() -> LoadedModel:
+def load_default(dtype: str = LOAD_OPTIONS["dtype"]) -> LoadedModel:
     """The default model as ``Engine.from_pretrained("default", **LOAD_OPTIONS)`` loads it (its engines are
-    batch-invariant: ``Engine.batch_invariant``)."""
-    engine = Engine.from_pretrained("default", num_blocks=1, **LOAD_OPTIONS)
+    batch-invariant: ``Engine.batch_invariant``); in ``dtype`` instead when given."""
+    engine = Engine.from_pretrained("default", num_blocks=1, **{**LOAD_OPTIONS, "dtype": dtype})
     return engine.loaded
 
 

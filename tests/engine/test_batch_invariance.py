@@ -59,8 +59,9 @@ def _engine(dtype: str, request: pytest.FixtureRequest) -> tuple[Engine, int]:
             bf16_gemm.load()
         except KernelUnavailable as e2:
             pytest.skip(f"batch-invariant bfloat16 by default needs AMX-BF16 ({e}) or AVX512-BF16 ({e2})")
-    # NOTE: no batch_invariant: the default bfloat16 kernels on AMX or AVX512-BF16 promise it
-    engine = Engine.from_pretrained("default", device="cpu", dtype=dtype, max_batch_tokens=BF16_STEP_TOKENS)
+    # NOTE: no batch_invariant: the default bfloat16 kernels on AMX or AVX512-BF16 promise it (the session's
+    # load: Engine.from_pretrained("default", device="cpu", dtype="bfloat16")'s model, tests/conftest.py)
+    engine = engine_on(request.getfixturevalue("default_model_bf16"), max_batch_tokens=BF16_STEP_TOKENS)
     return engine, BF16_STEP_TOKENS
 
 

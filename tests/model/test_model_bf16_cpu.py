@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from default_engine import engine_on
 from model_harness import prompt_logits
 
-from engine.engine import Engine
 from engine.executor.kernels import prepacked
 from engine.executor.kernels.modules import FusedSwiGLUMLP, PackedLinear
 from engine.executor.kv_cache import KVCache
@@ -24,9 +24,8 @@ TEXTS = [
 ]
 
 
-def test_bfloat16_logits_track_float32(default_model: LoadedModel) -> None:
-    fp32 = default_model  # the session's float32 load
-    bf16 = load_model("default", dtype="bfloat16", device="cpu")
+def test_bfloat16_logits_track_float32(default_model: LoadedModel, default_model_bf16: LoadedModel) -> None:
+    fp32, bf16 = default_model, default_model_bf16  # the session's float32 and bfloat16 loads
     assert next(bf16.model.parameters()).dtype is torch.bfloat16
     prompts = [fp32.tokenizer.encode(t) for t in TEXTS]
     cfg = fp32.config
@@ -65,12 +64,12 @@ def test_bfloat16_prepacks_only_where_the_cpu_has_bfloat16_matmuls(monkeypatch: 
 
 
 def test_the_engine_gives_the_same_tokens_with_swiglu_in_one_call(
-    monkeypatch: pytest.MonkeyPatch,
+    default_model_bf16: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Through the Engine API on the default model in bfloat16: where the CPU has AMX-BF16 or AVX512-BF16
     every MLP takes SwiGLU's projection and gate in one call for its prefill (``FusedSwiGLUMLP``), and a batch of 40- and
     70-token prompts gives the same tokens and logprobs as with the MLP's modules run one after another."""
-    engine = Engine.from_pretrained("default", dtype="bfloat16", device="cpu")
+    engine = engine_on(default_model_bf16)  # Engine.from_pretrained("default", dtype="bfloat16")'s model
     if not any(isinstance(m, FusedSwiGLUMLP) for m in engine.model.modules()):
         pytest.skip("no AMX-BF16 tiles or AVX512-BF16 here: the MLPs stay GatedMLP")
     prompts = [[(7 * i + 13 * j) % 40_000 + 100 for j in range(40 + 30 * (i % 2))] for i in range(4)]
