@@ -184,7 +184,9 @@ def oracle_tokenizer(smollm2_gguf_path: Path, smollm2_reader: Any) -> Any:
 
 
 @pytest.fixture(scope="session")
-def smollm2_tokenizer(smollm2_gguf_path: Path, pytestconfig: pytest.Config) -> Any:
+def smollm2_tokenizer(
+    smollm2_gguf_path: Path, pytestconfig: pytest.Config, request: pytest.FixtureRequest
+) -> Any:
     from transformers import AutoTokenizer
 
     if pytestconfig.cache is None:
@@ -193,7 +195,8 @@ def smollm2_tokenizer(smollm2_gguf_path: Path, pytestconfig: pytest.Config) -> A
     saved = pytestconfig.cache.mkdir(f"smollm2-tokenizer-{version}")
     if (saved / "tokenizer.json").exists():
         return AutoTokenizer.from_pretrained(str(saved))
-    tok = AutoTokenizer.from_pretrained(str(smollm2_gguf_path.parent), gguf_file=smollm2_gguf_path.name)
+    with gguf_read_once(request.getfixturevalue("smollm2_reader"), smollm2_gguf_path):
+        tok = AutoTokenizer.from_pretrained(str(smollm2_gguf_path.parent), gguf_file=smollm2_gguf_path.name)
     tmp = Path(tempfile.mkdtemp(dir=saved.parent))
     tok.save_pretrained(str(tmp))
     for f in tmp.iterdir():  # NOTE: save then rename: a concurrent run never reads half a tokenizer
